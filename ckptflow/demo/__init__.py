@@ -1,0 +1,1 @@
+"""Demo workers: real processes that behave like a serving engine, for demos and tests."""

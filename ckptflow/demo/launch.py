@@ -1,0 +1,76 @@
+"""Start and talk to a demo worker the way a node's supervisor would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from ckptflow.models import ProcessFinder, TrafficClass, Workload
+
+# One BLAS thread: fewer threads for CRIU to freeze, and the 2-core CI stays responsive.
+_WORKER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def demo_workload(name: str, port: int, pid_file: Path, *, node: str = "local",
+                  traffic: TrafficClass = TrafficClass.long_sessions) -> Workload:
+    return Workload(name=name, node=node,
+                    find=ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="ckptflow.demo.worker"),
+                    engine="vllm", engine_version="demo", model_id="ckptflow-demo-tiny",
+                    model_revision="seed-1234", health_url=f"http://127.0.0.1:{port}/health",
+                    metrics_url=f"http://127.0.0.1:{port}/metrics", traffic=traffic)
+
+
+def start_worker(port: int, pid_file: Path, *, ballast_mib: int = 0, seed: int = 1234,
+                 timeout_s: float = 30) -> subprocess.Popen:
+    """Start a detached demo worker (own session, stdio on /dev/null) and wait until healthy."""
+    pid_file.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckptflow.demo.worker", "--port", str(port), "--pid-file", str(pid_file),
+         "--ballast-mib", str(ballast_mib), "--seed", str(seed)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True, close_fds=True, env={**os.environ, **_WORKER_ENV})
+    wait_healthy(f"http://127.0.0.1:{port}/health", timeout_s, proc=proc)
+    return proc
+
+
+def wait_healthy(url: str, timeout_s: float = 30, proc: subprocess.Popen | None = None) -> float:
+    """Poll ``url`` until it answers 200; return the seconds it took."""
+    t0 = time.perf_counter()
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return time.perf_counter() - t0
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"worker exited with {proc.returncode} before {url} answered")
+        if time.perf_counter() - t0 > timeout_s:
+            raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def http_json(url: str, body: dict | None = None, timeout_s: float = 60) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read())
+
+
+def complete(port: int, prompt: str, max_tokens: int, session_id: str | None = None) -> list[int]:
+    body = {"prompt": prompt, "max_tokens": max_tokens}
+    if session_id:
+        body["session_id"] = session_id
+    return http_json(f"http://127.0.0.1:{port}/v1/completions", body)["choices"][0]["tokens"]
+
+
+def session_digests(port: int) -> dict[str, str]:
+    base = f"http://127.0.0.1:{port}"
+    ids = http_json(f"{base}/v1/sessions")["sessions"]
+    return {sid: http_json(f"{base}/v1/sessions/{sid}/digest")["digest"] for sid in ids}

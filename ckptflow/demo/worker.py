@@ -1,0 +1,166 @@
+"""CPU demo worker: an OpenAI-style HTTP server over TinyTransformer, with vLLM's metrics.
+
+Run:  python -m ckptflow.demo.worker --port 18001 --pid-file /tmp/w.pid
+
+API (127.0.0.1 only):
+    POST /v1/completions        {"prompt": str, "max_tokens": int, "session_id": str?}
+    GET  /health                200 {"status": "ok"}
+    GET  /metrics               Prometheus text with vLLM's metric names
+    GET  /v1/sessions           {"sessions": {id: n_tokens}}
+    GET  /v1/sessions/{id}/digest  {"digest": sha256 of the session's KV, tokens and RNG}
+    GET  /v1/ballast/digest     sha256 of the ballast memory (stands in for weights/KV bytes)
+
+Single-threaded on purpose: requests are served one at a time, so the state a checkpoint
+captures is always between two requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import signal
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ckptflow.demo.model import ModelConfig, TinyTransformer, decode, encode
+
+KV_CAPACITY_TOKENS = 65536  # what "100 % KV cache usage" means for the demo
+
+
+class Worker:
+    def __init__(self, seed: int, ballast_mib: int, model_name: str):
+        self.model = TinyTransformer(ModelConfig(seed=seed))
+        self.model_name = model_name
+        self.sessions: dict = {}
+        # Ballast stands in for weights and KV blocks: real, touched, non-zero pages.
+        n = ballast_mib * (1 << 20) // 8
+        self.ballast = np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) ^ np.uint64(seed)
+        reg = self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.m_running = Gauge("vllm:num_requests_running", "Requests running.", labels, registry=reg)
+        self.m_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting.", labels, registry=reg)
+        self.m_kv = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100 %.", labels, registry=reg)
+        self.m_prompt = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=reg)
+        self.m_gen = Counter("vllm:generation_tokens", "Generation tokens processed.", labels, registry=reg)
+        self.m_ok = Counter("vllm:request_success", "Finished requests.", labels, registry=reg)
+        self.m_e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
+                               labels, registry=reg,
+                               buckets=(0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+        self.m_sessions = Gauge("ckptflow_demo:sessions_open", "Long sessions with a KV cache.",
+                                labels, registry=reg)
+        for m in (self.m_running, self.m_waiting, self.m_kv, self.m_sessions):
+            m.labels(model_name).set(0)
+
+    def complete(self, body: dict) -> dict:
+        prompt = body.get("prompt", "")
+        if not isinstance(prompt, str):
+            raise ValueError("prompt must be a string")
+        max_tokens = int(body.get("max_tokens", 16))
+        if not 0 <= max_tokens <= 4096:
+            raise ValueError("max_tokens must be between 0 and 4096")
+        sid = body.get("session_id")
+        t0 = time.perf_counter()
+        self.m_running.labels(self.model_name).set(1)
+        try:
+            if sid is None:
+                # Stateless request: a throwaway session seeded from the prompt (deterministic).
+                s = self.model.new_session("oneshot:" + hashlib.sha256(prompt.encode()).hexdigest())
+            else:
+                if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", str(sid)):
+                    raise ValueError("session_id must be 1-64 characters of [A-Za-z0-9._-]")
+                s = self.sessions.get(sid) or self.sessions.setdefault(sid, self.model.new_session(sid))
+            toks = self.model.generate(s, encode(prompt), max_tokens)
+        finally:
+            self.m_running.labels(self.model_name).set(0)
+        n_prompt = len(encode(prompt))
+        self.m_prompt.labels(self.model_name).inc(n_prompt)
+        self.m_gen.labels(self.model_name).inc(len(toks))
+        self.m_ok.labels(self.model_name).inc()
+        self.m_e2e.labels(self.model_name).observe(time.perf_counter() - t0)
+        cached = sum(len(x.tokens) for x in self.sessions.values())
+        self.m_kv.labels(self.model_name).set(min(1.0, cached / KV_CAPACITY_TOKENS))
+        self.m_sessions.labels(self.model_name).set(len(self.sessions))
+        return {"object": "text_completion", "model": self.model_name, "session_id": sid,
+                "choices": [{"index": 0, "text": decode(toks), "tokens": toks,
+                             "finish_reason": "length"}],
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(toks)}}
+
+
+def make_handler(w: Worker):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):  # stdio is /dev/null under the runner anyway
+            pass
+
+        def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _json(self, code: int, obj) -> None:
+            self._send(code, json.dumps(obj).encode())
+
+        def do_GET(self):
+            path = self.path.split("?")[0]
+            if path == "/health":
+                return self._json(200, {"status": "ok", "pid": os.getpid()})
+            if path == "/metrics":
+                return self._send(200, generate_latest(w.registry), "text/plain; version=0.0.4")
+            if path == "/v1/sessions":
+                return self._json(200, {"sessions": {k: len(s.tokens) for k, s in w.sessions.items()}})
+            if path == "/v1/ballast/digest":
+                return self._json(200, {"digest": hashlib.sha256(w.ballast.tobytes()).hexdigest(),
+                                        "bytes": int(w.ballast.nbytes)})
+            m = re.fullmatch(r"/v1/sessions/([A-Za-z0-9._-]{1,64})/digest", path)
+            if m:
+                s = w.sessions.get(m.group(1))
+                if s is None:
+                    return self._json(404, {"error": f"no session {m.group(1)}"})
+                return self._json(200, {"session_id": s.id, "digest": s.digest(), "tokens": len(s.tokens)})
+            return self._json(404, {"error": "not found"})
+
+        def do_POST(self):
+            if self.path.split("?")[0] != "/v1/completions":
+                return self._json(404, {"error": "not found"})
+            try:
+                n = int(self.headers.get("Content-Length", 0))
+                body = json.loads(self.rfile.read(n) or b"{}")
+                return self._json(200, w.complete(body))
+            except (ValueError, TypeError) as e:
+                return self._json(400, {"error": str(e)})
+
+    return Handler
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=18001)
+    p.add_argument("--pid-file")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--ballast-mib", type=int, default=0)
+    p.add_argument("--model-name", default="ckptflow-demo-tiny")
+    a = p.parse_args(argv)
+    w = Worker(a.seed, a.ballast_mib, a.model_name)
+    server = HTTPServer((a.host, a.port), make_handler(w))
+    if a.pid_file:
+        tmp = a.pid_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(tmp, a.pid_file)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

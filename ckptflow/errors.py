@@ -1,0 +1,109 @@
+"""Typed errors shared by every layer.
+
+Each error says whether a retry can help (``retryable``). Tasks and flows decide from this
+attribute alone: a final error is never retried (an incompatible restore retried in a loop
+only burns a node), a retryable one goes through Prefect's retries.
+"""
+
+from __future__ import annotations
+
+
+class CkptflowError(Exception):
+    """Base of every ckptflow error. ``fix`` says what the operator should do."""
+
+    retryable: bool = False
+
+    def __init__(self, message: str, *, fix: str | None = None):
+        self.fix = fix
+        super().__init__(message if not fix else f"{message}\n  fix: {fix}")
+
+
+# --- configuration and declared workloads -------------------------------------------------
+class ConfigError(CkptflowError):
+    """A fleet file or parameter is wrong; the message names the file and field path."""
+
+
+class WorkloadNotFound(CkptflowError):
+    """The declared workload has no running process (pid file stale, no cmdline match)."""
+
+
+class UndeclaredProcess(CkptflowError):
+    """A PID does not belong to a declared workload; the runner refuses to touch it."""
+
+
+# --- runners ------------------------------------------------------------------------------
+class RunnerUnavailable(CkptflowError):
+    """A node mechanism (CRIU, CUDA driver) is missing or unusable on this machine."""
+
+
+class CriuError(CkptflowError):
+    """CRIU failed. Carries the command line and the tail of CRIU's log."""
+
+    def __init__(self, message: str, *, cmd: list[str], log_tail: str = "",
+                 returncode: int | None = None, fix: str | None = None):
+        self.cmd = cmd
+        self.log_tail = log_tail
+        self.returncode = returncode
+        detail = f"{message} (exit {returncode})\n  command: {' '.join(cmd)}"
+        if log_tail:
+            detail += "\n  criu log tail:\n    " + "\n    ".join(log_tail.splitlines()[-15:])
+        super().__init__(detail, fix=fix)
+
+
+class CriuTimeout(CriuError):
+    """A CRIU call ran past its timeout and was killed."""
+
+    retryable = True
+
+
+class RestoreFailed(CkptflowError):
+    """A restore did not produce a healthy process."""
+
+
+class PidBusy(RestoreFailed):
+    """The PID the image needs is still taken (old process not reaped, or reused)."""
+
+    retryable = True
+
+
+class IncompatibleCheckpoint(CkptflowError):
+    """The checkpoint was taken on a different fingerprint. Final: never retried."""
+
+    def __init__(self, differences: dict[str, tuple[object, object]], *, checkpoint: str = ""):
+        self.differences = differences
+        lines = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in differences.items())
+        super().__init__(
+            f"checkpoint {checkpoint} is incompatible with this node: {lines}",
+            fix="restore onto a node with the same fingerprint, or cold start the workload",
+        )
+
+
+class NotEnoughGpuMemory(CkptflowError):
+    """Free GPU memory is below footprint + margin; a restore would break the worker."""
+
+
+class CudaCheckpointError(CkptflowError):
+    """A CUDA driver checkpoint call failed; carries the PID, the call and the driver state."""
+
+
+# --- store --------------------------------------------------------------------------------
+class StoreError(CkptflowError):
+    """The checkpoint store failed."""
+
+
+class StorageUnavailable(StoreError):
+    """The store cannot be reached right now (retryable)."""
+
+    retryable = True
+
+
+class StorageFull(StoreError):
+    """No space left while writing a checkpoint; the partial checkpoint was discarded."""
+
+
+class CheckpointNotFound(StoreError):
+    """No such checkpoint (or no valid checkpoint for the workload)."""
+
+
+class ChecksumMismatch(StoreError):
+    """Bytes on storage differ from the manifest: the checkpoint is corrupt."""

@@ -1,0 +1,177 @@
+"""Pydantic models shared by every layer: workloads, fingerprints, manifests, decisions.
+
+Example:
+    >>> w = Workload(name="chat-a", node="local", find=ProcessFinder(pid_file="w.pid"))
+    >>> w.name
+    'chat-a'
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+# Names end up in paths and object keys: keep them to a safe alphabet so that a workload
+# called "../../etc" can never address anything outside its own directory.
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+_CKPT_ID_RE = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}$")
+
+
+def _check_name(value: str) -> str:
+    if not _NAME_RE.match(value) or ".." in value:
+        raise ValueError(
+            f"{value!r} is not a valid name: use 1-63 lowercase letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, and no '..'"
+        )
+    return value
+
+
+def _check_ckpt_id(value: str) -> str:
+    if not _CKPT_ID_RE.match(value):
+        raise ValueError(f"{value!r} is not a checkpoint id (expected like 20261129T081500Z-1a2b3c4d)")
+    return value
+
+
+Name = Annotated[str, AfterValidator(_check_name)]
+CheckpointId = Annotated[str, AfterValidator(_check_ckpt_id)]
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Engine(str, Enum):
+    vllm = "vllm"
+    sglang = "sglang"
+    other = "other"
+
+
+class TrafficClass(str, Enum):
+    """What the workload serves: decides whether checkpoints can pay off at all."""
+
+    short_requests = "short_requests"
+    long_sessions = "long_sessions"
+    mixed = "mixed"
+
+
+class ProcessFinder(BaseModel):
+    """How the node runner finds a workload's process. Exactly one way must be given.
+
+    The runner only ever acts on a PID found this way and checks it again right before a
+    dump, so it cannot be pointed at an arbitrary process.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    pid_file: str | None = Field(None, description="Path of a file holding the worker's PID.",
+                                 examples=["/run/vllm/chat-a.pid"])
+    systemd_unit: str | None = Field(None, description="systemd unit whose MainPID is the worker.",
+                                     examples=["vllm@chat-a.service"])
+    cmdline_match: str | None = Field(
+        None, description="Regular expression matched against the full command line; exactly "
+        "one process may match.", examples=[r"vllm serve .* --port 8001"])
+    cmdline_must_contain: str | None = Field(
+        None, description="Extra guard: the process's command line must contain this text "
+        "(checked for pid_file and systemd_unit too).", examples=["vllm"])
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "ProcessFinder":
+        given = [k for k in ("pid_file", "systemd_unit", "cmdline_match") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError("give exactly one of pid_file, systemd_unit, cmdline_match "
+                             f"(got {given or 'none'})")
+        return self
+
+
+class Workload(BaseModel):
+    """A declared serving worker on one node."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Name = Field(..., description="Unique workload name (also its directory in the store).",
+                       examples=["chat-a"])
+    node: Name = Field(..., description="Node the workload runs on.", examples=["gpu-node-01"])
+    find: ProcessFinder = Field(..., description="How to find the worker's process.")
+    engine: Engine = Field(Engine.other, description="Serving engine.")
+    engine_version: str | None = Field(None, description="Declared engine version.",
+                                       examples=["0.11.0"])
+    model_id: str | None = Field(None, description="Model id.", examples=["meta-llama/Llama-3.1-8B"])
+    model_revision: str | None = Field(None, description="Model revision or weights hash.")
+    health_url: str | None = Field(None, description="GET returns 200 when ready.",
+                                   examples=["http://127.0.0.1:8001/health"])
+    metrics_url: str | None = Field(None, description="Prometheus /metrics URL.",
+                                    examples=["http://127.0.0.1:8001/metrics"])
+    gpu: bool = Field(False, description="Whether the worker holds GPU memory (CUDA checkpoint).")
+    gpu_footprint_gib: float | None = Field(None, ge=0, description="Expected GPU memory footprint.")
+    traffic: TrafficClass = Field(TrafficClass.mixed, description="Declared traffic class.")
+    tcp_established: bool = Field(
+        False, description="Checkpoint established TCP connections too (CRIU --tcp-established).")
+    labels: dict[str, str] = Field(default_factory=dict, description="Free labels for policy rules.")
+
+
+class CheckpointState(str, Enum):
+    complete = "complete"
+    verified = "verified"
+    verify_failed = "verify_failed"
+    invalidated = "invalidated"
+
+    @property
+    def restorable(self) -> bool:
+        return self in (CheckpointState.complete, CheckpointState.verified)
+
+
+class FileEntry(BaseModel):
+    path: str = Field(..., description="Path relative to the checkpoint's image directory.")
+    size: int = Field(..., ge=0, description="Size in bytes.")
+    sha256: str = Field(..., description="Hex sha256 of the file's bytes.")
+
+
+class Fingerprint(BaseModel):
+    """Everything a restore depends on. Missing values are None (with a reason in ``notes``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    arch: str | None = None
+    kernel: str | None = None
+    glibc: str | None = None
+    criu: str | None = None
+    python: str | None = None
+    gpu_model: str | None = None
+    gpu_count: int | None = None
+    gpu_uuids: list[str] | None = None
+    driver: str | None = None
+    cuda_driver: str | None = None
+    engine: str | None = None
+    engine_version: str | None = None
+    model_id: str | None = None
+    model_revision: str | None = None
+    ckptflow: str | None = None
+    notes: dict[str, str] = Field(default_factory=dict,
+                                  description="Why a field is unknown, e.g. no NVML.")
+
+
+class Manifest(BaseModel):
+    """One checkpoint. Written last and atomically: no manifest, no checkpoint."""
+
+    id: CheckpointId
+    workload: Name
+    node: Name
+    created: datetime = Field(default_factory=utcnow)
+    kind: str = Field("heartbeat", description="heartbeat (leave running) or migrate (exited).")
+    files: list[FileEntry] = Field(default_factory=list)
+    bytes: int = Field(0, ge=0, description="Total image bytes.")
+    timings: dict[str, float] = Field(default_factory=dict, description="Phase -> seconds.")
+    gpu_footprint_bytes: int = Field(0, ge=0)
+    fingerprint: Fingerprint | None = None
+    parent: CheckpointId | None = None
+    state: CheckpointState = CheckpointState.complete
+    state_reason: str | None = None
+    probe: dict[str, Any] = Field(
+        default_factory=dict,
+        description="What the worker reported right before the dump (session digests, "
+                    "golden output digest), used to check a restore.")
+    pid: int | None = Field(None, description="PID of the dumped root process.")

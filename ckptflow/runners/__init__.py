@@ -1,0 +1,1 @@
+"""Node-level mechanisms: CRIU and the CUDA driver checkpoint API. No Prefect here."""

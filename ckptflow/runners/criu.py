@@ -1,0 +1,252 @@
+"""CRIU runner: dump and restore a declared workload's process tree.
+
+No Prefect here: drive it from a script, a test or a task alike.
+
+Example:
+    >>> runner = CriuRunner()                                  # doctest: +SKIP
+    >>> res = runner.dump(workload, Path("img"), leave_running=True)
+    >>> pid = runner.restore(Path("img"), old_pid=res.pid)
+
+Facts this module relies on (measured, see README "CRIU"):
+- CRIU >= 4.2 is needed on kernels >= 6.16 to dump AF_INET sockets.
+- A restore needs the dumped PID free; PID 1 reaps orphans only after 1-2 s here, so restore
+  waits for /proc/PID to go (and reaps it itself when the dumped process was its child).
+- Established TCP needs `--tcp-established --network-lock nftables` on both sides
+  (iptables is not installed).
+- `-L` must name an existing directory; an empty one loads no plugin (CRIU's cuda plugin
+  fails on the H200 nodes: the CUDA runner drives the driver API itself).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptflow.errors import CriuError, CriuTimeout, PidBusy, RunnerUnavailable
+from ckptflow.models import Workload
+from ckptflow.runners.process import DeclaredProcess, pid_alive, recheck, resolve
+
+MIN_VERSION = (4, 2)
+DEFAULT_TIMEOUT_S = 600  # a 50 GiB image dumps in ~35 s on an H200 node; 10 min means stuck
+PID_FREE_TIMEOUT_S = 15  # init reaps orphans in 1.2-2 s here; 15 s means the PID was reused
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    pid: int
+    seconds: float
+    log: Path
+
+
+@dataclass(frozen=True)
+class SandboxCopy:
+    """A restored copy running in its own PID namespace beside the original."""
+
+    pid: int          # host PID of the restored root task
+    init_pid: int     # host PID of the namespace's init (criu); killing it ends the copy
+    netns: str | None
+
+    def stop(self, timeout_s: float = 10) -> None:
+        for pid in (self.pid, self.init_pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and (pid_alive(self.pid) or pid_alive(self.init_pid)):
+            _reap(self.init_pid)
+            time.sleep(0.05)
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return ""
+    # The RLIMIT_NOFILE warning appears in every log here and explains nothing.
+    text = [t for t in text if "RLIMIT_NOFILE" not in t]
+    return "\n".join(text[-lines:])
+
+
+def parse_version(text: str) -> tuple[int, ...] | None:
+    m = re.search(r"Version:\s*([0-9]+(?:\.[0-9]+)*)", text)
+    return tuple(int(x) for x in m.group(1).split(".")) if m else None
+
+
+class CriuRunner:
+    """Runs the `criu` binary with a timeout on every call and an empty plugin directory.
+
+    Args:
+        criu_bin: path or name of the criu binary (default: `criu` on PATH).
+        timeout_s: default timeout of every CRIU call.
+        log_dir: where CRIU logs go (default: a private temporary directory).
+    """
+
+    def __init__(self, criu_bin: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 log_dir: Path | None = None):
+        self.criu_bin = criu_bin or os.environ.get("CKPTFLOW_CRIU") or "criu"
+        self.timeout_s = timeout_s
+        self._own_tmp = tempfile.mkdtemp(prefix="ckptflow-criu-")
+        self.plugin_dir = Path(self._own_tmp) / "no-plugins"
+        self.plugin_dir.mkdir(mode=0o700)
+        self.log_dir = Path(log_dir) if log_dir else Path(self._own_tmp)
+
+    # --- prerequisites -----------------------------------------------------------------
+    def version(self) -> tuple[int, ...]:
+        """Return CRIU's version, or raise RunnerUnavailable naming the fix."""
+        path = shutil.which(self.criu_bin)
+        if not path:
+            raise RunnerUnavailable(f"criu binary {self.criu_bin!r} not found on PATH",
+                                    fix="run ./scripts/setup.sh as root (it builds CRIU >= 4.2)")
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10)
+        v = parse_version(out.stdout)
+        if not v:
+            raise RunnerUnavailable(f"cannot read the version of {path}: {out.stdout!r}")
+        if v < MIN_VERSION:
+            raise RunnerUnavailable(
+                f"criu {'.'.join(map(str, v))} at {path} is too old (need >= 4.2: older CRIU cannot "
+                "dump AF_INET sockets on kernels >= 6.16)", fix="run ./scripts/setup.sh as root")
+        return v
+
+    def check(self) -> None:
+        """Run `criu check`; raise RunnerUnavailable with its output when it fails."""
+        self.version()
+        if os.geteuid() != 0:
+            raise RunnerUnavailable("CRIU needs root (CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE)",
+                                    fix="run the node worker as root")
+        out = subprocess.run([self.criu_bin, "check"], capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            raise RunnerUnavailable(f"`criu check` failed: {(out.stdout + out.stderr).strip()[-500:]}",
+                                    fix="run ./scripts/setup.sh as root to build a CRIU that fits this kernel")
+
+    # --- the calls ---------------------------------------------------------------------
+    def _run(self, args: list[str], log: Path, timeout_s: float | None, what: str,
+             exe: str | None = None) -> float:
+        cmd = [exe or self.criu_bin, *args]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                  timeout=timeout_s or self.timeout_s)
+        except subprocess.TimeoutExpired:
+            raise CriuTimeout(f"criu {what} timed out after {timeout_s or self.timeout_s:.0f} s",
+                              cmd=cmd, log_tail=_tail(log)) from None
+        except FileNotFoundError:
+            raise RunnerUnavailable(f"cannot run {cmd[0]!r}", fix="run ./scripts/setup.sh as root") from None
+        if proc.returncode != 0:
+            tail = _tail(log) or (proc.stdout + proc.stderr).strip()[-2000:]
+            raise CriuError(f"criu {what} failed", cmd=cmd, log_tail=tail, returncode=proc.returncode,
+                            fix=_fix_for(tail))
+        return time.perf_counter() - t0
+
+    def _common(self, images_dir: Path, log: Path, tcp_established: bool) -> list[str]:
+        args = ["-D", str(images_dir), "-o", str(log), "-v4", "-L", str(self.plugin_dir)]
+        if tcp_established:
+            args += ["--tcp-established", "--network-lock", "nftables"]
+        return args
+
+    def dump(self, workload: Workload, images_dir: Path, *, leave_running: bool,
+             proc: DeclaredProcess | None = None, timeout_s: float | None = None) -> DumpResult:
+        """Dump the workload's process tree into ``images_dir``.
+
+        The process is found from the declaration (or ``proc`` from an earlier resolve) and
+        checked again right before the dump.
+
+        Raises:
+            WorkloadNotFound, UndeclaredProcess: the process is gone or not the declared one.
+            CriuError, CriuTimeout: CRIU failed; the process keeps running if leave_running.
+        """
+        proc = recheck(workload, proc) if proc else resolve(workload)
+        images_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        log = self.log_dir / f"dump-{workload.name}-{proc.pid}-{time.time_ns()}.log"
+        args = ["dump", "-t", str(proc.pid), *self._common(images_dir, log, workload.tcp_established)]
+        if leave_running:
+            args.append("--leave-running")
+        seconds = self._run(args, log, timeout_s, "dump")
+        return DumpResult(pid=proc.pid, seconds=seconds, log=log)
+
+    def wait_pid_free(self, pid: int, timeout_s: float = PID_FREE_TIMEOUT_S) -> None:
+        """Wait until ``pid`` is gone (reaping it if it is our child).
+
+        Raises:
+            PidBusy: the PID is still in use after ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while pid_alive(pid) or Path(f"/proc/{pid}").exists():
+            _reap(pid)
+            if not Path(f"/proc/{pid}").exists():
+                break
+            if time.monotonic() > deadline:
+                raise PidBusy(f"PID {pid} needed by the image is still in use after {timeout_s:.0f} s",
+                              fix="stop the process holding it, or restore beside it (sandbox)")
+            time.sleep(0.02)
+
+    def restore(self, images_dir: Path, *, old_pid: int, tcp_established: bool = False,
+                timeout_s: float | None = None) -> int:
+        """Restore detached (the process outlives this call); return the restored PID."""
+        self.wait_pid_free(old_pid)
+        log = self.log_dir / f"restore-{old_pid}-{time.time_ns()}.log"
+        pidfile = self.log_dir / f"restore-{old_pid}-{time.time_ns()}.pid"
+        args = ["restore", "-d", "--pidfile", str(pidfile),
+                *self._common(images_dir, log, tcp_established)]
+        self._run(args, log, timeout_s, "restore")
+        return int(pidfile.read_text().strip())
+
+    def restore_beside(self, images_dir: Path, *, netns: str | None = None,
+                       timeout_s: float | None = None) -> SandboxCopy:
+        """Restore a copy in a fresh PID namespace (criu-ns), beside the running original.
+
+        ``netns`` names a network namespace (``ip netns add``) so the copy's ports do not clash.
+        """
+        criu_ns = shutil.which("criu-ns")
+        if not criu_ns:
+            raise RunnerUnavailable("criu-ns not found", fix="run ./scripts/setup.sh as root")
+        log = self.log_dir / f"sandbox-{time.time_ns()}.log"
+        pidfile = self.log_dir / f"sandbox-{time.time_ns()}.pid"
+        args = ["restore", "-d", "--pidfile", str(pidfile), *self._common(images_dir, log, False)]
+        if netns:
+            args += ["--join-ns", f"net:/var/run/netns/{netns}"]
+        self._run(args, log, timeout_s, "restore (sandbox)", exe=criu_ns)
+        deadline = time.monotonic() + 10
+        while not pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not pidfile.exists():
+            raise CriuError("criu-ns restored no process", cmd=[criu_ns, *args], log_tail=_tail(log))
+        pid = int(pidfile.read_text().strip())
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        return SandboxCopy(pid=pid, init_pid=ppid, netns=netns)
+
+    def close(self) -> None:
+        shutil.rmtree(self._own_tmp, ignore_errors=True)
+
+
+def _fix_for(log_tail: str) -> str | None:
+    """Map the CRIU failures we have met to what the operator should do."""
+    hints = [
+        ("No space left", "free space on the checkpoint volume or lower retention"),
+        ("Can't fork for", "the PID the image needs is taken; stop that process or restore in a sandbox"),
+        ("File exists", "the PID the image needs is taken; stop that process or restore in a sandbox"),
+        ("Can't get 1:16 opt", "CRIU older than 4.2 on a >= 6.16 kernel; run ./scripts/setup.sh"),
+        ("Operation not permitted", "run as root"),
+        ("has bad size", "a file the process had open changed size since the dump"),
+        ("Connected TCP socket", "the process has established TCP connections; set tcp_established: true"),
+        ("External socket", "the process talks over a socket to something outside its tree"),
+        ("/dev/nvidia", "the process holds GPU state: checkpoint it through the CUDA runner first"),
+    ]
+    for needle, fix in hints:
+        if needle in log_tail:
+            return fix
+    return None

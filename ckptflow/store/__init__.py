@@ -1,0 +1,1 @@
+"""Checkpoint images and manifests. No Prefect here."""

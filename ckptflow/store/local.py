@@ -1,0 +1,239 @@
+"""Local checkpoint store: one directory per workload and checkpoint id.
+
+Layout::
+
+    ROOT/<workload>/<checkpoint-id>/images/...   CRIU image files (0600)
+    ROOT/<workload>/<checkpoint-id>/manifest.json written last, atomically
+
+A checkpoint exists only once its manifest exists: a crash mid-write leaves bytes with no
+manifest (an orphan, removed by retention after a grace period), never a listed checkpoint.
+
+Example:
+    >>> store = LocalStore(Path(".ckptflow/store"))           # doctest: +SKIP
+    >>> pending = store.begin("chat-a", node="local")
+    >>> ...  # CRIU writes into pending.images_dir
+    >>> manifest = store.commit(pending, timings={"dump": 0.8})
+    >>> store.latest_valid("chat-a").id == manifest.id
+    True
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any, Iterator
+
+from ckptflow.errors import CheckpointNotFound, ChecksumMismatch, StorageFull, StoreError
+from ckptflow.models import CheckpointState, FileEntry, Fingerprint, Manifest, _check_ckpt_id, _check_name, utcnow
+
+MANIFEST = "manifest.json"
+IMAGES = "images"
+_CHUNK = 4 << 20
+
+
+def new_checkpoint_id(now: datetime | None = None) -> str:
+    now = now or utcnow()
+    return now.strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(4)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, data: str) -> None:
+    """Write ``data`` to ``path`` via temp file + fsync + rename: readers see old or new."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class PendingCheckpoint:
+    """A checkpoint being written: bytes go into ``images_dir``; no manifest yet."""
+
+    workload: str
+    node: str
+    id: str
+    dir: Path
+
+    @property
+    def images_dir(self) -> Path:
+        return self.dir / IMAGES
+
+
+class LocalStore:
+    """Checkpoints under a root directory (0700 directories, 0600 files)."""
+
+    def __init__(self, root: Path | str):
+        self.root = Path(root)
+
+    # --- writing -----------------------------------------------------------------------
+    def begin(self, workload: str, *, node: str) -> PendingCheckpoint:
+        _check_name(workload)
+        ckpt_id = new_checkpoint_id()
+        d = self.root / workload / ckpt_id
+        try:
+            os.makedirs(d / IMAGES, mode=0o700)
+        except OSError as e:
+            raise _store_error(e, d) from e
+        for p in (self.root, self.root / workload, d):
+            os.chmod(p, 0o700)
+        return PendingCheckpoint(workload=workload, node=node, id=ckpt_id, dir=d)
+
+    def commit(self, pending: PendingCheckpoint, *, timings: dict[str, float] | None = None,
+               fingerprint: Fingerprint | None = None, probe: dict[str, Any] | None = None,
+               kind: str = "heartbeat", pid: int | None = None, gpu_footprint_bytes: int = 0,
+               parent: str | None = None) -> Manifest:
+        """Checksum every image file, then write the manifest last and atomically."""
+        t0 = time.perf_counter()
+        files = []
+        try:
+            for path in sorted(p for p in pending.images_dir.rglob("*") if p.is_file()):
+                os.chmod(path, 0o600)
+                files.append(FileEntry(path=str(path.relative_to(pending.images_dir)),
+                                       size=path.stat().st_size, sha256=sha256_file(path)))
+            if not files:
+                raise StoreError(f"checkpoint {pending.id} of {pending.workload} has no image files",
+                                 fix="the dump wrote nothing; see the CRIU log")
+            timings = dict(timings or {})
+            timings["checksum"] = round(time.perf_counter() - t0, 4)
+            m = Manifest(id=pending.id, workload=pending.workload, node=pending.node, kind=kind,
+                         files=files, bytes=sum(f.size for f in files), timings=timings,
+                         fingerprint=fingerprint, probe=probe or {}, pid=pid,
+                         gpu_footprint_bytes=gpu_footprint_bytes, parent=parent)
+            write_json_atomic(pending.dir / MANIFEST, m.model_dump_json(indent=2))
+        except OSError as e:
+            self.abort(pending)
+            raise _store_error(e, pending.dir) from e
+        return m
+
+    def abort(self, pending: PendingCheckpoint) -> None:
+        """Discard a checkpoint that never got its manifest."""
+        if not (pending.dir / MANIFEST).exists():
+            shutil.rmtree(pending.dir, ignore_errors=True)
+
+    # --- reading -----------------------------------------------------------------------
+    def workloads(self) -> list[str]:
+        if not self.root.exists():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+    def list(self, workload: str) -> list[Manifest]:
+        """All checkpoints of a workload that have a manifest, newest first."""
+        _check_name(workload)
+        out = []
+        wdir = self.root / workload
+        if not wdir.exists():
+            return []
+        for d in wdir.iterdir():
+            mpath = d / MANIFEST
+            if mpath.exists():
+                out.append(Manifest.model_validate_json(mpath.read_text()))
+        return sorted(out, key=lambda m: (m.created, m.id), reverse=True)
+
+    def get(self, workload: str, ckpt_id: str) -> Manifest:
+        _check_name(workload)
+        _check_ckpt_id(ckpt_id)
+        mpath = self.root / workload / ckpt_id / MANIFEST
+        if not mpath.exists():
+            raise CheckpointNotFound(f"no checkpoint {ckpt_id} of workload {workload} in {self.root}",
+                                     fix="`ckptflow ls` lists the checkpoints there are")
+        return Manifest.model_validate_json(mpath.read_text())
+
+    def valid(self, workload: str) -> Iterator[Manifest]:
+        """Restorable checkpoints (complete or verified), newest first."""
+        return (m for m in self.list(workload) if m.state.restorable)
+
+    def latest_valid(self, workload: str) -> Manifest:
+        for m in self.valid(workload):
+            return m
+        raise CheckpointNotFound(f"workload {workload} has no valid checkpoint in {self.root}",
+                                 fix="run a heartbeat first, or cold start the worker")
+
+    def images_dir(self, m: Manifest) -> Path:
+        return self.root / m.workload / m.id / IMAGES
+
+    def verify_bytes(self, m: Manifest) -> Path:
+        """Check every file's size and sha256 against the manifest; return the image dir.
+
+        Raises:
+            ChecksumMismatch: naming the first file that is missing or differs.
+        """
+        d = self.images_dir(m)
+        for f in m.files:
+            p = d / f.path
+            if not p.exists():
+                raise ChecksumMismatch(f"checkpoint {m.id} of {m.workload}: file {f.path} is missing",
+                                       fix="restore from an older checkpoint; this one is corrupt")
+            size = p.stat().st_size
+            if size != f.size:
+                raise ChecksumMismatch(
+                    f"checkpoint {m.id} of {m.workload}: {f.path} has {size} bytes, manifest says {f.size}",
+                    fix="restore from an older checkpoint; this one is corrupt")
+            digest = sha256_file(p)
+            if digest != f.sha256:
+                raise ChecksumMismatch(
+                    f"checkpoint {m.id} of {m.workload}: {f.path} sha256 {digest[:16]}... differs from "
+                    f"the manifest's {f.sha256[:16]}...", fix="restore from an older checkpoint; this one is corrupt")
+        return d
+
+    # --- state changes -----------------------------------------------------------------
+    def set_state(self, m: Manifest, state: CheckpointState, reason: str | None = None,
+                  **probe: Any) -> Manifest:
+        new = m.model_copy(update={"state": state, "state_reason": reason,
+                                   "probe": {**m.probe, **probe}})
+        write_json_atomic(self.root / m.workload / m.id / MANIFEST, new.model_dump_json(indent=2))
+        return new
+
+    def delete(self, m: Manifest) -> None:
+        """Delete one checkpoint: manifest first, so a crash never leaves a listed checkpoint
+        without its bytes."""
+        d = self.root / m.workload / m.id
+        (d / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(d, ignore_errors=True)
+
+    def orphans(self, workload: str, older_than: timedelta) -> list[Path]:
+        """Checkpoint directories without a manifest, older than ``older_than``."""
+        _check_name(workload)
+        wdir = self.root / workload
+        cutoff = time.time() - older_than.total_seconds()
+        if not wdir.exists():
+            return []
+        return [d for d in wdir.iterdir()
+                if d.is_dir() and not (d / MANIFEST).exists() and d.stat().st_mtime < cutoff]
+
+
+def _store_error(e: OSError, where: Path) -> StoreError:
+    if e.errno == errno.ENOSPC:
+        return StorageFull(f"no space left on the checkpoint volume while writing {where}",
+                           fix="free space or lower retention; the partial checkpoint was discarded")
+    return StoreError(f"store I/O failed at {where}: {e}")

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One idempotent setup: .venv/ with ckptflow installed (editable, test + sim extras), and
+# CRIU >= 4.2 passing `criu check`. A second run with everything present is a no-op (<2 s).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+MIN_CRIU=4.2
+
+criu_ok() {
+  command -v criu >/dev/null 2>&1 || return 1
+  local v
+  v=$(criu --version 2>/dev/null | sed -n 's/^Version: *//p' | head -1)
+  [ -n "$v" ] || return 1
+  [ "$(printf '%s\n%s\n' "$MIN_CRIU" "$v" | sort -V | head -1)" = "$MIN_CRIU" ] || return 1
+  criu check >/dev/null 2>&1
+}
+
+if ! criu_ok; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "setup: CRIU >= $MIN_CRIU missing, too old or failing 'criu check': building it" >&2
+    ./scripts/install-criu.sh
+    hash -r
+    criu_ok || { echo "setup: CRIU still fails 'criu check' after install: run 'criu check' to see why" >&2; exit 1; }
+  else
+    echo "setup: warning: CRIU >= $MIN_CRIU is not usable and building it needs root;" \
+         "checkpoint commands will fail until 'sudo ./scripts/install-criu.sh' is run" >&2
+  fi
+fi
+
+# The stamp ties the venv to this pyproject and interpreter; anything else changed -> reinstall.
+want="$(sha256sum pyproject.toml | cut -c1-16) $($PY -c 'import sys; print(sys.version.split()[0])')"
+if [ -x .venv/bin/python ] && [ "$(cat .venv/.ckptflow-stamp 2>/dev/null)" = "$want" ]; then
+  exit 0
+fi
+echo "setup: creating .venv and installing ckptflow (first run takes about a minute)" >&2
+[ -x .venv/bin/python ] || $PY -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,sim]'
+echo "$want" > .venv/.ckptflow-stamp
