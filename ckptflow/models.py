@@ -108,6 +108,10 @@ class Workload(BaseModel):
     gpu: bool = Field(False, description="Whether the worker holds GPU memory (CUDA checkpoint).")
     gpu_footprint_gib: float | None = Field(None, ge=0, description="Expected GPU memory footprint.")
     traffic: TrafficClass = Field(TrafficClass.mixed, description="Declared traffic class.")
+    probe_url: str | None = Field(
+        None, description="GET returns {\"sessions\": {id: digest}}: read right before a dump and "
+        "compared after a restore (the demo worker serves it; engines need a plugin).",
+        examples=["http://127.0.0.1:18001/v1/sessions/digests"])
     tcp_established: bool = Field(
         False, description="Checkpoint established TCP connections too (CRIU --tcp-established).")
     labels: dict[str, str] = Field(default_factory=dict, description="Free labels for policy rules.")

@@ -23,7 +23,8 @@ def demo_workload(name: str, port: int, pid_file: Path, *, node: str = "local",
                     find=ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="ckptflow.demo.worker"),
                     engine="vllm", engine_version="demo", model_id="ckptflow-demo-tiny",
                     model_revision="seed-1234", health_url=f"http://127.0.0.1:{port}/health",
-                    metrics_url=f"http://127.0.0.1:{port}/metrics", traffic=traffic)
+                    metrics_url=f"http://127.0.0.1:{port}/metrics",
+                    probe_url=f"http://127.0.0.1:{port}/v1/sessions/digests", traffic=traffic)
 
 
 def start_worker(port: int, pid_file: Path, *, ballast_mib: int = 0, seed: int = 1234,
@@ -71,6 +72,4 @@ def complete(port: int, prompt: str, max_tokens: int, session_id: str | None = N
 
 
 def session_digests(port: int) -> dict[str, str]:
-    base = f"http://127.0.0.1:{port}"
-    ids = http_json(f"{base}/v1/sessions")["sessions"]
-    return {sid: http_json(f"{base}/v1/sessions/{sid}/digest")["digest"] for sid in ids}
+    return http_json(f"http://127.0.0.1:{port}/v1/sessions/digests")["sessions"]

@@ -7,6 +7,7 @@ API (127.0.0.1 only):
     GET  /health                200 {"status": "ok"}
     GET  /metrics               Prometheus text with vLLM's metric names
     GET  /v1/sessions           {"sessions": {id: n_tokens}}
+    GET  /v1/sessions/digests   {"sessions": {id: digest}} in one request (the runner's probe)
     GET  /v1/sessions/{id}/digest  {"digest": sha256 of the session's KV, tokens and RNG}
     GET  /v1/ballast/digest     sha256 of the ballast memory (stands in for weights/KV bytes)
 
@@ -118,6 +119,8 @@ def make_handler(w: Worker):
                 return self._send(200, generate_latest(w.registry), "text/plain; version=0.0.4")
             if path == "/v1/sessions":
                 return self._json(200, {"sessions": {k: len(s.tokens) for k, s in w.sessions.items()}})
+            if path == "/v1/sessions/digests":
+                return self._json(200, {"sessions": {k: s.digest() for k, s in w.sessions.items()}})
             if path == "/v1/ballast/digest":
                 return self._json(200, {"digest": hashlib.sha256(w.ballast.tobytes()).hexdigest(),
                                         "bytes": int(w.ballast.nbytes)})

@@ -1,0 +1,110 @@
+"""The `ckptflow` command line (typer + rich).
+
+Examples:
+    ckptflow demo                       # the main job: checkpoint, kill, recover, prove
+    ckptflow doctor                     # every prerequisite with its state and fix
+    ckptflow ls                         # checkpoints with state, age and size
+    ckptflow heartbeat deployments/local.yaml
+    ckptflow recover deployments/local.yaml demo-chat
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ckptflow.errors import CkptflowError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
+console = Console()
+
+
+def _fail(e: Exception) -> None:
+    console.print(f"[bold red]error:[/] {e}")
+    raise typer.Exit(2)
+
+
+@app.command()
+def demo() -> None:
+    """Run the end-to-end demo on this machine; exit 0 only if the continuation matched."""
+    from ckptflow.demo.main import run_demo
+
+    try:
+        ok = run_demo(console)
+    except CkptflowError as e:
+        _fail(e)
+    raise typer.Exit(0 if ok else 1)
+
+
+@app.command()
+def doctor() -> None:
+    """List every prerequisite with its state and the fix."""
+    from ckptflow.doctor import checks
+
+    table = Table(title="ckptflow doctor")
+    for col in ("check", "state", "detail / fix"):
+        table.add_column(col)
+    bad = 0
+    for name, ok, detail in checks():
+        bad += ok is False
+        state = {True: "[green]ok[/]", False: "[red]FAIL[/]", None: "[yellow]n/a[/]"}[ok]
+        table.add_row(name, state, detail)
+    console.print(table)
+    raise typer.Exit(1 if bad else 0)
+
+
+@app.command("ls")
+def ls(fleet_file: Path = typer.Option(Path("deployments/local.yaml"), "--fleet", help="Fleet file."),
+       workload: str = typer.Option(None, help="Only this workload.")) -> None:
+    """List checkpoints with state (and why, when invalidated or failed), age and size."""
+    from ckptflow.fleet import load_fleet
+    from ckptflow.store import open_store
+
+    try:
+        store = open_store(load_fleet(fleet_file).storage)
+        names = [workload] if workload else store.workloads()
+        table = Table(title=f"checkpoints in {getattr(store, 'root', store)}")
+        for col in ("workload", "checkpoint", "state", "age", "size", "reason"):
+            table.add_column(col)
+        now = datetime.now(timezone.utc)
+        for name in names:
+            for m in store.list(name):
+                age = now - m.created
+                table.add_row(m.workload, m.id, m.state.value, _age(age.total_seconds()),
+                              f"{m.bytes / 2**20:,.1f} MiB", m.state_reason or "")
+    except CkptflowError as e:
+        _fail(e)
+    console.print(table)
+
+
+def _age(s: float) -> str:
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s / n:.1f}{unit}"
+    return f"{s:.0f}s"
+
+
+@app.command()
+def heartbeat(fleet_file: Path, node: str = typer.Option(None), workload: list[str] = typer.Option(None)) -> None:
+    """Run the heartbeat flow once (checkpoint, leave running)."""
+    from ckptflow.flows.heartbeat import heartbeat as flow
+
+    flow(str(fleet_file), node=node, workloads=workload or None)
+
+
+@app.command()
+def recover(fleet_file: Path, workload: str) -> None:
+    """Run the recover flow for one lost workload."""
+    from ckptflow.flows.recover import recover as flow
+
+    flow(str(fleet_file), workload)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,150 @@
+"""`ckptflow demo`: checkpoint a live worker, kill it like a node failure, recover, and prove it.
+
+Runs entirely on this machine on embedded defaults: Prefect's temporary server on SQLite
+under ./.ckptflow/prefect, the local store under ./.ckptflow/store.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+FLEET_FILE = "deployments/local.yaml"
+PORT, REF_PORT = 18001, 18002
+LONG_PROMPT = ("You are an agent working through a long task. Keep notes of every step. " * 40)[:1900]
+N_CONT = 64
+
+
+def _prefect_env(home: Path) -> None:
+    os.environ.setdefault("PREFECT_HOME", str(home))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "true")
+
+
+def run_demo(console: Console | None = None) -> bool:
+    """Run the demo; return True when the restored continuation matched the reference."""
+    console = console or Console()
+    state = Path(".ckptflow")
+    (state / "run").mkdir(parents=True, exist_ok=True)
+    _prefect_env(state / "prefect")
+
+    from prefect import flow
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    from ckptflow.demo import launch
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.recover import recover
+    from ckptflow.fleet import load_fleet
+    from ckptflow.render import render
+    from ckptflow.runners.criu import CriuRunner
+
+    CriuRunner().check()  # fail before starting anything, with the fix
+    fleet = load_fleet(FLEET_FILE)
+    w = fleet.workload("demo-chat")
+    pid_file = Path(w.find.pid_file)
+    procs = []
+
+    @flow(name="ckptflow-demo")
+    def demo_flow() -> bool:
+        rows = []
+
+        def step(name: str, seconds: float | None = None, nbytes: int | None = None) -> None:
+            rows.append({"step": name, "seconds": seconds, "bytes": nbytes})
+            console.print(f"[bold cyan]•[/] {name}" + (f"  [dim]{seconds:.2f} s[/]" if seconds is not None else ""))
+
+        t0 = time.perf_counter()
+        procs.append(launch.start_worker(PORT, pid_file))
+        procs.append(launch.start_worker(REF_PORT, state / "run" / "reference.pid"))
+        step("start demo worker + uninterrupted reference twin", time.perf_counter() - t0)
+
+        def both(prompt: str, n: int, sid: str | None) -> list[int]:
+            a = launch.complete(PORT, prompt, n, sid)
+            b = launch.complete(REF_PORT, prompt, n, sid)
+            assert a == b, "worker and reference diverged before any checkpoint"
+            return a
+
+        t0 = time.perf_counter()
+        both(LONG_PROMPT, 48, "agent-1")
+        for i in range(3):
+            both(f"short request {i}", 8, None)
+        step("long session turn 1 (~1,900 prompt tokens) + 3 short requests", time.perf_counter() - t0)
+
+        r1 = heartbeat(FLEET_FILE)[0]
+        step(f"heartbeat 1 → checkpoint {r1['checkpoint']}", r1["dump_s"], r1["bytes"])
+
+        t0 = time.perf_counter()
+        both("Step 2: summarise the notes so far and plan the next step.", 48, "agent-1")
+        step("long session turn 2", time.perf_counter() - t0)
+
+        r2 = heartbeat(FLEET_FILE)[0]
+        step(f"heartbeat 2 → checkpoint {r2['checkpoint']}", r2["dump_s"], r2["bytes"])
+        tokens = launch.http_json(f"http://127.0.0.1:{PORT}/v1/sessions")["sessions"]["agent-1"]
+
+        # A turn after the last checkpoint: the node dies with it, the client retries it.
+        lost_turn = "Step 3: call the search tool."
+        launch.complete(PORT, lost_turn, 16, "agent-1")
+        pid = int(pid_file.read_text())
+        os.kill(pid, signal.SIGKILL)
+        step(f"SIGKILL worker PID {pid} (node failure; turn 3 was in flight)")
+
+        t0 = time.perf_counter()
+        res = recover(FLEET_FILE, "demo-chat")
+        step(f"recover → restored PID {res['pid']} from {res['checkpoint']}", time.perf_counter() - t0,
+             res["bytes"])
+        for phase, s in res["timings"].items():
+            rows.append({"step": f"  restore phase: {phase}", "seconds": s, "bytes": None})
+
+        digest_ok = res["checkpoint"] == r2["checkpoint"]
+        got = launch.complete(PORT, lost_turn, N_CONT, "agent-1")
+        want = launch.complete(REF_PORT, lost_turn, N_CONT, "agent-1")
+        matched = digest_ok and got == want
+        create_markdown_artifact(key="ckptflow-demo", markdown=render(
+            "demo_report.md.j2", matched=matched, session_tokens=tokens, checkpoint_id=res["checkpoint"],
+            rows=rows, digest_ok=digest_ok, n_tokens=N_CONT))
+
+        table = Table(title="ckptflow demo: phases, times and bytes")
+        table.add_column("step")
+        table.add_column("seconds", justify="right")
+        table.add_column("bytes", justify="right")
+        for r in rows:
+            table.add_row(r["step"], "" if r["seconds"] is None else f"{r['seconds']:.3f}",
+                          "" if not r["bytes"] else f"{r['bytes'] / 2**20:,.1f} MiB")
+        console.print(table)
+        if matched:
+            console.print(f"[bold green]continuation matched[/]: the restored worker's next {N_CONT} tokens "
+                          f"of session agent-1 ({tokens} tokens of KV cache at checkpoint) equal the "
+                          "uninterrupted reference's.")
+        else:
+            console.print(f"[bold red]continuation DIFFERED[/]: restored {got[:8]}... vs reference {want[:8]}...")
+        return matched
+
+    try:
+        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            return demo_flow()
+    finally:
+        for p in procs:
+            _stop(p)
+        try:
+            _stop_pid(int(pid_file.read_text()))
+        except (FileNotFoundError, ValueError):
+            pass
+
+
+def _stop(p) -> None:
+    if p.poll() is None:
+        p.kill()
+        p.wait(timeout=10)
+
+
+def _stop_pid(pid: int) -> None:
+    from ckptflow.runners.process import _cmdline
+
+    if "ckptflow.demo.worker" in (_cmdline(pid) or ""):
+        os.kill(pid, signal.SIGKILL)

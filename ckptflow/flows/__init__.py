@@ -1,0 +1,1 @@
+"""Prefect flows: heartbeat, recover (and, as they land, invalidate, drain, verify, migrate)."""

@@ -1,0 +1,39 @@
+"""Heartbeat: checkpoint each selected workload of the fleet, leaving it running."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+
+from ckptflow.tasks.common import open_fleet
+from ckptflow.tasks.node import checkpoint_batch
+
+
+class HeartbeatFailed(RuntimeError):
+    pass
+
+
+@flow(name="heartbeat", log_prints=True)
+def heartbeat(fleet_file: str, node: str | None = None, workloads: list[str] | None = None) -> list[dict]:
+    """Checkpoint the fleet's workloads (optionally one node's, or named ones), one batch per node.
+
+    Example:
+        >>> heartbeat("deployments/local.yaml")   # doctest: +SKIP
+    """
+    fleet = open_fleet(fleet_file)
+    selected = [w for w in fleet.workloads
+                if (node is None or w.node == node) and (workloads is None or w.name in workloads)]
+    by_node: dict[str, list[str]] = defaultdict(list)
+    for w in selected:
+        by_node[w.node].append(w.name)
+    futures = [checkpoint_batch.submit(fleet_file, n, names) for n, names in sorted(by_node.items())]
+    results = [r for f in futures for r in f.result()]
+    create_table_artifact(key=f"heartbeat-{fleet.fleet}", table=results or [{"note": "nothing selected"}],
+                          description=f"Heartbeat of fleet {fleet.fleet}")
+    failed = [r for r in results if not r["ok"]]
+    if failed:
+        get_run_logger().error("%d of %d checkpoints failed", len(failed), len(results))
+        raise HeartbeatFailed("; ".join(f"{r['workload']}: {r['error']}" for r in failed))
+    return results

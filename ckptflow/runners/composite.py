@@ -1,0 +1,168 @@
+"""One node-level step each: checkpoint a declared workload into the store, restore it back.
+
+This is what the Prefect tasks call. It ties the process finder, the CRIU runner (and, for
+GPU workers, the CUDA runner) and the store together, records phase timings, and leaves
+nothing half-done: a failed dump discards its bytes, a failed restore never marks anything.
+
+Example:
+    >>> node = NodeRunner(LocalStore(".ckptflow/store"))          # doctest: +SKIP
+    >>> m = node.checkpoint(workload)                               # heartbeat, leave running
+    >>> r = node.restore(workload)                                   # latest valid checkpoint
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptflow.errors import (ChecksumMismatch, CkptflowError, RestoreFailed, WorkloadNotFound)
+from ckptflow.models import CheckpointState, Manifest, Workload
+from ckptflow.runners import process
+from ckptflow.runners.criu import CriuRunner
+from ckptflow.store.local import LocalStore
+
+HEALTH_TIMEOUT_S = 60
+
+
+def _get_json(url: str, timeout_s: float = 10) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        return json.loads(r.read())
+
+
+def probe(w: Workload) -> dict:
+    """What the worker says about its own state (session digests), or {} when unknown."""
+    if not w.probe_url:
+        return {}
+    try:
+        return {"sessions": _get_json(w.probe_url)["sessions"]}
+    except (urllib.error.URLError, OSError, KeyError, ValueError) as e:
+        return {"error": f"probe failed: {e}"}
+
+
+def wait_healthy(w: Workload, timeout_s: float = HEALTH_TIMEOUT_S) -> float:
+    if not w.health_url:
+        return 0.0
+    t0 = time.perf_counter()
+    last = ""
+    while time.perf_counter() - t0 < timeout_s:
+        try:
+            with urllib.request.urlopen(w.health_url, timeout=2) as r:
+                if r.status == 200:
+                    return time.perf_counter() - t0
+        except (urllib.error.URLError, OSError) as e:
+            last = str(e)
+        time.sleep(0.05)
+    raise RestoreFailed(f"workload {w.name}: {w.health_url} not healthy {timeout_s:.0f} s after restore ({last})",
+                        fix="see the restore log; the checkpoint may be broken (run verify)")
+
+
+@dataclass
+class RestoreResult:
+    manifest: Manifest
+    pid: int
+    timings: dict[str, float]
+    skipped: list[dict] = field(default_factory=list)  # corrupt checkpoints passed over
+
+
+class NodeRunner:
+    """Checkpoint and restore declared workloads of this node."""
+
+    def __init__(self, store: LocalStore, criu: CriuRunner | None = None):
+        self.store = store
+        self.criu = criu or CriuRunner()
+
+    def checkpoint(self, w: Workload, *, leave_running: bool = True) -> Manifest:
+        """Dump ``w`` into the store and commit its manifest.
+
+        Raises:
+            WorkloadNotFound / UndeclaredProcess: nothing declared to dump.
+            CriuError: the dump failed (bytes discarded; the worker keeps running on heartbeat).
+            StorageFull: the volume filled up (bytes discarded).
+        """
+        proc = process.resolve(w)
+        state = probe(w)
+        pending = self.store.begin(w.name, node=w.node)
+        try:
+            res = self.criu.dump(w, pending.images_dir, leave_running=leave_running, proc=proc)
+        except BaseException:
+            self.store.abort(pending)
+            raise
+        kind = "heartbeat" if leave_running else "migrate"
+        return self.store.commit(pending, timings={"dump": round(res.seconds, 4)}, probe=state,
+                                 kind=kind, pid=res.pid)
+
+    def restore(self, w: Workload, *, manifest: Manifest | None = None,
+                fallback: bool = True) -> RestoreResult:
+        """Restore ``w`` from ``manifest`` (default: its latest valid checkpoint).
+
+        A checkpoint whose bytes fail their checksums is marked ``verify_failed`` and, with
+        ``fallback``, the next older valid one is tried.
+
+        Raises:
+            RestoreFailed: the workload is still running (nothing to recover), or the restored
+                process is unhealthy or its state differs from the checkpoint's.
+            CheckpointNotFound: no valid checkpoint is left.
+        """
+        try:
+            live = process.resolve(w)
+        except WorkloadNotFound:
+            live = None
+        if live is not None:
+            raise RestoreFailed(f"workload {w.name} is running (PID {live.pid}); refusing to restore over it",
+                                fix="stop it first, or use a sandbox restore (verify) to test a checkpoint")
+        candidates = [manifest] if manifest else list(self.store.valid(w.name))
+        if not candidates:
+            self.store.latest_valid(w.name)  # raises CheckpointNotFound with the fix
+        skipped = []
+        for m in candidates:
+            timings: dict[str, float] = {}
+            t0 = time.perf_counter()
+            try:
+                images = self.store.verify_bytes(m)
+            except ChecksumMismatch as e:
+                self.store.set_state(m, CheckpointState.verify_failed, f"checksum: {e}")
+                skipped.append({"id": m.id, "reason": str(e).splitlines()[0]})
+                if not fallback:
+                    raise
+                continue
+            timings["checksum"] = round(time.perf_counter() - t0, 4)
+            t0 = time.perf_counter()
+            pid = self.criu.restore(images, old_pid=m.pid or 0, tcp_established=w.tcp_established)
+            timings["restore"] = round(time.perf_counter() - t0, 4)
+            if w.find.pid_file:
+                _write_pid_file(Path(w.find.pid_file), pid)
+            timings["health"] = round(wait_healthy(w), 4)
+            self._check_state(w, m)
+            return RestoreResult(manifest=m, pid=pid, timings=timings, skipped=skipped)
+        raise ChecksumMismatch(f"workload {w.name}: every valid checkpoint failed its checksums: "
+                               + "; ".join(s["reason"] for s in skipped),
+                               fix="cold start the worker; the store volume may be failing")
+
+    def _check_state(self, w: Workload, m: Manifest) -> None:
+        want = m.probe.get("sessions")
+        if not want:
+            return
+        got = probe(w).get("sessions")
+        if got != want:
+            bad = sorted(k for k in set(want) | set(got or {}) if (got or {}).get(k) != want.get(k))
+            raise RestoreFailed(f"workload {w.name}: restored from {m.id} but sessions differ from the "
+                                f"checkpoint: {', '.join(bad[:5])}", fix="mark the checkpoint bad and run verify")
+
+
+def _write_pid_file(path: Path, pid: int) -> None:
+    try:
+        if path.read_text().strip() == str(pid):
+            return
+    except FileNotFoundError:
+        pass
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(str(pid))
+    os.replace(tmp, path)
+
+
+__all__ = ["NodeRunner", "RestoreResult", "probe", "wait_healthy", "CkptflowError"]

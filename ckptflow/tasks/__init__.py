@@ -1,0 +1,1 @@
+"""Prefect tasks: thin wrappers over runners/ and store/; one node-level step each."""
