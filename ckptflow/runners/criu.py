@@ -138,16 +138,21 @@ class CriuRunner:
              exe: str | None = None) -> float:
         cmd = [exe or self.criu_bin, *args]
         t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                                  timeout=timeout_s or self.timeout_s)
-        except subprocess.TimeoutExpired:
-            raise CriuTimeout(f"criu {what} timed out after {timeout_s or self.timeout_s:.0f} s",
-                              cmd=cmd, log_tail=_tail(log)) from None
-        except FileNotFoundError:
-            raise RunnerUnavailable(f"cannot run {cmd[0]!r}", fix="run ./scripts/setup.sh as root") from None
+        # Output goes to a file, not a pipe: criu-ns leaves criu running as the sandbox's init,
+        # and a pipe it inherited would keep this call waiting for as long as the copy lives.
+        with tempfile.TemporaryFile(mode="w+") as out:
+            try:
+                proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                      timeout=timeout_s or self.timeout_s)
+            except subprocess.TimeoutExpired:
+                raise CriuTimeout(f"criu {what} timed out after {timeout_s or self.timeout_s:.0f} s",
+                                  cmd=cmd, log_tail=_tail(log)) from None
+            except FileNotFoundError:
+                raise RunnerUnavailable(f"cannot run {cmd[0]!r}", fix="run ./scripts/setup.sh as root") from None
+            out.seek(0)
+            output = out.read()
         if proc.returncode != 0:
-            tail = _tail(log) or (proc.stdout + proc.stderr).strip()[-2000:]
+            tail = _tail(log) or output.strip()[-2000:]
             raise CriuError(f"criu {what} failed", cmd=cmd, log_tail=tail, returncode=proc.returncode,
                             fix=_fix_for(tail))
         return time.perf_counter() - t0

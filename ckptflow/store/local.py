@@ -134,6 +134,9 @@ class LocalStore:
         except OSError as e:
             self.abort(pending)
             raise _store_error(e, pending.dir) from e
+        except BaseException:
+            self.abort(pending)
+            raise
         return m
 
     def abort(self, pending: PendingCheckpoint) -> None:

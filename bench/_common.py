@@ -1,0 +1,44 @@
+"""Shared by the bench scripts: machine description and the RESULTS.md appender."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+BENCH = Path(__file__).parent
+RESULTS_MD = BENCH / "RESULTS.md"
+
+
+def machine() -> str:
+    cpus = os.cpu_count()
+    mem = ""
+    try:
+        kb = int(next(l for l in open("/proc/meminfo") if l.startswith("MemTotal")).split()[1])
+        mem = f", {kb / 2**20:.0f} GiB RAM"
+    except (OSError, StopIteration):
+        pass
+    return f"{platform.node() or 'host'}: {cpus} cores{mem}, kernel {platform.release()}, {platform.machine()}"
+
+
+def command() -> str:
+    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+
+
+def append_results(title: str, table_md: str, notes: str = "") -> None:
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    block = (f"\n## {title} — {stamp}\n\nMachine: {machine()}  \nCommand: `{command()}`\n\n"
+             f"{table_md.rstrip()}\n" + (f"\n{notes.rstrip()}\n" if notes else ""))
+    if not RESULTS_MD.exists():
+        RESULTS_MD.write_text("# Benchmark results\n\nEach section: date, machine, exact command, table.\n")
+    with RESULTS_MD.open("a") as f:
+        f.write(block)
+
+
+def md_table(headers: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)

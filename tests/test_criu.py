@@ -1,0 +1,212 @@
+"""Round trips with real CRIU on real processes."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import HELPERS, free_port, kill_pid_file
+from ckptflow.errors import CriuError, RunnerUnavailable, UndeclaredProcess, WorkloadNotFound
+from ckptflow.models import ProcessFinder, Workload
+from ckptflow.runners.criu import CriuRunner
+
+pytestmark = pytest.mark.criu
+
+
+def _wait_file(path: Path, timeout=10):
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.01)
+
+
+def _spawn(args, pid_file: Path):
+    p = subprocess.Popen([sys.executable, *map(str, args)], start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_file(pid_file)
+    return p
+
+
+def _read_counter(pid: int, out: Path) -> int:
+    out.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGUSR1)
+    _wait_file(out)
+    return int(out.read_text())
+
+
+def test_counter_round_trip_keeps_memory(tmp_path, criu):
+    pid_file, out = tmp_path / "c.pid", tmp_path / "count"
+    p = _spawn([HELPERS / "counter.py", pid_file, out], pid_file)
+    w = Workload(name="counter", node="n", find=ProcessFinder(pid_file=str(pid_file),
+                                                              cmdline_must_contain="counter.py"))
+    try:
+        time.sleep(0.5)
+        before = _read_counter(p.pid, out)
+        assert before > 50
+        res = criu.dump(w, tmp_path / "img", leave_running=False)
+        assert res.pid == p.pid
+        p.wait(timeout=10)  # the dump ended it; its PID must be free before the restore
+        pid = criu.restore(tmp_path / "img", old_pid=res.pid)
+        assert pid == res.pid
+        after = _read_counter(pid, out)
+        # Restored from memory: it goes on from where it was, not from zero.
+        assert before <= after < before + 5000
+    finally:
+        kill_pid_file(pid_file, "counter.py")
+
+
+def test_listening_socket_worker_continues_like_reference(tmp_path, criu, demo_worker):
+    w, ref = demo_worker("live"), demo_worker("ref")
+    for x in (w, ref):
+        x.complete("The quick brown fox " * 20, 16, "s1")
+    digests = w.digests()
+    res = criu.dump(w.workload, tmp_path / "img", leave_running=False)
+    pid = criu.restore(tmp_path / "img", old_pid=res.pid)
+    assert pid == res.pid
+    assert w.digests() == digests == ref.digests()
+    assert w.complete("and then", 40, "s1") == ref.complete("and then", 40, "s1")
+
+
+def test_leave_running_then_restore_after_kill(tmp_path, criu, demo_worker):
+    w, ref = demo_worker("live"), demo_worker("ref")
+    for x in (w, ref):
+        x.complete("hello " * 50, 8, "s")
+    criu.dump(w.workload, tmp_path / "img", leave_running=True)
+    # Still serving after the heartbeat dump:
+    assert w.complete("more", 4, "other") == ref.complete("more", 4, "other")
+    os.kill(w.pid, signal.SIGKILL)
+    pid = criu.restore(tmp_path / "img", old_pid=w.pid)
+    # The session created after the dump is gone; the one before is intact.
+    assert set(w.digests()) == {"s"}
+    assert w.digests()["s"] == ref.digests()["s"]
+    assert pid == w.pid
+
+
+def test_512mib_process_round_trip(tmp_path, criu, demo_worker, store):
+    from ckptflow.demo.launch import http_json
+
+    w = demo_worker("big", ballast_mib=512)
+    url = f"http://127.0.0.1:{w.port}/v1/ballast/digest"
+    before = http_json(url)
+    assert before["bytes"] == 512 << 20
+    p = store.begin("big", node="n")
+    res = criu.dump(w.workload, p.images_dir, leave_running=False)
+    m = store.commit(p, timings={"dump": res.seconds}, pid=res.pid)
+    assert m.bytes > 512 << 20
+    criu.restore(store.verify_bytes(m), old_pid=res.pid)
+    assert http_json(url) == before
+
+
+def test_established_tcp_connection_survives(tmp_path, criu):
+    port, pid_file = free_port(), tmp_path / "e.pid"
+    p = _spawn([HELPERS / "echo_counter.py", port, pid_file], pid_file)
+    w = Workload(name="echo", node="n", tcp_established=True,
+                 find=ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="echo_counter.py"))
+    try:
+        c = socket.create_connection(("127.0.0.1", port), timeout=20)
+        f = c.makefile("rwb")
+        for i, word in enumerate([b"a", b"b"], 1):
+            f.write(word + b"\n"); f.flush()
+            assert f.readline() == f"{i} ".encode() + word + b"\n"
+        res = criu.dump(w, tmp_path / "img", leave_running=False)
+        p.wait(timeout=10)
+        criu.restore(tmp_path / "img", old_pid=res.pid, tcp_established=True)
+        # Same connection, same server state: the count goes on.
+        f.write(b"c\n"); f.flush()
+        assert f.readline() == b"3 c\n"
+        c.close()
+    finally:
+        kill_pid_file(pid_file, "echo_counter.py")
+
+
+def test_refuses_undeclared_process(tmp_path, criu):
+    # The pid file points at a process that is not what the workload declares.
+    sleeper = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        pid_file = tmp_path / "w.pid"
+        pid_file.write_text(str(sleeper.pid))
+        w = Workload(name="w", node="n",
+                     find=ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="ckptflow.demo.worker"))
+        with pytest.raises(UndeclaredProcess, match="lacks 'ckptflow.demo.worker'"):
+            criu.dump(w, tmp_path / "img", leave_running=True)
+        assert not (tmp_path / "img").exists() or not any((tmp_path / "img").iterdir())
+        assert sleeper.poll() is None
+    finally:
+        sleeper.kill()
+
+
+def test_process_gone_names_the_cause(tmp_path, criu):
+    w = Workload(name="gone", node="n", find=ProcessFinder(pid_file=str(tmp_path / "none.pid")))
+    with pytest.raises(WorkloadNotFound, match="pid file .* does not exist") as e:
+        criu.dump(w, tmp_path / "img", leave_running=True)
+    assert "fix:" in str(e.value)
+    (tmp_path / "none.pid").write_text("999999999")
+    with pytest.raises(WorkloadNotFound, match="no live process"):
+        criu.dump(w, tmp_path / "img", leave_running=True)
+
+
+def test_missing_criu_binary_is_unavailable_with_fix():
+    r = CriuRunner(criu_bin="/nonexistent/criu")
+    with pytest.raises(RunnerUnavailable, match="not found") as e:
+        r.check()
+    assert "setup.sh" in str(e.value)
+
+
+def test_corrupt_image_gives_criu_error_with_log_tail(tmp_path, criu, demo_worker):
+    w = demo_worker("c")
+    res = criu.dump(w.workload, tmp_path / "img", leave_running=False)
+    core = next((tmp_path / "img").glob("core-*.img"))
+    core.write_bytes(b"\0" * 16)
+    with pytest.raises(CriuError) as e:
+        criu.restore(tmp_path / "img", old_pid=res.pid)
+    assert e.value.cmd[1] == "restore" and e.value.log_tail
+    assert "criu log tail" in str(e.value)
+
+
+def test_full_disk_discards_the_partial_checkpoint(tmp_path, demo_worker):
+    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.store.local import LocalStore
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)], check=True)
+    try:
+        w = demo_worker("full", ballast_mib=96)
+        node = NodeRunner(LocalStore(mnt / "store"))
+        with pytest.raises(CriuError) as e:
+            node.checkpoint(w.workload)
+        assert "space" in str(e.value).lower()
+        assert node.store.list("full") == []
+        assert not any((mnt / "store" / "full").iterdir())  # bytes discarded
+        assert w.complete("still alive", 4) is not None      # worker kept running
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_sandbox_copy_beside_the_running_original(tmp_path, criu, demo_worker):
+    """criu-ns restore in its own PID and network namespace; the original is untouched."""
+    w = demo_worker("orig")
+    w.complete("sandbox me " * 10, 8, "s")
+    digests = w.digests()
+    res = criu.dump(w.workload, tmp_path / "img", leave_running=True)
+    ns = f"ckt{os.getpid() % 100000}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        copy = criu.restore_beside(tmp_path / "img", netns=ns)
+        assert copy.pid != res.pid
+        out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c",
+                              f"import urllib.request;print(urllib.request.urlopen("
+                              f"'http://127.0.0.1:{w.port}/v1/sessions/digests').read().decode())"],
+                             capture_output=True, text=True, timeout=30)
+        assert digests["s"] in out.stdout, out.stderr
+        copy.stop()
+        assert not Path(f"/proc/{copy.pid}").exists()
+        assert w.digests() == digests and w.proc.poll() is None
+    finally:
+        subprocess.run(["ip", "netns", "del", ns])

@@ -1,0 +1,87 @@
+"""heartbeat and recover as Prefect flows against a real (test-harness) Prefect server."""
+
+import os
+import signal
+
+import pytest
+
+from conftest import write_fleet
+from ckptflow.models import CheckpointState
+from ckptflow.store.local import LocalStore
+
+pytestmark = pytest.mark.criu
+
+
+def test_heartbeat_then_recover_restores_session(tmp_path, prefect_harness, demo_worker):
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.recover import recover
+
+    w, ref = demo_worker("chat"), demo_worker("ref")
+    store = LocalStore(tmp_path / "store")
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store")
+    for x in (w, ref):
+        x.complete("a long agent transcript " * 30, 16, "agent")
+
+    results = heartbeat(str(fleet))
+    assert [r["ok"] for r in results] == [True]
+    m = store.latest_valid("chat")
+    assert m.id == results[0]["checkpoint"] and m.probe["sessions"] == w.digests()
+    assert w.proc.poll() is None  # heartbeat leaves the worker running
+
+    os.kill(w.pid, signal.SIGKILL)
+    res = recover(str(fleet), "chat")
+    assert res["checkpoint"] == m.id and res["pid"] == m.pid
+    assert w.digests() == ref.digests()
+    assert w.complete("next step", 32, "agent") == ref.complete("next step", 32, "agent")
+
+
+def test_recover_falls_back_past_a_corrupt_checkpoint(tmp_path, prefect_harness, demo_worker):
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.recover import recover
+
+    w = demo_worker("chat")
+    store = LocalStore(tmp_path / "store")
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store")
+    w.complete("first", 8, "s")
+    old = heartbeat(str(fleet))[0]["checkpoint"]
+    digests_at_old = w.digests()
+    w.complete("second", 8, "s")
+    new = heartbeat(str(fleet))[0]["checkpoint"]
+    pages = max((store.root / "chat" / new / "images").glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    with open(pages, "r+b") as f:
+        f.seek(4096)
+        b = f.read(1)
+        f.seek(4096)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+    os.kill(w.pid, signal.SIGKILL)
+    res = recover(str(fleet), "chat")
+    assert res["checkpoint"] == old
+    assert [s["id"] for s in res["skipped"]] == [new]
+    assert store.get("chat", new).state == CheckpointState.verify_failed
+    assert "sha256" in store.get("chat", new).state_reason
+    assert w.digests() == digests_at_old
+
+
+def test_heartbeat_reports_a_gone_workload(tmp_path, prefect_harness, demo_worker):
+    from ckptflow.flows.heartbeat import HeartbeatFailed, heartbeat
+
+    w = demo_worker("chat")
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store")
+    w.stop()
+    with pytest.raises(HeartbeatFailed, match="chat: workload chat: no live process"):
+        heartbeat(str(fleet))
+    assert LocalStore(tmp_path / "store").list("chat") == []
+
+
+def test_recover_refuses_to_restore_over_a_running_worker(tmp_path, prefect_harness, demo_worker):
+    from ckptflow.errors import RestoreFailed
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.recover import recover
+
+    w = demo_worker("chat")
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store")
+    heartbeat(str(fleet))
+    with pytest.raises(RestoreFailed, match="is running"):
+        recover(str(fleet), "chat")
+    assert w.proc.poll() is None
