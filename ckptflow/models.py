@@ -179,3 +179,20 @@ class Manifest(BaseModel):
         description="What the worker reported right before the dump (session digests, "
                     "golden output digest), used to check a restore.")
     pid: int | None = Field(None, description="PID of the dumped root process.")
+
+
+class Action(str, Enum):
+    protect = "protect"              # checkpoint every interval_s
+    skip = "skip"                    # no checkpoint: it would cost more than it saves
+    checkpoint_now = "checkpoint_now"
+    drain = "drain"                  # node in/entering maintenance: move or finish work
+
+
+class Decision(BaseModel):
+    """What a policy decided for one workload at one tick, with the numbers behind it."""
+
+    workload: str
+    action: Action
+    interval_s: float | None = Field(None, description="For protect: the checkpoint interval.")
+    due: bool = Field(False, description="Whether a checkpoint should be taken at this tick.")
+    reason: str = Field(..., description="One line, with the numbers that decided it.")
