@@ -6,6 +6,7 @@ Examples:
     ckptflow ls                         # checkpoints with state, age and size
     ckptflow heartbeat deployments/local.yaml
     ckptflow recover deployments/local.yaml demo-chat
+    ckptflow simulate --seed 0 --json   # policies on the reference fleet trace
 """
 
 from __future__ import annotations
@@ -91,11 +92,36 @@ def _age(s: float) -> str:
 
 
 @app.command()
-def heartbeat(fleet_file: Path, node: str = typer.Option(None), workload: list[str] = typer.Option(None)) -> None:
-    """Run the heartbeat flow once (checkpoint, leave running)."""
+def simulate(seed: int = typer.Option(0, help="Trace seed."),
+             failures: str = typer.Option("exponential", help="exponential or weibull"),
+             as_json: bool = typer.Option(False, "--json", help="Print JSON: {policies: {name: {cost, ...}}}.")) -> None:
+    """Replay the reference fleet trace under every policy (what-if simulator)."""
+    import json
+
+    from ckptflow.sim import TraceConfig, simulate as run
+
+    if failures not in ("exponential", "weibull"):
+        _fail(ValueError(f"--failures must be exponential or weibull, not {failures!r}"))
+    out = run(seed, TraceConfig(failure_dist=failures))
+    if as_json:
+        print(json.dumps(out, indent=1))
+        return
+    table = Table(title=f"policies on the reference trace (seed {seed}, {failures} failures), GPU-hours / 30 days")
+    for col in ("policy", "total cost", "lost", "pause", "checkpoints", "TiB written"):
+        table.add_column(col, justify="right" if col != "policy" else "left")
+    for name, p in sorted(out["policies"].items(), key=lambda kv: kv[1]["cost"]):
+        table.add_row(name, f"{p['cost'] / 3600:,.1f}", f"{p['lost_gpu_s'] / 3600:,.1f}",
+                      f"{p['pause_gpu_s'] / 3600:,.1f}", f"{p['checkpoints']:,.0f}", f"{p['bytes'] / 2**40:,.1f}")
+    console.print(table)
+
+
+@app.command()
+def heartbeat(fleet_file: Path, node: str = typer.Option(None), workload: list[str] = typer.Option(None),
+              force: bool = typer.Option(False, help="Checkpoint every selected workload, whatever the policy.")) -> None:
+    """Run the heartbeat flow once: decide per workload, checkpoint those due (leave running)."""
     from ckptflow.flows.heartbeat import heartbeat as flow
 
-    flow(str(fleet_file), node=node, workloads=workload or None)
+    flow(str(fleet_file), node=node, workloads=workload or None, force=force)
 
 
 @app.command()

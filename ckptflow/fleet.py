@@ -159,6 +159,12 @@ class Fleet(BaseModel):
         nodes = [n.name for n in self.nodes]
         _unique(nodes, "nodes")
         _unique([w.name for w in self.workloads], "workloads")
+        from ckptflow.policies.cadence import POLICIES
+
+        for i, r in enumerate(self.policies):
+            if r.policy not in POLICIES:
+                raise _PathError(("policies", i, "policy"),
+                                 f"unknown policy {r.policy!r} (known: {', '.join(sorted(POLICIES))})")
         for i, w in enumerate(self.workloads):
             if w.node not in nodes:
                 raise _PathError(("workloads", i, "node"),

@@ -108,6 +108,9 @@ class Workload(BaseModel):
     gpu: bool = Field(False, description="Whether the worker holds GPU memory (CUDA checkpoint).")
     gpu_footprint_gib: float | None = Field(None, ge=0, description="Expected GPU memory footprint.")
     traffic: TrafficClass = Field(TrafficClass.mixed, description="Declared traffic class.")
+    kv_capacity_tokens: int | None = Field(
+        None, gt=0, description="Tokens the KV cache holds at 100 % usage (turns vLLM's usage ratio "
+        "into tokens; SGLang reports used tokens itself).")
     probe_url: str | None = Field(
         None, description="GET returns {\"sessions\": {id: digest}}: read right before a dump and "
         "compared after a restore (the demo worker serves it; engines need a plugin).",

@@ -210,10 +210,11 @@ def ckptflow_schedule(tr: Trace, w: Workload, params: dict, tick_s: float = 300,
         mtbf_est = (declared + t) / (1 + seen)  # gamma posterior: declared MTBF as one prior failure
         tc = ckpts[-1] if ckpts else None
         live, growth = live_tokens(cfg, w, t)
+        # Before its first heartbeat a worker has its initialised checkpoint (t=0, no KV).
         f = WorkloadFacts(name="w", traffic=traffic, footprint_gib=w.footprint, mtbf_s=mtbf_est,
                           live_tokens=live, growth_tokens_s=growth,
-                          tokens_since_ckpt=at_risk_tokens(cfg, w, t, tc) if tc is not None else None,
-                          seconds_since_ckpt=(t - tc) if tc is not None else None, now=t,
+                          tokens_since_ckpt=at_risk_tokens(cfg, w, t, tc),
+                          seconds_since_ckpt=t - (tc or 0.0), now=t,
                           maintenance=[(ws, we)] if t >= announced else [])
         d = decide(f, "cost-based", params, cfg.cost)
         tau = d.interval_s if d.action == Action.protect and d.interval_s else math.inf

@@ -38,3 +38,18 @@ def test_ls_on_a_bad_fleet_file_names_the_field(tmp_path):
                          capture_output=True, text=True, timeout=120, env={"COLUMNS": "200", "PATH": "/usr/bin"})
     assert out.returncode == 2
     assert "nodes" in out.stdout and "line 2" in out.stdout
+
+
+def test_simulate_json_has_every_policy():
+    import json
+
+    out = _run("simulate", "--seed", "3", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    pol = json.loads(out.stdout)["policies"]
+    for name in ("never", "fixed-3600", "young-daly", "ckptflow", "hindsight", "clairvoyant"):
+        assert {"cost", "lost_gpu_s", "pause_gpu_s", "bytes"} <= set(pol[name])
+    # The targets of the policy issue, on this seed:
+    best_fixed = min(v["cost"] for k, v in pol.items() if k.startswith("fixed-"))
+    assert pol["ckptflow"]["cost"] <= 1.10 * pol["hindsight"]["cost"]
+    assert pol["ckptflow"]["cost"] <= 0.70 * best_fixed
+    assert pol["clairvoyant"]["cost"] <= pol["ckptflow"]["cost"]

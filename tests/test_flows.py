@@ -46,7 +46,7 @@ def test_recover_falls_back_past_a_corrupt_checkpoint(tmp_path, prefect_harness,
     old = heartbeat(str(fleet))[0]["checkpoint"]
     digests_at_old = w.digests()
     w.complete("second", 8, "s")
-    new = heartbeat(str(fleet))[0]["checkpoint"]
+    new = heartbeat(str(fleet), force=True)[0]["checkpoint"]
     pages = max((store.root / "chat" / new / "images").glob("pages-*.img"), key=lambda p: p.stat().st_size)
     with open(pages, "r+b") as f:
         f.seek(4096)

@@ -24,7 +24,8 @@ def demo_workload(name: str, port: int, pid_file: Path, *, node: str = "local",
                     engine="vllm", engine_version="demo", model_id="ckptflow-demo-tiny",
                     model_revision="seed-1234", health_url=f"http://127.0.0.1:{port}/health",
                     metrics_url=f"http://127.0.0.1:{port}/metrics",
-                    probe_url=f"http://127.0.0.1:{port}/v1/sessions/digests", traffic=traffic)
+                    probe_url=f"http://127.0.0.1:{port}/v1/sessions/digests", traffic=traffic,
+                    kv_capacity_tokens=65536)
 
 
 def start_worker(port: int, pid_file: Path, *, ballast_mib: int = 0, seed: int = 1234,

@@ -7,6 +7,7 @@ under ./.ckptflow/prefect, the local store under ./.ckptflow/store.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -50,6 +51,8 @@ def run_demo(console: Console | None = None) -> bool:
     w = fleet.workload("demo-chat")
     pid_file = Path(w.find.pid_file)
     procs = []
+    # Checkpoints of an earlier demo run belong to a worker that no longer exists.
+    shutil.rmtree(Path(fleet.storage.path) / w.name, ignore_errors=True)
 
     @flow(name="ckptflow-demo")
     def demo_flow() -> bool:
@@ -76,15 +79,17 @@ def run_demo(console: Console | None = None) -> bool:
             both(f"short request {i}", 8, None)
         step("long session turn 1 (~1,900 prompt tokens) + 3 short requests", time.perf_counter() - t0)
 
-        r1 = heartbeat(FLEET_FILE)[0]
-        step(f"heartbeat 1 → checkpoint {r1['checkpoint']}", r1["dump_s"], r1["bytes"])
+        r1 = heartbeat(FLEET_FILE)[0]  # no checkpoint yet: the policy says checkpoint_now
+        step(f"heartbeat 1 ({r1['decision']}) → checkpoint {r1['checkpoint']}", r1["dump_s"], r1["bytes"])
+        console.print(f"  [dim]policy: {r1['reason']}[/]")
 
         t0 = time.perf_counter()
         both("Step 2: summarise the notes so far and plan the next step.", 48, "agent-1")
         step("long session turn 2", time.perf_counter() - t0)
 
-        r2 = heartbeat(FLEET_FILE)[0]
-        step(f"heartbeat 2 → checkpoint {r2['checkpoint']}", r2["dump_s"], r2["bytes"])
+        r2 = heartbeat(FLEET_FILE, force=True)[0]  # seconds later the policy would skip: force
+        step(f"heartbeat 2 (manual) → checkpoint {r2['checkpoint']}", r2["dump_s"], r2["bytes"])
+        console.print(f"  [dim]{r2['reason']}[/]")
         tokens = launch.http_json(f"http://127.0.0.1:{PORT}/v1/sessions")["sessions"]["agent-1"]
 
         # A turn after the last checkpoint: the node dies with it, the client retries it.

@@ -16,8 +16,12 @@ class HeartbeatFailed(RuntimeError):
 
 
 @flow(name="heartbeat", log_prints=True)
-def heartbeat(fleet_file: str, node: str | None = None, workloads: list[str] | None = None) -> list[dict]:
-    """Checkpoint the fleet's workloads (optionally one node's, or named ones), one batch per node.
+def heartbeat(fleet_file: str, node: str | None = None, workloads: list[str] | None = None,
+              force: bool = False) -> list[dict]:
+    """Decide and checkpoint the fleet's workloads (optionally one node's, or named ones).
+
+    One task per node batch; each workload's fleet policy decides whether it is due.
+    ``force=True`` checkpoints every selected workload regardless (a manual run).
 
     Example:
         >>> heartbeat("deployments/local.yaml")   # doctest: +SKIP
@@ -28,7 +32,7 @@ def heartbeat(fleet_file: str, node: str | None = None, workloads: list[str] | N
     by_node: dict[str, list[str]] = defaultdict(list)
     for w in selected:
         by_node[w.node].append(w.name)
-    futures = [checkpoint_batch.submit(fleet_file, n, names) for n, names in sorted(by_node.items())]
+    futures = [checkpoint_batch.submit(fleet_file, n, names, force) for n, names in sorted(by_node.items())]
     results = [r for f in futures for r in f.result()]
     create_table_artifact(key=f"heartbeat-{fleet.fleet}", table=results or [{"note": "nothing selected"}],
                           description=f"Heartbeat of fleet {fleet.fleet}")

@@ -120,10 +120,13 @@ def cost_based_interval(f: WorkloadFacts, cost: CostModel, min_s: float = 0.0, m
     lam = 1.0 / f.mtbf_s
     if g <= 0 or a <= 0:
         return INF, f"no KV growing (live {f.live_tokens:.0f} tokens, +{f.growth_tokens_s:.0f}/s)"
-    tau = min(max(daly_interval(c / g, f.mtbf_s), min_s), max_s)
-    with_ckpt = c / tau + lam * min(g * tau / 2, a)
+    # Whether checkpoints pay off is judged at the optimum; the rule's bounds then only move
+    # the interval (an operator's max_interval_s must not turn protection off).
+    opt = daly_interval(c / g, f.mtbf_s)
+    with_ckpt = c / opt + lam * min(g * opt / 2, a) if opt > 0 else INF
+    tau = min(max(opt, min_s), max_s)
     without = lam * a
-    numbers = (f"C={c:.0f}s, M={f.mtbf_s / 3600:.0f}h, KV at risk {a:.0f} GPU-s growing {g * 3600:.0f}/h")
+    numbers = (f"C={c:.0f}s, M={_fmt(f.mtbf_s)}, KV at risk {a:.0f} GPU-s growing {g * 3600:.0f}/h")
     if with_ckpt >= without:
         return INF, (f"checkpoints cost more than they save: {with_ckpt * 3600:.1f} vs "
                      f"{without * 3600:.1f} GPU-s/h ({numbers})")
@@ -157,7 +160,11 @@ def decide_cost_based(f: WorkloadFacts, params: dict, cost: CostModel) -> Decisi
         retry = f.mean_request_s if f.mean_request_s is not None else short_request_s / 2
         return Decision(workload=f.name, action=Action.skip,
                         reason=f"short requests (mean {retry:.0f} s): a retry costs less than a {c:.0f} s pause")
-    if f.seconds_since_ckpt is not None and f.tokens_since_ckpt is not None and f.tokens_since_ckpt <= 0:
+    if f.seconds_since_ckpt is None:
+        return Decision(workload=f.name, action=Action.checkpoint_now, due=True,
+                        reason=f"no valid checkpoint: a failure would cost a {cost.cold_start_s:.0f} s cold start "
+                               f"instead of a {cost.restore_s(f.footprint_gib):.0f} s restore")
+    if f.tokens_since_ckpt is not None and f.tokens_since_ckpt <= 0:
         return Decision(workload=f.name, action=Action.skip,
                         reason=f"nothing new since the last checkpoint {_fmt(f.seconds_since_ckpt)} ago")
     tau, why = cost_based_interval(f, cost, min_s, max_s)

@@ -20,8 +20,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptflow.errors import (ChecksumMismatch, CkptflowError, RestoreFailed, WorkloadNotFound)
+from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError, RestoreFailed,
+                             WorkloadNotFound)
+from ckptflow.fleet import Node
 from ckptflow.models import CheckpointState, Manifest, Workload
+from ckptflow.policies.cadence import WorkloadFacts
+from ckptflow.policies.load import WorkloadLoad, parse_metrics
 from ckptflow.runners import process
 from ckptflow.runners.criu import CriuRunner
 from ckptflow.store.local import LocalStore
@@ -42,6 +46,56 @@ def probe(w: Workload) -> dict:
         return {"sessions": _get_json(w.probe_url)["sessions"]}
     except (urllib.error.URLError, OSError, KeyError, ValueError) as e:
         return {"error": f"probe failed: {e}"}
+
+
+def read_load(w: Workload) -> WorkloadLoad | None:
+    """The engine's /metrics as a WorkloadLoad, or None when there is none or it cannot be read."""
+    if not w.metrics_url:
+        return None
+    try:
+        with urllib.request.urlopen(w.metrics_url, timeout=5) as r:
+            text = r.read().decode()
+        return parse_metrics(w.engine.value if w.engine.value != "other" else "vllm", text)
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def collect_facts(w: Workload, node: Node, store: LocalStore, now: float | None = None) -> WorkloadFacts:
+    """Everything the cadence policy may know about ``w`` right now (metrics, store, fleet file)."""
+    now = time.time() if now is None else now
+    load = read_load(w)
+    live = 0.0
+    if load is not None:
+        live = load.used_tokens if load.used_tokens is not None else load.kv_cache_usage * (w.kv_capacity_tokens or 0)
+    newest = store.list(w.name)
+    try:
+        m = store.latest_valid(w.name)
+    except CheckpointNotFound:
+        m = None
+    since_s = since_tokens = None
+    growth = 0.0
+    if m is not None:
+        since_s = max(0.0, now - m.created.timestamp())
+        at_ckpt = m.probe.get("tokens_total")
+        since_tokens = (load.tokens_total - at_ckpt) if (load is not None and at_ckpt is not None) else live
+        growth = since_tokens / since_s if since_s > 0 else 0.0
+    if node.mtbf_hours:
+        mtbf = node.mtbf_hours * 3600
+    elif len(node.failures) >= 2:
+        ts = sorted(f.timestamp() for f in node.failures)
+        mtbf = (ts[-1] - ts[0]) / (len(ts) - 1)
+    else:
+        mtbf = 6000 * 3600.0
+    footprint = w.gpu_footprint_gib or (m.bytes / 2**30 if m else 0.0)
+    pause = None
+    if m is not None:
+        pause = sum(v for k, v in m.timings.items() if k in ("lock", "cuda_checkpoint", "dump", "cuda_restore"))
+    return WorkloadFacts(
+        name=w.name, traffic=w.traffic.value, footprint_gib=footprint, measured_pause_s=pause, mtbf_s=mtbf,
+        live_tokens=live, growth_tokens_s=growth, tokens_since_ckpt=since_tokens, seconds_since_ckpt=since_s,
+        newest_invalidated=bool(newest) and newest[0].state == CheckpointState.invalidated,
+        mean_request_s=load.mean_request_s if load else None, now=now,
+        maintenance=[(mw.start.timestamp(), mw.end.timestamp()) for mw in node.maintenance])
 
 
 def wait_healthy(w: Workload, timeout_s: float = HEALTH_TIMEOUT_S) -> float:
@@ -86,6 +140,9 @@ class NodeRunner:
         """
         proc = process.resolve(w)
         state = probe(w)
+        load = read_load(w)
+        if load is not None:
+            state["tokens_total"] = load.tokens_total
         pending = self.store.begin(w.name, node=w.node)
         try:
             res = self.criu.dump(w, pending.images_dir, leave_running=leave_running, proc=proc)

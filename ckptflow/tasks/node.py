@@ -5,31 +5,45 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 
 from ckptflow.errors import CkptflowError
+from ckptflow.models import Action
+from ckptflow.policies.cadence import decide
+from ckptflow.runners.composite import collect_facts
 from ckptflow.tasks.common import node_runner, open_fleet, retry_if_retryable
 
 
 @task(name="checkpoint-node-batch", retries=1, retry_condition_fn=retry_if_retryable)
-def checkpoint_batch(fleet_file: str, node: str, workloads: list[str]) -> list[dict]:
-    """Checkpoint (leave running) each workload of one node; one failure does not stop the rest.
+def checkpoint_batch(fleet_file: str, node: str, workloads: list[str], force: bool = False) -> list[dict]:
+    """Decide per workload with its fleet policy and checkpoint (leave running) those due.
 
-    One task per node batch, not per workload: a task run costs ~20 KB of server DB and
-    ~10 ms, which a fleet tick over thousands of workloads cannot afford.
+    One failure does not stop the rest. One task per node batch, not per workload: a task
+    run costs ~20 KB of server DB and ~10 ms, which a fleet tick over thousands of
+    workloads cannot afford. ``force`` checkpoints every selected workload (manual run).
     """
     log = get_run_logger()
     fleet = open_fleet(fleet_file)
     runner = node_runner(fleet)
+    node_cfg = fleet.node(node)
     out = []
     for name in workloads:
         w = fleet.workload(name)
+        rule = fleet.rule_for(w)
+        d = decide(collect_facts(w, node_cfg, runner.store), rule.policy if rule else "cost-based",
+                   rule.params if rule else {})
+        row = {"workload": name, "node": node, "decision": d.action.value, "reason": d.reason}
+        if not (force or (d.due and d.action in (Action.protect, Action.checkpoint_now))):
+            log.info("%s: %s (%s)", name, d.action.value, d.reason)
+            out.append({**row, "ok": True, "checkpoint": None})
+            continue
+        if force:
+            row["reason"] = f"forced (policy said {d.action.value}: {d.reason})"
         try:
             m = runner.checkpoint(w, leave_running=True)
         except CkptflowError as e:
             log.error("checkpoint of %s failed: %s", name, e)
-            out.append({"workload": name, "node": node, "ok": False, "error": str(e).splitlines()[0],
-                        "error_type": type(e).__name__})
+            out.append({**row, "ok": False, "error": str(e).splitlines()[0], "error_type": type(e).__name__})
             continue
         log.info("checkpoint %s of %s: %.1f MiB, dump %.2f s", m.id, name, m.bytes / 2**20, m.timings["dump"])
-        out.append({"workload": name, "node": node, "ok": True, "checkpoint": m.id, "bytes": m.bytes,
+        out.append({**row, "ok": True, "checkpoint": m.id, "bytes": m.bytes,
                     **{f"{k}_s": v for k, v in m.timings.items()}})
     return out
 

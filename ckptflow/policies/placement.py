@@ -1,0 +1,52 @@
+"""Where a restored or migrated workload should go.
+
+Example:
+    >>> place(80, "H200-141GB", [NodeState(name="a", gpu_class="H200-141GB", free_gib=100)]).node
+    'a'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class NodeState:
+    name: str
+    gpu_class: str
+    free_gib: float                  # largest free GPU memory on one GPU of the node
+    in_maintenance: bool = False     # in a window, or one starts within the move's horizon
+    load: float = 0.0                # e.g. workloads already placed there, for spreading
+    fingerprint_class: str | None = None
+
+
+@dataclass(slots=True)
+class Placement:
+    node: str | None
+    reason: str
+
+
+def place(footprint_gib: float, gpu_class: str, nodes: list[NodeState], *, exclude: tuple[str, ...] = (),
+          margin_gib: float = 2.0, fingerprint_class: str | None = None) -> Placement:
+    """Pick a node: same GPU (and fingerprint) class, not in maintenance, enough free memory
+    for footprint + margin, least loaded first (spread), then most free memory, then name."""
+    need = footprint_gib + margin_gib
+    why: list[str] = []
+    ok = []
+    for n in nodes:
+        if n.name in exclude:
+            continue
+        if n.gpu_class != gpu_class:
+            why.append(f"{n.name}: GPU class {n.gpu_class} != {gpu_class}")
+        elif fingerprint_class and n.fingerprint_class and n.fingerprint_class != fingerprint_class:
+            why.append(f"{n.name}: fingerprint class differs")
+        elif n.in_maintenance:
+            why.append(f"{n.name}: in maintenance")
+        elif n.free_gib < need:
+            why.append(f"{n.name}: {n.free_gib:.0f} GiB free < {need:.0f} GiB needed")
+        else:
+            ok.append(n)
+    if not ok:
+        return Placement(None, "no eligible node: " + ("; ".join(why) or "no candidates"))
+    best = min(ok, key=lambda n: (n.load, -n.free_gib, n.name))
+    return Placement(best.name, f"{best.name}: {best.free_gib:.0f} GiB free >= {need:.0f} GiB, load {best.load:g}")

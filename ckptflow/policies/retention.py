@@ -1,0 +1,50 @@
+"""Which checkpoints to delete. The newest valid checkpoint is never among them.
+
+Example (fleet file)::
+
+    retention: {keep: 3, max_age_h: 72, invalidated_grace_h: 24}
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from pydantic import BaseModel, Field
+
+from ckptflow.models import CheckpointState, Manifest
+
+
+class Retention(BaseModel):
+    keep: int = Field(3, ge=1, description="Keep this many newest restorable checkpoints.")
+    max_age_h: float = Field(72, gt=0, description="Delete restorable checkpoints older than this "
+                             "(never the newest valid one).")
+    invalidated_grace_h: float = Field(24, ge=0, description="Keep invalidated / failed ones this long "
+                                       "(for post-mortems), then delete.")
+
+
+def to_delete(manifests: list[Manifest], now: datetime, rule: Retention | None = None) -> list[tuple[Manifest, str]]:
+    """Checkpoints to delete, each with the reason.
+
+    Always kept: the newest verified valid checkpoint and the newest restorable one.
+    """
+    rule = rule or Retention()
+    newest_first = sorted(manifests, key=lambda m: (m.created, m.id), reverse=True)
+    restorable = [m for m in newest_first if m.state.restorable]
+    protected = {m.id for m in restorable[:1]}
+    verified = [m for m in restorable if m.state == CheckpointState.verified]
+    if verified:
+        protected.add(verified[0].id)
+    out = []
+    max_age = timedelta(hours=rule.max_age_h)
+    grace = timedelta(hours=rule.invalidated_grace_h)
+    for i, m in enumerate(restorable):
+        if m.id in protected:
+            continue
+        if i >= rule.keep:
+            out.append((m, f"beyond the {rule.keep} newest"))
+        elif now - m.created > max_age:
+            out.append((m, f"older than {rule.max_age_h:g} h"))
+    for m in newest_first:
+        if not m.state.restorable and now - m.created > grace:
+            out.append((m, f"{m.state.value} for more than {rule.invalidated_grace_h:g} h"))
+    return out

@@ -1,0 +1,115 @@
+"""Fleet files: the shipped ones load; each kind of mistake names its file, field path and line."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ckptflow.errors import ConfigError
+from ckptflow.fleet import load_fleet
+
+ROOT = Path(__file__).parent.parent
+GOOD = """\
+fleet: t
+nodes:
+  - name: n1
+    work_pool: n1
+    mtbf_hours: 6000
+workloads:
+  - name: w1
+    node: n1
+    find: {pid_file: /run/w1.pid}
+    engine: vllm
+    metrics_url: http://127.0.0.1:8000/metrics
+policies:
+  - match: {traffic: long_sessions}
+    policy: cost-based
+"""
+
+
+def test_shipped_fleets_load():
+    local = load_fleet(ROOT / "deployments/local.yaml")
+    assert local.workload("demo-chat").kv_capacity_tokens == 65536
+    ex = load_fleet(ROOT / "deployments/example-h200-fleet.yaml")
+    assert len(ex.nodes) == 8 and all(n.gpus == 8 for n in ex.nodes)
+    assert {w.engine.value for w in ex.workloads} == {"vllm", "sglang"}
+    assert sum(len(n.maintenance) for n in ex.nodes) == 1
+
+
+MISTAKES = [
+    # (what, edit of the parsed GOOD yaml, expected path, expected text)
+    ("unknown top-level key", lambda d: d.update(fleets="x"), "fleets", "Extra inputs are not permitted"),
+    ("missing nodes", lambda d: d.pop("nodes"), "nodes", "Field required"),
+    ("empty nodes", lambda d: d.update(nodes=[]), "nodes", "at least 1 item"),
+    ("workload on undeclared node", lambda d: d["workloads"][0].update(node="n9"), "workloads[0].node",
+     "node 'n9' is not declared"),
+    ("bad workload name", lambda d: d["workloads"][0].update(name="../../etc"), "workloads[0].name",
+     "not a valid name"),
+    ("two process finders", lambda d: d["workloads"][0]["find"].update(cmdline_match="vllm"),
+     "workloads[0].find", "exactly one of"),
+    ("unknown engine", lambda d: d["workloads"][0].update(engine="tgi"), "workloads[0].engine",
+     "'vllm', 'sglang' or 'other'"),
+    ("metrics_url not a string", lambda d: d["workloads"][0].update(metrics_url=8000),
+     "workloads[0].metrics_url", "valid string"),
+    ("negative MTBF", lambda d: d["nodes"][0].update(mtbf_hours=-1), "nodes[0].mtbf_hours", "greater than 0"),
+    ("unknown policy", lambda d: d["policies"][0].update(policy="yolo"), "policies[0].policy",
+     "unknown policy 'yolo'"),
+    ("duplicate workload", lambda d: d["workloads"].append(dict(d["workloads"][0])), "workloads[1].name",
+     "duplicate name 'w1'"),
+    ("window ends before it starts", lambda d: d["nodes"][0].update(
+        maintenance=[{"start": "2026-12-01T04:00:00Z", "end": "2026-12-01T02:00:00Z"}]),
+     "nodes[0].maintenance[0]", "is not after start"),
+    ("s3 without bucket", lambda d: d.update(storage={"kind": "s3"}), "storage", "no bucket"),
+    ("schedule with both", lambda d: d.update(schedules={"heartbeat": {"interval_s": 60, "cron": "* * * * *"}}),
+     "schedules.heartbeat", "exactly one of interval_s or cron"),
+    ("unknown schedule", lambda d: d.update(schedules={"backup": {"interval_s": 60}}), "schedules.backup",
+     "heartbeat"),
+    ("footprint negative", lambda d: d["workloads"][0].update(gpu_footprint_gib=-5),
+     "workloads[0].gpu_footprint_gib", "greater than or equal to 0"),
+]
+
+
+@pytest.mark.parametrize("what,edit,path,text", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_mistake_names_file_path_and_expectation(tmp_path, what, edit, path, text):
+    data = yaml.safe_load(GOOD)
+    edit(data)
+    f = tmp_path / "fleet.yaml"
+    f.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(ConfigError) as e:
+        load_fleet(f)
+    msg = str(e.value)
+    assert f"{f}: {path}" in msg, msg
+    assert text in msg, msg
+    assert "(line " in msg
+
+
+def test_not_yaml_and_missing_file(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("fleet: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_fleet(f)
+    with pytest.raises(ConfigError, match="fleet file not found"):
+        load_fleet(tmp_path / "nope.yaml")
+
+
+def test_line_number_points_at_the_field(tmp_path):
+    f = tmp_path / "fleet.yaml"
+    f.write_text(GOOD.replace("metrics_url: http://127.0.0.1:8000/metrics", "metrics_url: 8000"))
+    with pytest.raises(ConfigError, match=r"workloads\[0\]\.metrics_url \(line 11\)"):
+        load_fleet(f)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                    lambda c: st.lists(c, max_size=3) | st.dictionaries(
+                        st.sampled_from(["fleet", "nodes", "workloads", "name", "node", "find", "policies",
+                                         "storage", "kind", "x"]), c, max_size=4), max_leaves=12))
+def test_any_malformed_fleet_gives_a_config_error(tmp_path, doc):
+    f = tmp_path / "fuzz.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    try:
+        load_fleet(f)
+    except ConfigError as e:
+        assert str(f) in str(e)
