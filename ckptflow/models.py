@@ -134,7 +134,11 @@ class CheckpointState(str, Enum):
 class FileEntry(BaseModel):
     path: str = Field(..., description="Path relative to the checkpoint's image directory.")
     size: int = Field(..., ge=0, description="Size in bytes.")
-    sha256: str = Field(..., description="Hex sha256 of the file's bytes.")
+    sha256: str = Field(..., description="Hex sha256 of the file's bytes; for a chunked file, the "
+                        "sha256 of its chunk digests joined in order.")
+    chunk_size: int | None = Field(None, description="Set when the file is hashed in chunks of this size "
+                                   "(so large images are checked in parallel).")
+    chunks: list[str] | None = Field(None, description="Hex sha256 of each chunk, in order.")
 
 
 class Fingerprint(BaseModel):

@@ -101,3 +101,25 @@ def test_kill_during_store_write_leaves_no_manifest(store, tmp_path):
         store.latest_valid("w")
     from datetime import timedelta
     assert len(store.orphans("w", older_than=timedelta(0))) == 1
+
+
+def test_large_file_is_hashed_in_chunks_and_the_bad_chunk_is_named(store):
+    from ckptflow.store.local import CHUNK
+
+    p = store.begin("w", node="n")
+    big = p.images_dir / "pages-1.img"
+    with open(big, "wb") as f:
+        for i in range(3):
+            f.write(bytes([i + 1]) * CHUNK)
+        f.write(b"tail")
+    m = store.commit(p)
+    entry = next(e for e in m.files if e.path == "pages-1.img")
+    assert entry.chunk_size == CHUNK and len(entry.chunks) == 4
+    import hashlib
+    assert entry.chunks[1] == hashlib.sha256(b"\x02" * CHUNK).hexdigest()
+    store.verify_bytes(m)
+    with open(store.images_dir(m) / "pages-1.img", "r+b") as f:
+        f.seek(2 * CHUNK + 5)
+        f.write(b"\xff")
+    with pytest.raises(ChecksumMismatch, match=rf"chunk 2, bytes {2 * CHUNK}\.\.{3 * CHUNK}"):
+        store.verify_bytes(m)

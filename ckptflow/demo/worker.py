@@ -35,7 +35,61 @@ from ckptflow.demo.model import ModelConfig, TinyTransformer, decode, encode
 KV_CAPACITY_TOKENS = 65536  # what "100 % KV cache usage" means for the demo
 
 
+class Metrics:
+    """vLLM's metric names, so the policy reads the demo workers like a real engine."""
+
+    def __init__(self, model_name: str):
+        reg = self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        self.running = Gauge("vllm:num_requests_running", "Requests running.", labels, registry=reg)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting.", labels, registry=reg)
+        self.kv = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100 %.", labels, registry=reg)
+        self.prompt = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=reg)
+        self.gen = Counter("vllm:generation_tokens", "Generation tokens processed.", labels, registry=reg)
+        self.ok = Counter("vllm:request_success", "Finished requests.", labels, registry=reg)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
+                             labels, registry=reg,
+                             buckets=(0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+        self.sessions = Gauge("ckptflow_demo:sessions_open", "Long sessions with a KV cache.",
+                              labels, registry=reg)
+        for m in (self.running, self.waiting, self.kv, self.sessions):
+            m.labels(model_name).set(0)
+
+    def observe(self, n_prompt: int, n_gen: int, seconds: float, cached_tokens: int, capacity: int,
+                n_sessions: int) -> None:
+        name = self.model_name
+        self.prompt.labels(name).inc(n_prompt)
+        self.gen.labels(name).inc(n_gen)
+        self.ok.labels(name).inc()
+        self.e2e.labels(name).observe(seconds)
+        self.kv.labels(name).set(min(1.0, cached_tokens / capacity))
+        self.sessions.labels(name).set(n_sessions)
+
+
+def parse_completion(body: dict) -> tuple[str, int, str | None]:
+    prompt = body.get("prompt", "")
+    if not isinstance(prompt, str):
+        raise ValueError("prompt must be a string")
+    max_tokens = int(body.get("max_tokens", 16))
+    if not 0 <= max_tokens <= 4096:
+        raise ValueError("max_tokens must be between 0 and 4096")
+    sid = body.get("session_id")
+    if sid is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", str(sid)):
+        raise ValueError("session_id must be 1-64 characters of [A-Za-z0-9._-]")
+    return prompt, max_tokens, sid
+
+
+def completion_response(model_name: str, sid: str | None, toks: list[int], n_prompt: int) -> dict:
+    return {"object": "text_completion", "model": model_name, "session_id": sid,
+            "choices": [{"index": 0, "text": decode(toks), "tokens": toks, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(toks)}}
+
+
 class Worker:
+    """The numpy worker. The HTTP handler needs: metrics, complete(), session_lengths(),
+    session_digests(), ballast_digest()."""
+
     def __init__(self, seed: int, ballast_mib: int, model_name: str):
         self.model = TinyTransformer(ModelConfig(seed=seed))
         self.model_name = model_name
@@ -43,58 +97,38 @@ class Worker:
         # Ballast stands in for weights and KV blocks: real, touched, non-zero pages.
         n = ballast_mib * (1 << 20) // 8
         self.ballast = np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) ^ np.uint64(seed)
-        reg = self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        self.m_running = Gauge("vllm:num_requests_running", "Requests running.", labels, registry=reg)
-        self.m_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting.", labels, registry=reg)
-        self.m_kv = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = 100 %.", labels, registry=reg)
-        self.m_prompt = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=reg)
-        self.m_gen = Counter("vllm:generation_tokens", "Generation tokens processed.", labels, registry=reg)
-        self.m_ok = Counter("vllm:request_success", "Finished requests.", labels, registry=reg)
-        self.m_e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
-                               labels, registry=reg,
-                               buckets=(0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
-        self.m_sessions = Gauge("ckptflow_demo:sessions_open", "Long sessions with a KV cache.",
-                                labels, registry=reg)
-        for m in (self.m_running, self.m_waiting, self.m_kv, self.m_sessions):
-            m.labels(model_name).set(0)
+        self.metrics = Metrics(model_name)
 
     def complete(self, body: dict) -> dict:
-        prompt = body.get("prompt", "")
-        if not isinstance(prompt, str):
-            raise ValueError("prompt must be a string")
-        max_tokens = int(body.get("max_tokens", 16))
-        if not 0 <= max_tokens <= 4096:
-            raise ValueError("max_tokens must be between 0 and 4096")
-        sid = body.get("session_id")
+        prompt, max_tokens, sid = parse_completion(body)
         t0 = time.perf_counter()
-        self.m_running.labels(self.model_name).set(1)
+        self.metrics.running.labels(self.model_name).set(1)
         try:
             if sid is None:
                 # Stateless request: a throwaway session seeded from the prompt (deterministic).
                 s = self.model.new_session("oneshot:" + hashlib.sha256(prompt.encode()).hexdigest())
             else:
-                if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", str(sid)):
-                    raise ValueError("session_id must be 1-64 characters of [A-Za-z0-9._-]")
                 s = self.sessions.get(sid) or self.sessions.setdefault(sid, self.model.new_session(sid))
             toks = self.model.generate(s, encode(prompt), max_tokens)
         finally:
-            self.m_running.labels(self.model_name).set(0)
+            self.metrics.running.labels(self.model_name).set(0)
         n_prompt = len(encode(prompt))
-        self.m_prompt.labels(self.model_name).inc(n_prompt)
-        self.m_gen.labels(self.model_name).inc(len(toks))
-        self.m_ok.labels(self.model_name).inc()
-        self.m_e2e.labels(self.model_name).observe(time.perf_counter() - t0)
-        cached = sum(len(x.tokens) for x in self.sessions.values())
-        self.m_kv.labels(self.model_name).set(min(1.0, cached / KV_CAPACITY_TOKENS))
-        self.m_sessions.labels(self.model_name).set(len(self.sessions))
-        return {"object": "text_completion", "model": self.model_name, "session_id": sid,
-                "choices": [{"index": 0, "text": decode(toks), "tokens": toks,
-                             "finish_reason": "length"}],
-                "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(toks)}}
+        self.metrics.observe(n_prompt, len(toks), time.perf_counter() - t0,
+                             sum(len(x.tokens) for x in self.sessions.values()), KV_CAPACITY_TOKENS,
+                             len(self.sessions))
+        return completion_response(self.model_name, sid, toks, n_prompt)
+
+    def session_lengths(self) -> dict[str, int]:
+        return {k: len(s.tokens) for k, s in self.sessions.items()}
+
+    def session_digests(self) -> dict[str, str]:
+        return {k: s.digest() for k, s in self.sessions.items()}
+
+    def ballast_digest(self) -> dict:
+        return {"digest": hashlib.sha256(self.ballast.tobytes()).hexdigest(), "bytes": int(self.ballast.nbytes)}
 
 
-def make_handler(w: Worker):
+def make_handler(w):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -116,45 +150,49 @@ def make_handler(w: Worker):
             if path == "/health":
                 return self._json(200, {"status": "ok", "pid": os.getpid()})
             if path == "/metrics":
-                return self._send(200, generate_latest(w.registry), "text/plain; version=0.0.4")
+                return self._send(200, generate_latest(w.metrics.registry), "text/plain; version=0.0.4")
             if path == "/v1/sessions":
-                return self._json(200, {"sessions": {k: len(s.tokens) for k, s in w.sessions.items()}})
+                return self._json(200, {"sessions": w.session_lengths()})
             if path == "/v1/sessions/digests":
-                return self._json(200, {"sessions": {k: s.digest() for k, s in w.sessions.items()}})
+                return self._json(200, {"sessions": w.session_digests()})
             if path == "/v1/ballast/digest":
-                return self._json(200, {"digest": hashlib.sha256(w.ballast.tobytes()).hexdigest(),
-                                        "bytes": int(w.ballast.nbytes)})
+                return self._json(200, w.ballast_digest())
             m = re.fullmatch(r"/v1/sessions/([A-Za-z0-9._-]{1,64})/digest", path)
             if m:
-                s = w.sessions.get(m.group(1))
-                if s is None:
+                digests = w.session_digests()
+                if m.group(1) not in digests:
                     return self._json(404, {"error": f"no session {m.group(1)}"})
-                return self._json(200, {"session_id": s.id, "digest": s.digest(), "tokens": len(s.tokens)})
+                return self._json(200, {"session_id": m.group(1), "digest": digests[m.group(1)],
+                                        "tokens": w.session_lengths()[m.group(1)]})
             return self._json(404, {"error": "not found"})
 
         def do_POST(self):
-            if self.path.split("?")[0] != "/v1/completions":
+            path = self.path.split("?")[0]
+            fn = {"/v1/completions": w.complete, "/v1/peek": getattr(w, "peek", None)}.get(path)
+            if fn is None:
                 return self._json(404, {"error": "not found"})
             try:
                 n = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(n) or b"{}")
-                return self._json(200, w.complete(body))
+                return self._json(200, fn(body))
             except (ValueError, TypeError) as e:
                 return self._json(400, {"error": str(e)})
 
     return Handler
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def base_args(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=18001)
     p.add_argument("--pid-file")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--ballast-mib", type=int, default=0)
     p.add_argument("--model-name", default="ckptflow-demo-tiny")
-    a = p.parse_args(argv)
-    w = Worker(a.seed, a.ballast_mib, a.model_name)
+    return p
+
+
+def serve(w, a: argparse.Namespace) -> None:
+    """Bind, write the pid file (atomically, once listening), serve one request at a time."""
     server = HTTPServer((a.host, a.port), make_handler(w))
     if a.pid_file:
         tmp = a.pid_file + ".tmp"
@@ -163,6 +201,13 @@ def main(argv: list[str] | None = None) -> None:
         os.replace(tmp, a.pid_file)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     server.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = base_args(__doc__.splitlines()[0])
+    p.add_argument("--ballast-mib", type=int, default=0)
+    a = p.parse_args(argv)
+    serve(Worker(a.seed, a.ballast_mib, a.model_name), a)
 
 
 if __name__ == "__main__":

@@ -126,9 +126,53 @@ class RestoreResult:
 class NodeRunner:
     """Checkpoint and restore declared workloads of this node."""
 
-    def __init__(self, store: LocalStore, criu: CriuRunner | None = None):
+    def __init__(self, store: LocalStore, criu: CriuRunner | None = None, cuda: "CudaRunner | None" = None):
         self.store = store
         self.criu = criu or CriuRunner()
+        self._cuda = cuda
+
+    @property
+    def cuda(self) -> "CudaRunner":
+        if self._cuda is None:  # imports the driver bindings only when a GPU worker is handled
+            from ckptflow.runners.cuda import CudaRunner
+
+            self._cuda = CudaRunner()
+        return self._cuda
+
+    def _dump_gpu(self, w: Workload, proc, images_dir: Path, leave_running: bool) -> tuple[int, dict, int]:
+        """lock -> checkpoint -> CRIU dump [-> restore -> unlock]; unlock on any failure."""
+        from ckptflow.runners.cuda import cuda_pids, process_gpu_bytes
+
+        pids = cuda_pids(proc.pid)
+        footprints = {pid: process_gpu_bytes([pid]) for pid in pids}
+        t: dict[str, float] = {}
+        t0 = time.perf_counter()
+        procs = self.cuda.lock(pids, footprints)
+        t["lock"] = time.perf_counter() - t0
+        try:
+            t0 = time.perf_counter()
+            self.cuda.checkpoint(procs)
+            t["cuda_checkpoint"] = time.perf_counter() - t0
+            res = self.criu.dump(w, images_dir, leave_running=leave_running, proc=proc)
+            t["dump"] = res.seconds
+            if leave_running:
+                t0 = time.perf_counter()
+                self.cuda.restore(procs, footprint_bytes=sum(footprints.values()))
+                t["cuda_restore"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                self.cuda.unlock(procs)
+                t["unlock"] = time.perf_counter() - t0
+        except BaseException as e:
+            if process.pid_alive(proc.pid):
+                stuck = self.cuda.unlock_all(procs)
+                if stuck:
+                    from ckptflow.errors import CudaCheckpointError
+
+                    raise CudaCheckpointError(f"{e}\n  and the worker could not be unlocked: {'; '.join(stuck)}",
+                                              fix="see the stuck state above; the worker may need a restart") from e
+            raise
+        t["pause"] = sum(t.values())
+        return res.pid, {k: round(v, 4) for k, v in t.items()}, sum(footprints.values())
 
     def checkpoint(self, w: Workload, *, leave_running: bool = True) -> Manifest:
         """Dump ``w`` into the store and commit its manifest.
@@ -144,17 +188,33 @@ class NodeRunner:
         if load is not None:
             state["tokens_total"] = load.tokens_total
         pending = self.store.begin(w.name, node=w.node)
+        footprint = 0
         try:
-            res = self.criu.dump(w, pending.images_dir, leave_running=leave_running, proc=proc)
+            if w.gpu:
+                pid, timings, footprint = self._dump_gpu(w, proc, pending.images_dir, leave_running)
+            else:
+                res = self.criu.dump(w, pending.images_dir, leave_running=leave_running, proc=proc)
+                pid, timings = res.pid, {"dump": round(res.seconds, 4), "pause": round(res.seconds, 4)}
         except BaseException:
             self.store.abort(pending)
             raise
         kind = "heartbeat" if leave_running else "migrate"
-        return self.store.commit(pending, timings={"dump": round(res.seconds, 4)}, probe=state,
-                                 kind=kind, pid=res.pid)
+        return self.store.commit(pending, timings=timings, probe=state, kind=kind, pid=pid,
+                                 gpu_footprint_bytes=footprint)
+
+    def _restore_gpu(self, pid: int, m: Manifest, gpu_pairs: list[tuple[str, str]] | None) -> dict:
+        """CUDA restore (optionally remapping GPU UUIDs) and unlock of a CRIU-restored worker."""
+        from ckptflow.runners.cuda import CudaProcess, ProcessState, cuda_pids
+
+        procs = [CudaProcess(p, state=ProcessState.CHECKPOINTED) for p in cuda_pids(pid)]
+        t0 = time.perf_counter()
+        self.cuda.restore(procs, footprint_bytes=m.gpu_footprint_bytes, gpu_pairs=gpu_pairs)
+        t1 = time.perf_counter()
+        self.cuda.unlock(procs)
+        return {"cuda_restore": round(t1 - t0, 4), "unlock": round(time.perf_counter() - t1, 4)}
 
     def restore(self, w: Workload, *, manifest: Manifest | None = None,
-                fallback: bool = True) -> RestoreResult:
+                fallback: bool = True, gpu_pairs: list[tuple[str, str]] | None = None) -> RestoreResult:
         """Restore ``w`` from ``manifest`` (default: its latest valid checkpoint).
 
         A checkpoint whose bytes fail their checksums is marked ``verify_failed`` and, with
@@ -188,9 +248,15 @@ class NodeRunner:
                     raise
                 continue
             timings["checksum"] = round(time.perf_counter() - t0, 4)
+            if w.gpu and m.gpu_footprint_bytes:
+                from ckptflow.runners.cuda import gate_gpu_memory
+
+                gate_gpu_memory(m.gpu_footprint_bytes)  # before CRIU: refuse early, nothing touched
             t0 = time.perf_counter()
             pid = self.criu.restore(images, old_pid=m.pid or 0, tcp_established=w.tcp_established)
             timings["restore"] = round(time.perf_counter() - t0, 4)
+            if w.gpu:
+                timings.update(self._restore_gpu(pid, m, gpu_pairs))
             if w.find.pid_file:
                 _write_pid_file(Path(w.find.pid_file), pid)
             timings["health"] = round(wait_healthy(w), 4)
