@@ -29,16 +29,32 @@ def demo_workload(name: str, port: int, pid_file: Path, *, node: str = "local",
 
 
 def start_worker(port: int, pid_file: Path, *, ballast_mib: int = 0, seed: int = 1234,
-                 timeout_s: float = 30) -> subprocess.Popen:
+                 timeout_s: float = 30, module: str = "ckptflow.demo.worker",
+                 extra: list[str] | None = None) -> subprocess.Popen:
     """Start a detached demo worker (own session, stdio on /dev/null) and wait until healthy."""
     pid_file.unlink(missing_ok=True)
+    size = ["--ballast-mib", str(ballast_mib)] if module == "ckptflow.demo.worker" else []
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckptflow.demo.worker", "--port", str(port), "--pid-file", str(pid_file),
-         "--ballast-mib", str(ballast_mib), "--seed", str(seed)],
+        [sys.executable, "-m", module, "--port", str(port), "--pid-file", str(pid_file),
+         "--seed", str(seed), *size, *(extra or [])],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True, close_fds=True, env={**os.environ, **_WORKER_ENV})
     wait_healthy(f"http://127.0.0.1:{port}/health", timeout_s, proc=proc)
     return proc
+
+
+def start_gpu_worker(port: int, pid_file: Path, *, ballast_gib: float, seed: int = 1234,
+                     timeout_s: float = 300) -> subprocess.Popen:
+    """Start the torch GPU demo worker (needs torch and a GPU)."""
+    return start_worker(port, pid_file, seed=seed, timeout_s=timeout_s, module="ckptflow.demo.gpu_worker",
+                        extra=["--ballast-gib", str(ballast_gib)])
+
+
+def gpu_workload(name: str, port: int, pid_file: Path, footprint_gib: float | None = None) -> Workload:
+    w = demo_workload(name, port, pid_file)
+    return w.model_copy(update={"gpu": True, "gpu_footprint_gib": footprint_gib,
+                                "find": ProcessFinder(pid_file=str(pid_file),
+                                                      cmdline_must_contain="ckptflow.demo.gpu_worker")})
 
 
 def wait_healthy(url: str, timeout_s: float = 30, proc: subprocess.Popen | None = None) -> float:
