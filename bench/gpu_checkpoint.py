@@ -64,7 +64,9 @@ def set_thp(mode: str | None) -> str:
         return f"unknown ({e})"
 
 
-def fill_rate(gib: int = 4) -> float:
+def fill_rate(gib: int = 4, thp: str | None = None) -> float:
+    if thp:
+        set_thp(thp)
     src = np.ones(gib << 30, dtype=np.uint8)
     dst = np.empty_like(src)
     t0 = time.perf_counter()
@@ -132,8 +134,9 @@ def manual(w, images: Path, criu: CriuRunner) -> tuple[float, float, bool]:
     return pause, restore, ok
 
 
-def run_size(size: float, images_root: Path, thp: str | None, tmp: Path, fill: float) -> dict:
-    row: dict = {"footprint_gib": size, "fill_gib_s": round(fill, 3)}
+def run_size(size: float, images_root: Path, thp: str | None, tmp: Path, fills: dict) -> dict:
+    fill = fills.get(thp or "node", fills["node"])
+    row: dict = {"footprint_gib": size, "fill_gib_s": round(fill, 3), "fill_by_thp": fills}
     criu = CriuRunner()
     # 1. by-hand baseline on the node's default THP setting
     proc, w, cold, mode = start(size, f"manual-{size:g}", "madvise" if thp else None, tmp)
@@ -181,6 +184,23 @@ def run_size(size: float, images_root: Path, thp: str | None, tmp: Path, fill: f
     return row
 
 
+def gpu_name() -> tuple[str, str]:
+    import pynvml
+
+    pynvml.nvmlInit()
+    return pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0)), pynvml.nvmlSystemGetDriverVersion()
+
+
+def save(out: Path, rows: list[dict], images_on: str) -> None:
+    """Rows replace earlier rows of the same size (keeps other sizes from earlier runs)."""
+    old = json.loads(out.read_text())["rows"] if out.exists() else []
+    merged = {r["footprint_gib"]: r for r in old}
+    merged.update({r["footprint_gib"]: r for r in rows})
+    gpu, driver = gpu_name()
+    out.write_text(json.dumps({"gpu": gpu, "driver": driver, "images_on": images_on,
+                               "rows": [merged[k] for k in sorted(merged)]}, indent=1) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="8,20,50")
@@ -190,27 +210,23 @@ def main() -> int:
     original = set_thp(None)
     tmp = Path(tempfile.mkdtemp(prefix="ckptflow-gpu-"))
     images_root = Path(tempfile.mkdtemp(prefix="ckptflow-img-", dir=a.images))
-    fill = fill_rate()
-    log(f"fresh-page fill rate {fill:.2f} GiB/s; THP was {original}")
+    # Fill rate under each THP mode the run uses: restore is compared with the same mode.
+    fills = {"node": round(fill_rate(), 3)}
+    if a.thp:
+        fills[a.thp] = round(fill_rate(thp=a.thp), 3)
+        set_thp(original)
+    log(f"fresh-page fill rate {fills} GiB/s; THP was {original}")
     rows = []
+    out = BENCH / "results" / "gpu_checkpoint.json"
     try:
         for s in a.sizes.split(","):
-            rows.append(run_size(float(s), images_root, a.thp or None, tmp, fill))
+            rows.append(run_size(float(s), images_root, a.thp or None, tmp, fills))
+            save(out, rows, a.images)  # after every size: a run cut short still leaves its rows
     finally:
         if original in ("always", "madvise", "never"):
             set_thp(original)
         shutil.rmtree(images_root, ignore_errors=True)
-    out = BENCH / "results" / "gpu_checkpoint.json"
-    old = json.loads(out.read_text())["rows"] if out.exists() else []
-    merged = {r["footprint_gib"]: r for r in old}
-    merged.update({r["footprint_gib"]: r for r in rows})
-    import pynvml
-
-    pynvml.nvmlInit()
-    gpu = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
-    driver = pynvml.nvmlSystemGetDriverVersion()
-    out.write_text(json.dumps({"gpu": gpu, "driver": driver, "images_on": a.images,
-                               "rows": [merged[k] for k in sorted(merged)]}, indent=1) + "\n")
+    gpu, driver = gpu_name()
     headers = ["footprint GiB", "image GiB", "pause s", "by-hand pause s", "pause / by-hand", "restore-to-ready s",
                "by-hand restore s", "restore GiB/s", "fill GiB/s", "restore / fill", "cold start s", "bit-exact"]
     table = md_table(headers, [[r["footprint_gib"], r["image_gib"], r["pause_s"], r["manual_pause_s"],

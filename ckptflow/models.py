@@ -115,6 +115,10 @@ class Workload(BaseModel):
         None, description="GET returns {\"sessions\": {id: digest}}: read right before a dump and "
         "compared after a restore (the demo worker serves it; engines need a plugin).",
         examples=["http://127.0.0.1:18001/v1/sessions/digests"])
+    prepare_url: str | None = Field(
+        None, description="POSTed right before a GPU checkpoint so the engine can release cached "
+        "but free allocator memory (e.g. torch.cuda.empty_cache()); the checkpoint then copies "
+        "and dumps only memory in use.", examples=["http://127.0.0.1:18001/v1/ckptflow/prepare"])
     tcp_established: bool = Field(
         False, description="Checkpoint established TCP connections too (CRIU --tcp-established).")
     labels: dict[str, str] = Field(default_factory=dict, description="Free labels for policy rules.")

@@ -151,8 +151,3 @@ def test_nvml_missing_is_a_clear_unavailable():
         pass
     with pytest.raises(RunnerUnavailable, match="NVML unavailable"):
         gate_gpu_memory(GIB)
-
-
-@pytest.mark.gpu
-def test_real_driver_round_trip():
-    pytest.skip("needs an NVIDIA GPU: run bench/gpu_checkpoint.py on the H200 (see bench/RESULTS.md)")

@@ -7,7 +7,9 @@ Needs torch (the optional ``ckptflow[gpu]`` extra on GPU nodes); ``--device cpu`
 same code without a graph, for debugging. The ballast stands in for weights and KV blocks so
 the GPU footprint can be set (8, 20, 50 GiB in bench/gpu_checkpoint.py).
 
-Extra endpoint:
+Extra endpoints:
+    POST /v1/ckptflow/prepare  release cached-but-free allocator memory before a checkpoint
+                               (the workload's ``prepare_url``).
     POST /v1/peek   {"session_id", "prompt", "max_tokens"}: the tokens a completion *would*
                     produce, computed on a scratch copy of the session's KV (state unchanged).
                     Taken before a checkpoint, it is the uninterrupted reference.
@@ -118,8 +120,11 @@ class GpuModel:
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
 
-def gpu_checksum(t: torch.Tensor, chunk: int = 1 << 28) -> str:
-    """sha256 over per-chunk int64 sums computed on the device (no 50 GiB copy to the host)."""
+def gpu_checksum(t: torch.Tensor, chunk: int = 1 << 24) -> str:
+    """sha256 over per-chunk int64 sums computed on the device (no 50 GiB copy to the host).
+
+    Chunks stay small: each sum makes an int64 temporary that the caching allocator keeps.
+    """
     flat = t.reshape(-1).view(torch.int32)
     sums = [int(flat[i:i + chunk].sum(dtype=torch.int64)) for i in range(0, flat.numel(), chunk)]
     return hashlib.sha256(json.dumps(sums).encode()).hexdigest()
@@ -188,6 +193,16 @@ class GpuWorker:
         self.model.copy_slot(s["slot"], scratch, s["len"])
         toks, _, _ = self._generate(scratch, s["len"], s["last"], encode(prompt), max_tokens)
         return {"session_id": sid, "tokens": toks}
+
+    def prepare(self, body: dict) -> dict:
+        """Before a checkpoint: hand cached-but-free allocator blocks back to the driver, so the
+        CUDA checkpoint copies (and CRIU dumps) only memory in use."""
+        if self.model.dev.type != "cuda":
+            return {"released_bytes": 0}
+        before = torch.cuda.memory_reserved()
+        torch.cuda.empty_cache()
+        return {"released_bytes": int(before - torch.cuda.memory_reserved()),
+                "reserved_bytes": int(torch.cuda.memory_reserved())}
 
     def session_lengths(self) -> dict[str, int]:
         return {k: s["len"] for k, s in self.sessions.items()}

@@ -53,6 +53,7 @@ def start_gpu_worker(port: int, pid_file: Path, *, ballast_gib: float, seed: int
 def gpu_workload(name: str, port: int, pid_file: Path, footprint_gib: float | None = None) -> Workload:
     w = demo_workload(name, port, pid_file)
     return w.model_copy(update={"gpu": True, "gpu_footprint_gib": footprint_gib,
+                                "prepare_url": f"http://127.0.0.1:{port}/v1/ckptflow/prepare",
                                 "find": ProcessFinder(pid_file=str(pid_file),
                                                       cmdline_must_contain="ckptflow.demo.gpu_worker")})
 
