@@ -200,13 +200,19 @@ class CriuRunner:
             time.sleep(0.02)
 
     def restore(self, images_dir: Path, *, old_pid: int, tcp_established: bool = False,
-                timeout_s: float | None = None) -> int:
-        """Restore detached (the process outlives this call); return the restored PID."""
+                leave_stopped: bool = False, timeout_s: float | None = None) -> int:
+        """Restore detached (the process outlives this call); return the restored PID.
+
+        ``leave_stopped`` leaves the tree in SIGSTOP: nothing of it runs until the caller sends
+        SIGCONT (after the image's checksums, verified in parallel, came out right).
+        """
         self.wait_pid_free(old_pid)
         log = self.log_dir / f"restore-{old_pid}-{time.time_ns()}.log"
         pidfile = self.log_dir / f"restore-{old_pid}-{time.time_ns()}.pid"
         args = ["restore", "-d", "--pidfile", str(pidfile),
                 *self._common(images_dir, log, tcp_established)]
+        if leave_stopped:
+            args.append("--leave-stopped")
         self._run(args, log, timeout_s, "restore")
         return int(pidfile.read_text().strip())
 
