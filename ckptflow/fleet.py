@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, m
 
 from ckptflow.errors import ConfigError
 from ckptflow.models import Engine, Name, TrafficClass, Workload
+from ckptflow.policies.retention import Retention
 
 
 class StorageKind(str, Enum):
@@ -152,6 +153,7 @@ class Fleet(BaseModel):
     policies: list[PolicyRule] = Field(default_factory=list)
     schedules: dict[Literal["heartbeat", "invalidate", "verify", "recover"], Schedule] = Field(default_factory=dict)
     slack: Slack | None = None
+    retention: Retention = Field(default_factory=Retention, description="Which checkpoints to keep.")
     prefect_ui_url: str | None = Field(None, description="Base URL of the Prefect UI, for links in alerts.")
 
     @model_validator(mode="after")

@@ -123,3 +123,25 @@ def test_large_file_is_hashed_in_chunks_and_the_bad_chunk_is_named(store):
         f.write(b"\xff")
     with pytest.raises(ChecksumMismatch, match=rf"chunk 2, bytes {2 * CHUNK}\.\.{3 * CHUNK}"):
         store.verify_bytes(m)
+
+
+def test_apply_retention_keeps_newest_valid_and_removes_orphans(store):
+    from datetime import timedelta
+
+    from ckptflow.models import utcnow
+    from ckptflow.policies.retention import Retention
+
+    made = []
+    for _ in range(4):
+        made.append(_fake_checkpoint(store))
+        time.sleep(0.002)
+    store.set_state(made[-1], CheckpointState.invalidated, "criu 4.2 -> 4.3")
+    orphan = store.begin("w", node="n")
+    (orphan.images_dir / "pages-1.img").write_bytes(b"partial")
+    gone = dict(store.apply_retention("w", Retention(keep=1, max_age_h=1, invalidated_grace_h=0),
+                                      now=utcnow() + timedelta(hours=5), orphan_grace=timedelta(0)))
+    left = [m.id for m in store.list("w")]
+    assert left == [made[2].id]                      # the newest valid one, although 5 h old
+    assert gone[made[3].id].startswith("invalidated")
+    assert gone[orphan.id] == "orphan bytes without a manifest"
+    assert not orphan.dir.exists()

@@ -22,17 +22,22 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError, RestoreFailed,
-                             WorkloadNotFound)
+import logging
+
+from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError, IncompatibleCheckpoint,
+                             RestoreFailed, WorkloadNotFound)
 from ckptflow.fleet import Node
-from ckptflow.models import CheckpointState, Manifest, Workload
+from ckptflow.models import CheckpointState, Fingerprint, Manifest, Workload
 from ckptflow.policies.cadence import WorkloadFacts
+from ckptflow.policies.compat import diff
+from ckptflow.runners.fingerprint import node_fingerprint, workload_fingerprint
 from ckptflow.policies.load import WorkloadLoad, parse_metrics
 from ckptflow.runners import process
 from ckptflow.runners.criu import CriuRunner
 from ckptflow.store.local import LocalStore
 
 HEALTH_TIMEOUT_S = 60
+log = logging.getLogger("ckptflow")
 
 
 def _get_json(url: str, timeout_s: float = 10) -> dict:
@@ -128,10 +133,33 @@ class RestoreResult:
 class NodeRunner:
     """Checkpoint and restore declared workloads of this node."""
 
-    def __init__(self, store: LocalStore, criu: CriuRunner | None = None, cuda: "CudaRunner | None" = None):
+    def __init__(self, store: LocalStore, criu: CriuRunner | None = None, cuda: "CudaRunner | None" = None,
+                 node_fp: Fingerprint | None = None):
         self.store = store
         self.criu = criu or CriuRunner()
         self._cuda = cuda
+        self._node_fp = node_fp
+
+    @property
+    def node_fp(self) -> Fingerprint:
+        if self._node_fp is None:
+            self._node_fp = node_fingerprint(self.criu.criu_bin)
+        return self._node_fp
+
+    def gate(self, w: Workload, m: Manifest, overrides: frozenset[str] = frozenset()) -> None:
+        """Refuse a checkpoint taken on another fingerprint, before any CRIU or CUDA call.
+
+        Raises:
+            IncompatibleCheckpoint: naming every differing field as old -> new (final).
+        """
+        groups = ("host", "gpu", "workload") if w.gpu else ("host", "workload")
+        c = diff(m.fingerprint, workload_fingerprint(w, self.node_fp), overrides, groups)
+        if c.skipped:
+            log.warning("checkpoint %s of %s: fingerprint lacks %s; not checked", m.id, w.name, ", ".join(c.skipped))
+        for f, (a, b) in c.overridden.items():
+            log.warning("OVERRIDE: restoring %s of %s although %s differs: %r -> %r", m.id, w.name, f, a, b)
+        if not c.ok:
+            raise IncompatibleCheckpoint(c.differences, checkpoint=m.id)
 
     @property
     def cuda(self) -> "CudaRunner":
@@ -211,7 +239,7 @@ class NodeRunner:
             raise
         kind = "heartbeat" if leave_running else "migrate"
         return self.store.commit(pending, timings=timings, probe=state, kind=kind, pid=pid,
-                                 gpu_footprint_bytes=footprint)
+                                 gpu_footprint_bytes=footprint, fingerprint=workload_fingerprint(w, self.node_fp))
 
     def _restore_gpu(self, pid: int, m: Manifest, gpu_pairs: list[tuple[str, str]] | None) -> dict:
         """CUDA restore (optionally remapping GPU UUIDs) and unlock of a CRIU-restored worker."""
@@ -224,8 +252,9 @@ class NodeRunner:
         self.cuda.unlock(procs)
         return {"cuda_restore": round(t1 - t0, 4), "unlock": round(time.perf_counter() - t1, 4)}
 
-    def restore(self, w: Workload, *, manifest: Manifest | None = None,
-                fallback: bool = True, gpu_pairs: list[tuple[str, str]] | None = None) -> RestoreResult:
+    def restore(self, w: Workload, *, manifest: Manifest | None = None, fallback: bool = True,
+                gpu_pairs: list[tuple[str, str]] | None = None,
+                overrides: frozenset[str] = frozenset()) -> RestoreResult:
         """Restore ``w`` from ``manifest`` (default: its latest valid checkpoint).
 
         A checkpoint whose bytes fail their checksums is marked ``verify_failed`` and, with
@@ -249,6 +278,7 @@ class NodeRunner:
         skipped = []
         for m in candidates:
             timings: dict[str, float] = {}
+            self.gate(w, m, overrides)
             if w.gpu and m.gpu_footprint_bytes:
                 from ckptflow.runners.cuda import gate_gpu_memory
 

@@ -30,10 +30,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ckptflow.errors import CheckpointNotFound, ChecksumMismatch, StorageFull, StoreError
 from ckptflow.models import CheckpointState, FileEntry, Fingerprint, Manifest, _check_ckpt_id, _check_name, utcnow
+
+if TYPE_CHECKING:
+    from ckptflow.policies.retention import Retention
 
 MANIFEST = "manifest.json"
 IMAGES = "images"
@@ -266,6 +269,42 @@ class LocalStore:
         d = self.root / m.workload / m.id
         (d / MANIFEST).unlink(missing_ok=True)
         shutil.rmtree(d, ignore_errors=True)
+
+    # --- node fingerprints, as each node last reported them -------------------------------
+    def put_node_fingerprint(self, node: str, fp: Fingerprint) -> None:
+        _check_name(node)
+        d = self.root / ".nodes"
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_json_atomic(d / f"{node}.json", fp.model_dump_json(indent=2))
+
+    def node_fingerprints(self) -> dict[str, Fingerprint]:
+        d = self.root / ".nodes"
+        if not d.exists():
+            return {}
+        return {p.stem: Fingerprint.model_validate_json(p.read_text()) for p in d.glob("*.json")}
+
+    def apply_retention(self, workload: str, rule: "Retention | None" = None, now: datetime | None = None,
+                        orphan_grace: timedelta = timedelta(hours=1)) -> list[tuple[str, str]]:
+        """Delete what the retention policy names, and orphan bytes older than the grace period.
+
+        The newest valid checkpoint is never deleted (policies.retention guarantees it, and
+        this checks again: a policy bug must not cost the last good checkpoint).
+        """
+        from ckptflow.policies.retention import to_delete
+
+        now = now or utcnow()
+        manifests = self.list(workload)
+        newest_valid = next((m.id for m in manifests if m.state.restorable), None)
+        gone = []
+        for m, why in to_delete(manifests, now, rule):
+            if m.id == newest_valid:
+                raise StoreError(f"retention wanted to delete {m.id}, the newest valid checkpoint of {workload}")
+            self.delete(m)
+            gone.append((m.id, why))
+        for d in self.orphans(workload, orphan_grace):
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append((d.name, "orphan bytes without a manifest"))
+        return gone
 
     def orphans(self, workload: str, older_than: timedelta) -> list[Path]:
         """Checkpoint directories without a manifest, older than ``older_than``."""

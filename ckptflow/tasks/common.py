@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 
+from ckptflow.alerts import Alerter
 from ckptflow.errors import CkptflowError
 from ckptflow.fleet import Fleet, load_fleet
 from ckptflow.runners.composite import NodeRunner
@@ -16,6 +19,22 @@ def open_fleet(fleet_file: str) -> Fleet:
 
 def node_runner(fleet: Fleet) -> NodeRunner:
     return NodeRunner(open_store(fleet.storage))
+
+
+def this_node(fleet: Fleet) -> str | None:
+    """Which fleet node this process runs on: $CKPTFLOW_NODE, the only node, or the hostname."""
+    name = os.environ.get("CKPTFLOW_NODE")
+    if name:
+        fleet.node(name)
+        return name
+    if len(fleet.nodes) == 1:
+        return fleet.nodes[0].name
+    host = socket.gethostname().split(".")[0].lower()
+    return host if any(n.name == host for n in fleet.nodes) else None
+
+
+def alerter(fleet: Fleet) -> Alerter:
+    return Alerter(fleet.slack, state_dir=Path(fleet.storage.path), prefect_ui_url=fleet.prefect_ui_url)
 
 
 def retry_if_retryable(task, task_run, state) -> bool:

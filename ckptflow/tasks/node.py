@@ -23,6 +23,7 @@ def checkpoint_batch(fleet_file: str, node: str, workloads: list[str], force: bo
     fleet = open_fleet(fleet_file)
     runner = node_runner(fleet)
     node_cfg = fleet.node(node)
+    runner.store.put_node_fingerprint(node, runner.node_fp)  # keeps what invalidate reads fresh
     out = []
     for name in workloads:
         w = fleet.workload(name)

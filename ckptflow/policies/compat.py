@@ -1,0 +1,85 @@
+"""Is a checkpoint restorable here? Compare its fingerprint with the target's. Pure.
+
+Gated fields (any difference refuses the restore before a CRIU or CUDA call):
+
+| group    | fields                                    | why                                          |
+|----------|-------------------------------------------|----------------------------------------------|
+| host     | arch, kernel, glibc, criu                 | CRIU images and mapped libraries are tied to them |
+| gpu      | gpu_model, gpu_count, driver, cuda_driver | the driver restores device state it wrote    |
+| workload | engine, engine_version, model_id, model_revision | a restored engine would serve the old model |
+
+Not gated: GPU UUIDs (remapped on restore), python and ckptflow versions (recorded only).
+
+Example:
+    >>> diff(Fingerprint(driver="580.1"), Fingerprint(driver="590.2")).differences
+    {'driver': ('580.1', '590.2')}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ckptflow.models import Fingerprint, Manifest
+
+GATED = {
+    "host": ("arch", "kernel", "glibc", "criu"),
+    "gpu": ("gpu_model", "gpu_count", "driver", "cuda_driver"),
+    "workload": ("engine", "engine_version", "model_id", "model_revision"),
+}
+GATED_FIELDS = tuple(f for fs in GATED.values() for f in fs)
+
+
+@dataclass
+class Compat:
+    differences: dict[str, tuple[object, object]] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)      # missing in the older fingerprint
+    overridden: dict[str, tuple[object, object]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.differences
+
+    def reason(self) -> str:
+        return "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in self.differences.items())
+
+
+def diff(old: Fingerprint | None, new: Fingerprint, overrides: frozenset[str] | set[str] = frozenset(),
+         groups: tuple[str, ...] = ("host", "gpu", "workload")) -> Compat:
+    """Differences of the gated fields, old -> new.
+
+    A field the old fingerprint lacks (an older manifest) is skipped, not failed; a field in
+    ``overrides`` is reported as overridden instead of refused.
+    """
+    out = Compat()
+    if old is None:
+        out.skipped = [f for g in groups for f in GATED[g]]
+        return out
+    for g in groups:
+        for f in GATED[g]:
+            a, b = getattr(old, f, None), getattr(new, f, None)
+            if a is None:
+                out.skipped.append(f)
+            elif a != b:
+                (out.overridden if f in overrides else out.differences)[f] = (a, b)
+    return out
+
+
+def stale(manifests: list[Manifest], current: dict[str, Fingerprint], gpu: bool) -> list[tuple[Manifest, str]]:
+    """Restorable checkpoints that no eligible node can restore any more, with the reason.
+
+    ``current`` maps each eligible node (same GPU class as the workload's node) to its
+    fingerprint now, with the workload's current engine and model filled in. A checkpoint
+    stays valid while one of them still matches; with no node known, nothing is judged.
+    """
+    if not current:
+        return []
+    groups = ("host", "gpu", "workload") if gpu else ("host", "workload")
+    out = []
+    for m in manifests:
+        if not m.state.restorable:
+            continue
+        diffs = {node: diff(m.fingerprint, fp, groups=groups) for node, fp in current.items()}
+        if all(not c.ok for c in diffs.values()):
+            node = m.node if m.node in diffs else sorted(diffs)[0]
+            out.append((m, f"no eligible node can restore it; on {node}: {diffs[node].reason()}"))
+    return out

@@ -1,0 +1,83 @@
+"""Fingerprints: everything a restore depends on, read from this node and a workload.
+
+Example:
+    >>> fp = node_fingerprint()          # doctest: +SKIP
+    >>> fp.kernel, fp.criu, fp.driver    # ('6.18.44', '4.2.1', None) on a CPU node
+    >>> fp.notes["gpu"]                  # why the GPU fields are empty
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from functools import lru_cache
+
+import ckptflow
+from ckptflow.models import Fingerprint, Workload
+from ckptflow.runners.criu import parse_version
+
+
+def _gpu_fields() -> tuple[dict, str | None]:
+    try:
+        import pynvml
+    except ImportError:
+        return {}, "pynvml missing (pip install nvidia-ml-py)"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:  # NVMLError_LibraryNotFound on a machine without a driver
+        return {}, f"no NVML: {e}"
+    try:
+        n = pynvml.nvmlDeviceGetCount()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
+
+        def s(v):
+            return v.decode() if isinstance(v, bytes) else v
+
+        cuda = pynvml.nvmlSystemGetCudaDriverVersion_v2()
+        return {"gpu_model": s(pynvml.nvmlDeviceGetName(handles[0])) if handles else None,
+                "gpu_count": n, "gpu_uuids": [s(pynvml.nvmlDeviceGetUUID(h)) for h in handles],
+                "driver": s(pynvml.nvmlSystemGetDriverVersion()),
+                "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}"}, None
+    except pynvml.NVMLError as e:
+        return {}, f"NVML query failed: {e}"
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _criu_version(criu_bin: str) -> tuple[str | None, str | None]:
+    try:
+        out = subprocess.run([criu_bin, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"criu not runnable: {e}"
+    v = parse_version(out.stdout)
+    return (".".join(map(str, v)), None) if v else (None, "criu --version unreadable")
+
+
+@lru_cache(maxsize=4)
+def node_fingerprint(criu_bin: str = "criu") -> Fingerprint:
+    """This node's host and GPU fields (cached per process: they change only with a reboot)."""
+    criu_bin = os.environ.get("CKPTFLOW_CRIU", criu_bin)
+    notes: dict[str, str] = {}
+    gpu, why = _gpu_fields()
+    if why:
+        notes["gpu"] = why
+    criu, why = _criu_version(criu_bin)
+    if why:
+        notes["criu"] = why
+    libc = platform.libc_ver()
+    return Fingerprint(arch=platform.machine(), kernel=platform.release(),
+                       glibc=libc[1] if libc[0] == "glibc" else None, criu=criu,
+                       python=platform.python_version(), ckptflow=ckptflow.__version__, notes=notes, **gpu)
+
+
+def workload_fingerprint(w: Workload, node: Fingerprint | None = None) -> Fingerprint:
+    """The node's fields plus the workload's declared engine and model."""
+    base = (node or node_fingerprint()).model_dump()
+    base.update(engine=w.engine.value, engine_version=w.engine_version, model_id=w.model_id,
+                model_revision=w.model_revision)
+    return Fingerprint(**base)
+
