@@ -87,6 +87,18 @@ class ProcessFinder(BaseModel):
         return self
 
 
+class GoldenRequest(BaseModel):
+    """A deterministic request whose answer proves a restored worker computes like the original."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(..., description="POST target.", examples=["http://127.0.0.1:8000/v1/completions"])
+    body: dict[str, Any] = Field(..., description="JSON body; make it deterministic (temperature 0).",
+                                 examples=[{"prompt": "The capital of France is", "max_tokens": 8,
+                                            "temperature": 0}])
+    field: str = Field("choices.0.text", description="Dotted path of the part of the answer to compare.")
+
+
 class Workload(BaseModel):
     """A declared serving worker on one node."""
 
@@ -115,6 +127,10 @@ class Workload(BaseModel):
         None, description="GET returns {\"sessions\": {id: digest}}: read right before a dump and "
         "compared after a restore (the demo worker serves it; engines need a plugin).",
         examples=["http://127.0.0.1:18001/v1/sessions/digests"])
+    golden: GoldenRequest | None = Field(None, description="Golden request for restore verification.")
+    start_command: list[str] | None = Field(
+        None, description="Cold start of the worker when no checkpoint can be restored (run detached).",
+        examples=[["systemctl", "start", "vllm@chat-a"]])
     prepare_url: str | None = Field(
         None, description="POSTed right before a GPU checkpoint so the engine can release cached "
         "but free allocator memory (e.g. torch.cuda.empty_cache()); the checkpoint then copies "

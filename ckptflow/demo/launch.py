@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ckptflow.models import ProcessFinder, TrafficClass, Workload
+from ckptflow.models import GoldenRequest, ProcessFinder, TrafficClass, Workload
 
 # One BLAS thread: fewer threads for CRIU to freeze, and the 2-core CI stays responsive.
 _WORKER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -25,7 +25,12 @@ def demo_workload(name: str, port: int, pid_file: Path, *, node: str = "local",
                     model_revision="seed-1234", health_url=f"http://127.0.0.1:{port}/health",
                     metrics_url=f"http://127.0.0.1:{port}/metrics",
                     probe_url=f"http://127.0.0.1:{port}/v1/sessions/digests", traffic=traffic,
-                    kv_capacity_tokens=65536)
+                    kv_capacity_tokens=65536,
+                    golden=GoldenRequest(url=f"http://127.0.0.1:{port}/v1/completions",
+                                         body={"prompt": "ckptflow golden request", "max_tokens": 16},
+                                         field="choices.0.tokens"),
+                    start_command=[sys.executable, "-m", "ckptflow.demo.worker", "--port", str(port),
+                                   "--pid-file", str(pid_file)])
 
 
 def start_worker(port: int, pid_file: Path, *, ballast_mib: int = 0, seed: int = 1234,

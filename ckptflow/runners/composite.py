@@ -46,13 +46,51 @@ def _get_json(url: str, timeout_s: float = 10) -> dict:
 
 
 def probe(w: Workload) -> dict:
-    """What the worker says about its own state (session digests), or {} when unknown."""
-    if not w.probe_url:
-        return {}
-    try:
-        return {"sessions": _get_json(w.probe_url)["sessions"]}
-    except (urllib.error.URLError, OSError, KeyError, ValueError) as e:
-        return {"error": f"probe failed: {e}"}
+    """What the worker says about its own state: session digests and the golden answer's digest."""
+    out: dict = {}
+    if w.probe_url:
+        try:
+            out["sessions"] = _get_json(w.probe_url)["sessions"]
+        except (urllib.error.URLError, OSError, KeyError, ValueError) as e:
+            out["error"] = f"probe failed: {e}"
+    if w.golden:
+        try:
+            req = urllib.request.Request(w.golden.url, data=json.dumps(w.golden.body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                out["golden"] = golden_digest(json.loads(r.read()), w.golden.field)
+        except (urllib.error.URLError, OSError, KeyError, ValueError, IndexError) as e:
+            out["golden_error"] = f"golden request failed: {e}"
+    return out
+
+
+def golden_digest(answer: dict, field: str) -> str:
+    """sha256 of the answer's field at a dotted path (``choices.0.text``)."""
+    import hashlib
+
+    v: object = answer
+    for part in field.split("."):
+        v = v[int(part)] if isinstance(v, list) else v[part]  # type: ignore[index]
+    return hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()
+
+
+def cold_start(w: Workload) -> tuple[int, float]:
+    """Start the worker from scratch with its declared start_command; wait until healthy.
+
+    Raises:
+        RestoreFailed: no start_command is declared, or the worker never became healthy.
+    """
+    import subprocess
+
+    if not w.start_command:
+        raise RestoreFailed(f"workload {w.name}: no checkpoint can be restored and no start_command is declared",
+                            fix="declare start_command in the fleet file, or start the worker by hand")
+    t0 = time.perf_counter()
+    p = subprocess.Popen(w.start_command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+    wait_healthy(w, timeout_s=600)
+    pid = int(Path(w.find.pid_file).read_text()) if w.find.pid_file else p.pid
+    return pid, time.perf_counter() - t0
 
 
 def read_load(w: Workload) -> WorkloadLoad | None:

@@ -1,0 +1,27 @@
+"""Verify: prove, on a schedule, that checkpoints restore — before the day they are needed."""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect.artifacts import create_table_artifact
+
+from ckptflow.models import TrafficClass
+from ckptflow.tasks.common import open_fleet
+from ckptflow.tasks.verify import verify_workload
+
+
+@flow(name="verify", log_prints=True)
+def verify(fleet_file: str, workloads: list[str] | None = None) -> list[dict]:
+    """Restore each protected workload's newest unverified checkpoint in a sandbox beside the
+    original, compare its golden answer and session state, mark it verified or verify_failed.
+
+    Example:
+        >>> verify("deployments/local.yaml")   # doctest: +SKIP
+    """
+    fleet = open_fleet(fleet_file)
+    names = [w.name for w in fleet.workloads
+             if (workloads is None or w.name in workloads) and w.traffic != TrafficClass.short_requests]
+    rows = [verify_workload(fleet_file, n) for n in names]
+    create_table_artifact(key="verify", table=rows or [{"note": "nothing to verify"}],
+                          description="Sandbox verification of the newest checkpoints")
+    return rows

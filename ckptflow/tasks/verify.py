@@ -1,0 +1,56 @@
+"""Verification and recovery steps that end in alerts."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.runtime import flow_run
+
+
+from ckptflow.models import CheckpointState
+from ckptflow.runners.composite import cold_start
+from ckptflow.runners.verify import verify_checkpoint
+from ckptflow.tasks.common import alerter, node_runner, open_fleet
+
+
+@task(name="verify-workload")
+def verify_workload(fleet_file: str, workload: str) -> dict:
+    """Verify the newest unverified valid checkpoint of one workload in a sandbox."""
+    fleet = open_fleet(fleet_file)
+    w = fleet.workload(workload)
+    node = node_runner(fleet)
+    m = next((x for x in node.store.valid(workload) if x.state == CheckpointState.complete), None)
+    if m is None:
+        return {"workload": workload, "state": "skipped", "reason": "no unverified valid checkpoint"}
+    res = verify_checkpoint(node, w, m)
+    row = {"workload": workload, "node": w.node, "checkpoint": m.id, "state": res.state, "reason": res.reason,
+           **{f"{k}_s": v for k, v in res.timings.items()}}
+    if res.state == "skipped":
+        get_run_logger().warning("verify of %s skipped: %s", workload, res.reason)
+        return row
+    node.store.set_state(m, CheckpointState(res.state), res.reason, verify_timings=res.timings)
+    a = alerter(fleet)
+    if res.state == "verify_failed":
+        a.send("verify_failed", workload=workload, key=m.id, node=w.node, checkpoint=m.id, reason=res.reason,
+               log_tail=res.log_tail, flow_run_id=flow_run.get_id())
+    else:
+        a.clear(workload)
+    return row
+
+
+@task(name="cold-start-workload")
+def cold_start_workload(fleet_file: str, workload: str) -> dict:
+    fleet = open_fleet(fleet_file)
+    pid, seconds = cold_start(fleet.workload(workload))
+    return {"workload": workload, "pid": pid, "cold_start_s": round(seconds, 3)}
+
+
+@task(name="alert-restore-failed")
+def alert_restore_failed(fleet_file: str, workload: str, reason: str, checkpoint: str | None,
+                         fallback: str | None, log_tail: str = "") -> bool:
+    fleet = open_fleet(fleet_file)
+    return alerter(fleet).send("restore_failed", workload=workload, key=reason, node=fleet.workload(workload).node,
+                               checkpoint=checkpoint, reason=reason, fallback=fallback, log_tail=log_tail,
+                               flow_run_id=flow_run.get_id())
+
+
+

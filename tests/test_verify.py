@@ -1,0 +1,153 @@
+"""Restore verification in a sandbox, Slack alerts with real request bodies, recover fallbacks."""
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import SlackCapture, write_fleet
+from ckptflow.models import CheckpointState
+from ckptflow.store.local import LocalStore
+
+pytestmark = pytest.mark.criu
+
+
+def _demo_workers():
+    out = subprocess.run(["pgrep", "-f", "ckptflow.demo.worker"], capture_output=True, text=True)
+    return {int(p) for p in out.stdout.split()}
+
+
+def _netns():
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_verify_beside_live_original(tmp_path, prefect_harness, demo_worker, slack):
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.verify import verify
+
+    w = demo_worker("chat")
+    w.complete("a session to keep " * 20, 16, "s1")
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store", slack=True)
+    ckpt = heartbeat(str(fleet))[0]["checkpoint"]
+    digests, pid, workers = w.digests(), w.pid, _demo_workers()
+    rows = verify(str(fleet))
+    assert rows[0]["state"] == "verified", rows
+    assert rows[0]["reason"] == "golden digest and 1 session digest(s) equal"
+    m = LocalStore(tmp_path / "store").get("chat", ckpt)
+    assert m.state == CheckpointState.verified and "restore" in m.probe["verify_timings"]
+    # The original is untouched, the sandbox is gone.
+    assert w.pid == pid and w.proc.poll() is None and w.digests() == digests
+    assert _demo_workers() == workers
+    assert "ckv-" not in _netns()
+    assert slack.requests == []
+
+
+def test_golden_differs_marks_failed_and_alerts_exactly_once(tmp_path, prefect_harness, demo_worker, slack):
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.verify import verify
+
+    w = demo_worker("chat")
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store", slack=True)
+    store = LocalStore(tmp_path / "store")
+    ckpt = heartbeat(str(fleet))[0]["checkpoint"]
+    m = store.get("chat", ckpt)
+    # As if the worker had answered differently at checkpoint time than its restored copy does.
+    store.set_state(m, m.state, None, golden="0" * 64)
+    rows = verify(str(fleet))
+    assert rows[0]["state"] == "verify_failed"
+    assert rows[0]["reason"].startswith("golden output digest differs")
+    m = store.get("chat", ckpt)
+    assert m.state == CheckpointState.verify_failed and "golden output digest differs" in m.state_reason
+    assert len(slack.requests) == 1
+    body = slack.requests[0]["body"]
+    assert body["text"].startswith(":warning: Verification of chat checkpoint " + ckpt)
+    blocks = body["blocks"]
+    assert blocks[0] == {"type": "header", "text": {"type": "plain_text",
+                                                    "text": "Checkpoint verification failed: chat"}}
+    fields = [f["text"] for f in blocks[1]["fields"]]
+    assert fields == ["*Workload*\nchat", "*Node*\nlocal", f"*Checkpoint*\n{ckpt}", "*State*\nverify_failed"]
+    assert blocks[2]["text"]["text"].startswith("*Reason*\ngolden output digest differs")
+    assert blocks[-1]["elements"][0]["url"].startswith("http://127.0.0.1:4200/runs/flow-run/")
+    # Nothing left to verify, and the same failure state never alerts twice.
+    verify(str(fleet))
+    from ckptflow.alerts import Alerter
+    from ckptflow.fleet import load_fleet
+
+    f = load_fleet(fleet)
+    Alerter(f.slack, state_dir=Path(f.storage.path)).send(
+        "verify_failed", workload="chat", key=ckpt, node="local", checkpoint=ckpt, reason="again", log_tail="",
+        ui=None, flow_run_id=None)
+    assert len(slack.requests) == 1
+
+
+def test_slack_outage_never_fails_the_flow(tmp_path, prefect_harness, demo_worker, monkeypatch, caplog):
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.verify import verify
+
+    down = SlackCapture(status=500)
+    monkeypatch.setenv("CKPTFLOW_TEST_SLACK_WEBHOOK", down.url)
+    try:
+        w = demo_worker("chat")
+        fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store", slack=True)
+        store = LocalStore(tmp_path / "store")
+        ckpt = heartbeat(str(fleet))[0]["checkpoint"]
+        store.set_state(store.get("chat", ckpt), CheckpointState.complete, None, golden="1" * 64)
+        with caplog.at_level("ERROR", logger="ckptflow"):
+            rows = verify(str(fleet))
+        assert rows[0]["state"] == "verify_failed"
+        assert len(down.requests) == 1 and "slack webhook answered 500" in caplog.text
+    finally:
+        down.close()
+
+
+def _corrupt(store, workload, ckpt):
+    pages = max((store.root / workload / ckpt / "images").glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    with open(pages, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_recover_corrupt_newest_falls_back_and_alerts_once(tmp_path, prefect_harness, demo_worker, slack):
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.recover import recover
+
+    w = demo_worker("chat")
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store", slack=True)
+    store = LocalStore(tmp_path / "store")
+    old = heartbeat(str(fleet))[0]["checkpoint"]
+    new = heartbeat(str(fleet), force=True)[0]["checkpoint"]
+    _corrupt(store, "chat", new)
+    os.kill(w.pid, signal.SIGKILL)
+    res = recover(str(fleet), "chat")
+    assert res["checkpoint"] == old and not res["cold_start"]
+    assert len(slack.requests) == 1
+    body = slack.requests[0]["body"]
+    assert body["text"].startswith(":rotating_light: Restore of chat on local failed")
+    fields = [f["text"] for f in body["blocks"][1]["fields"]]
+    assert f"*Checkpoint*\n{new}" in fields and f"*Fallback*\nolder checkpoint {old}" in fields
+
+
+def test_recover_with_no_good_checkpoint_cold_starts_and_alerts_once(tmp_path, prefect_harness, demo_worker, slack):
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.recover import recover
+
+    w = demo_worker("chat")
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store", slack=True)
+    store = LocalStore(tmp_path / "store")
+    only = heartbeat(str(fleet))[0]["checkpoint"]
+    _corrupt(store, "chat", only)
+    old_pid = w.pid
+    os.kill(old_pid, signal.SIGKILL)
+    w.proc.wait()
+    res = recover(str(fleet), "chat")
+    assert res["cold_start"] is True and res["pid"] != old_pid
+    assert w.complete("fresh", 4) is not None  # a cold-started worker serves, with no sessions
+    assert w.digests() == {}
+    assert len(slack.requests) == 1
+    fields = [f["text"] for f in slack.requests[0]["body"]["blocks"][1]["fields"]]
+    assert any(f.startswith("*Fallback*\ncold start") for f in fields)
+    assert store.get("chat", only).state == CheckpointState.verify_failed
