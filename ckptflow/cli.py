@@ -92,6 +92,72 @@ def _age(s: float) -> str:
 
 
 @app.command()
+def status(fleet_file: Path = typer.Option(Path("deployments/local.yaml"), "--fleet", help="Fleet file.")) -> None:
+    """Per workload: newest checkpoint, its state (and why), age, verification, bytes, restores."""
+    from ckptflow.fleet import load_fleet
+    from ckptflow.report import fleet_status
+
+    try:
+        fleet = load_fleet(fleet_file)
+        rows = fleet_status(fleet)
+    except CkptflowError as e:
+        _fail(e)
+    table = Table(title=f"fleet {fleet.fleet}")
+    for col in ("workload", "node", "traffic", "newest", "state", "valid age", "verified", "stored", "restores"):
+        table.add_column(col)
+    for r in rows:
+        state = r["newest_state"] or "-"
+        if r["newest_reason"]:
+            state += f" ({r['newest_reason'][:60]})"
+        ver = {None: "-", True: "[green]ok[/]", False: "[red]FAILED[/]"}[r["verified"]]
+        last = f"{len(r['restores'])} (last {r['restores'][-1]:.1f} s)" if r["restores"] else "0"
+        table.add_row(r["workload"], r["node"], r["traffic"], r["newest"] or "-", state,
+                      _age(r["age_s"]) if r["age_s"] is not None else "[red]none valid[/]", ver,
+                      f"{r['bytes'] / 2**20:,.1f} MiB", last)
+    console.print(table)
+
+
+@app.command()
+def exporter(fleet_file: Path = typer.Option(Path("deployments/local.yaml"), "--fleet", help="Fleet file."),
+             port: int = typer.Option(9464, help="Port for /metrics."),
+             host: str = typer.Option("127.0.0.1", help="Address to bind.")) -> None:
+    """Serve Prometheus metrics about checkpoints: age, states, verification, bytes, restores."""
+    import time
+
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    from ckptflow.fleet import load_fleet
+    from ckptflow.report import StoreCollector
+
+    try:
+        fleet = load_fleet(fleet_file)
+    except CkptflowError as e:
+        _fail(e)
+    reg = CollectorRegistry()
+    reg.register(StoreCollector(fleet))
+    start_http_server(port, addr=host, registry=reg)
+    console.print(f"serving ckptflow metrics on http://{host}:{port}/metrics")
+    while True:
+        time.sleep(3600)
+
+
+@app.command()
+def verify(fleet_file: Path, workload: list[str] = typer.Option(None)) -> None:
+    """Run the verify flow once: sandbox-restore the newest unverified checkpoints."""
+    from ckptflow.flows.verify import verify as flow
+
+    flow(str(fleet_file), workloads=workload or None)
+
+
+@app.command()
+def invalidate(fleet_file: Path, node: str = typer.Option(None)) -> None:
+    """Run the invalidate flow once: report this node's fingerprint, retire stale checkpoints."""
+    from ckptflow.flows.invalidate import invalidate as flow
+
+    flow(str(fleet_file), node=node)
+
+
+@app.command()
 def simulate(seed: int = typer.Option(0, help="Trace seed."),
              failures: str = typer.Option("exponential", help="exponential or weibull"),
              as_json: bool = typer.Option(False, "--json", help="Print JSON: {policies: {name: {cost, ...}}}.")) -> None:

@@ -3,6 +3,7 @@
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,33 @@ def test_recover_with_no_good_checkpoint_cold_starts_and_alerts_once(tmp_path, p
     fields = [f["text"] for f in slack.requests[0]["body"]["blocks"][1]["fields"]]
     assert any(f.startswith("*Fallback*\ncold start") for f in fields)
     assert store.get("chat", only).state == CheckpointState.verify_failed
+
+
+def test_status_and_exporter_report_the_store(tmp_path, prefect_harness, demo_worker):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.recover import recover
+    from ckptflow.flows.verify import verify
+    from ckptflow.fleet import load_fleet
+    from ckptflow.report import StoreCollector
+
+    w = demo_worker("chat")
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store")
+    heartbeat(str(fleet))
+    verify(str(fleet))
+    os.kill(w.pid, signal.SIGKILL)
+    recover(str(fleet), "chat")
+    reg = CollectorRegistry()
+    reg.register(StoreCollector(load_fleet(fleet)))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(generate_latest(reg).decode()) for s in fam.samples}
+    assert samples[("ckptflow_last_verification_ok", (("workload", "chat"),))] == 1.0
+    assert samples[("ckptflow_checkpoints", (("state", "verified"), ("workload", "chat")))] == 1.0
+    assert samples[("ckptflow_restore_duration_seconds_count", (("workload", "chat"),))] == 1.0
+    assert 0 <= samples[("ckptflow_checkpoint_age_seconds", (("node", "local"), ("workload", "chat")))] < 120
+    assert samples[("ckptflow_bytes_stored", (("workload", "chat"),))] > 1 << 20
+    out = subprocess.run([sys.executable, "-m", "ckptflow", "status", "--fleet", str(fleet)], capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "250"}, timeout=60)
+    assert out.returncode == 0 and "chat" in out.stdout and "verified" in out.stdout and "1 (last" in out.stdout

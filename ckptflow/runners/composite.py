@@ -335,6 +335,8 @@ class NodeRunner:
                 _write_pid_file(Path(w.find.pid_file), pid)
             timings["health"] = round(wait_healthy(w), 4)
             self._check_state(w, m)
+            total = round(sum(v for k, v in timings.items() if k != "restore_and_checksum"), 4)
+            m = self.store.set_state(m, m.state, m.state_reason, restores=[*m.probe.get("restores", []), total])
             return RestoreResult(manifest=m, pid=pid, timings=timings, skipped=skipped)
         raise ChecksumMismatch(f"workload {w.name}: every valid checkpoint failed its checksums: "
                                + "; ".join(s["reason"] for s in skipped),
