@@ -182,3 +182,48 @@ def test_status_and_exporter_report_the_store(tmp_path, prefect_harness, demo_wo
     out = subprocess.run([sys.executable, "-m", "ckptflow", "status", "--fleet", str(fleet)], capture_output=True, text=True,
                          env={**os.environ, "COLUMNS": "250"}, timeout=60)
     assert out.returncode == 0 and "chat" in out.stdout and "verified" in out.stdout and "1 (last" in out.stdout
+
+
+def test_artifacts_readable_from_the_prefect_api_and_exporter_serves(tmp_path, prefect_harness, demo_worker):
+    import time
+    import urllib.request
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from conftest import free_port
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.recover import recover
+
+    w = demo_worker("chat")
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store")
+    ckpt = heartbeat(str(fleet))[0]["checkpoint"]
+    os.kill(w.pid, signal.SIGKILL)
+    recover(str(fleet), "chat")
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["restore-chat", "heartbeat-test"])))
+    by_key = {a.key: a for a in arts}
+    assert by_key["restore-chat"].type == "markdown"
+    assert f"from checkpoint `{ckpt}`" in by_key["restore-chat"].data
+    assert "| restore |" in by_key["restore-chat"].data
+    assert by_key["heartbeat-test"].type == "table" and ckpt in str(by_key["heartbeat-test"].data)
+
+    port = free_port()
+    exp = subprocess.Popen([sys.executable, "-m", "ckptflow", "exporter", "--fleet", str(fleet), "--port", str(port)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+                break
+            except OSError:
+                assert time.time() < deadline, "exporter never answered"
+                time.sleep(0.2)
+        names = {f.name for f in text_string_to_metric_families(text)}
+        assert {"ckptflow_checkpoint_age_seconds", "ckptflow_checkpoints", "ckptflow_bytes_stored",
+                "ckptflow_restore_duration_seconds"} <= names
+    finally:
+        exp.kill()
