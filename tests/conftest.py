@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from seaweed import SeaweedS3  # noqa: E402
+
 HELPERS = Path(__file__).parent / "helpers"
 
 
@@ -187,3 +190,10 @@ def slack(monkeypatch):
     monkeypatch.setenv("CKPTFLOW_TEST_SLACK_WEBHOOK", cap.url)
     yield cap
     cap.close()
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    srv = SeaweedS3(tmp_path_factory.mktemp("seaweed"))
+    yield srv
+    srv.stop()

@@ -8,11 +8,20 @@ from ckptflow.errors import ConfigError
 
 
 def open_store(storage):
-    """Open the store a fleet file's ``storage:`` section names."""
+    """The node's local store (where CRIU writes; with kind s3 the local tier of the bucket)."""
     from ckptflow.store.local import LocalStore
 
     kind = getattr(storage.kind, "value", storage.kind)
-    if kind == "local":
-        return LocalStore(Path(storage.path))
-    raise ConfigError(f"storage.kind {kind!r} is not supported by this version",
-                      fix="use storage.kind: local")
+    if kind not in ("local", "s3"):
+        raise ConfigError(f"storage.kind {kind!r} is not supported", fix="use storage.kind: local or s3")
+    return LocalStore(Path(storage.path))
+
+
+def open_tier(storage):
+    """The shared S3 tier for kind s3, else None."""
+    kind = getattr(storage.kind, "value", storage.kind)
+    if kind != "s3":
+        return None
+    from ckptflow.store.s3 import S3Tier
+
+    return S3Tier.from_storage(storage)

@@ -8,6 +8,7 @@ from ckptflow.errors import CkptflowError
 from ckptflow.models import Action
 from ckptflow.policies.cadence import decide
 from ckptflow.runners.composite import collect_facts
+from ckptflow.store import open_tier
 from ckptflow.tasks.common import node_runner, open_fleet, retry_if_retryable
 
 
@@ -24,6 +25,7 @@ def checkpoint_batch(fleet_file: str, node: str, workloads: list[str], force: bo
     runner = node_runner(fleet)
     node_cfg = fleet.node(node)
     runner.store.put_node_fingerprint(node, runner.node_fp)  # keeps what invalidate reads fresh
+    tier = open_tier(fleet.storage)
     out = []
     for name in workloads:
         w = fleet.workload(name)
@@ -44,7 +46,14 @@ def checkpoint_batch(fleet_file: str, node: str, workloads: list[str], force: bo
             out.append({**row, "ok": False, "error": str(e).splitlines()[0], "error_type": type(e).__name__})
             continue
         log.info("checkpoint %s of %s: %.1f MiB, dump %.2f s", m.id, name, m.bytes / 2**20, m.timings["dump"])
-        out.append({**row, "ok": True, "checkpoint": m.id, "bytes": m.bytes,
+        pushed = {}
+        if tier is not None:
+            try:
+                pushed = tier.push(runner.store, m)
+            except CkptflowError as e:  # the local copy stands; the next heartbeat pushes again
+                log.error("upload of %s to S3 failed: %s", m.id, e)
+                pushed = {"upload_error": str(e).splitlines()[0]}
+        out.append({**row, "ok": True, "checkpoint": m.id, "bytes": m.bytes, **pushed,
                     **{f"{k}_s": v for k, v in m.timings.items()}})
     return out
 

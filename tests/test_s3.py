@@ -1,0 +1,79 @@
+"""The S3 tier against a real S3 server (SeaweedFS on 127.0.0.1)."""
+
+import os
+import signal
+
+import pytest
+
+from conftest import write_fleet
+from ckptflow.errors import ChecksumMismatch, CheckpointNotFound
+from ckptflow.store.local import LocalStore
+from ckptflow.store.s3 import CHUNK, S3Tier
+
+
+def _ckpt(store, payload: bytes, workload="w"):
+    p = store.begin(workload, node="a")
+    (p.images_dir / "pages-1.img").write_bytes(payload)
+    (p.images_dir / "core-1.img").write_bytes(b"core")
+    return store.commit(p)
+
+
+def test_push_pull_round_trip_bytes_match(tmp_path, s3):
+    tier = S3Tier(s3.bucket("ckpt-rt"), endpoint_url=s3.endpoint)
+    a, b = LocalStore(tmp_path / "a"), LocalStore(tmp_path / "b")
+    payload = os.urandom(3 * CHUNK + 1234)
+    m = _ckpt(a, payload)
+    first = tier.push(a, m)
+    assert first["uploaded_bytes"] == len(payload) + 4 and first["chunks"] == 5
+    assert tier.list("w") == [m.id]
+    got, stats = tier.pull(b, "w", m.id)
+    assert stats["downloaded_bytes"] == len(payload) + 4
+    assert (b.images_dir(got) / "pages-1.img").read_bytes() == payload
+    assert b.latest_valid("w").id == m.id and [f.sha256 for f in got.files] == [f.sha256 for f in m.files]
+
+
+def test_second_push_uploads_only_new_chunks(tmp_path, s3):
+    tier = S3Tier(s3.bucket("ckpt-dedup"), endpoint_url=s3.endpoint)
+    a = LocalStore(tmp_path / "a")
+    base = bytearray(os.urandom(8 * CHUNK))
+    tier.push(a, _ckpt(a, bytes(base)))
+    base[5 * CHUNK + 10: 5 * CHUNK + 4096] = os.urandom(4086)   # one chunk's worth of KV changed
+    second = tier.push(a, _ckpt(a, bytes(base)))
+    assert second["uploaded_bytes"] == CHUNK
+    assert second["skipped_bytes"] == 7 * CHUNK + 4
+
+
+def test_corrupt_chunk_in_the_bucket_is_refused_and_leaves_no_manifest(tmp_path, s3):
+    tier = S3Tier(s3.bucket("ckpt-corrupt"), endpoint_url=s3.endpoint)
+    a, b = LocalStore(tmp_path / "a"), LocalStore(tmp_path / "b")
+    m = _ckpt(a, os.urandom(2 * CHUNK))
+    tier.push(a, m)
+    remote = tier.manifest("w", m.id)
+    digest = remote.probe["s3_chunks"]["pages-1.img"][1]
+    s3.client.put_object(Bucket="ckpt-corrupt", Key=f"ckptflow/chunks/{digest}", Body=b"garbage")
+    with pytest.raises(ChecksumMismatch, match="from S3 is corrupt"):
+        tier.pull(b, "w", m.id)
+    assert b.list("w") == [] and not (b.root / "w" / m.id).exists()
+    with pytest.raises(CheckpointNotFound):
+        tier.manifest("w", "20990101T000000Z-00000000")
+
+
+@pytest.mark.criu
+def test_heartbeat_pushes_and_a_second_heartbeat_uploads_little(tmp_path, prefect_harness, demo_worker, s3):
+    import yaml
+
+    from ckptflow.flows.heartbeat import heartbeat
+
+    w = demo_worker("chat", ballast_mib=256)
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store")
+    data = yaml.safe_load(fleet.read_text())
+    data["storage"].update(kind="s3", bucket=s3.bucket("ckpt-fleet"), endpoint_url=s3.endpoint)
+    fleet.write_text(yaml.safe_dump(data))
+    w.complete("a long session " * 40, 16, "s")
+    r1 = heartbeat(str(fleet))[0]
+    w.complete("one more turn", 16, "s")            # only the KV cache (and heap) changed
+    r2 = heartbeat(str(fleet), force=True)[0]
+    assert r1["uploaded_bytes"] > 256 << 20
+    assert r2["uploaded_bytes"] / r2["bytes"] <= 0.15, r2
+    tier = S3Tier("ckpt-fleet", endpoint_url=s3.endpoint)
+    assert set(tier.list("chat")) == {r1["checkpoint"], r2["checkpoint"]}
