@@ -52,7 +52,7 @@ def recover(fleet_file: str, workload: str) -> dict:
     if res["skipped"]:
         alert_restore_failed(fleet_file, workload, "; ".join(s["reason"] for s in res["skipped"]),
                              res["skipped"][0]["id"], f"older checkpoint {res['checkpoint']}")
-    manifest = open_store(fleet.storage).get(workload, res["checkpoint"])
+    manifest = open_store(fleet.storage, w.node).get(workload, res["checkpoint"])
     view = {"manifest": manifest, "pid": res["pid"], "timings": res["timings"]}
     create_markdown_artifact(key=f"restore-{workload}",
                              markdown=render("restore_report.md.j2", workload=workload, node=w.node,

@@ -7,14 +7,18 @@ from pathlib import Path
 from ckptflow.errors import ConfigError
 
 
-def open_store(storage):
-    """The node's local store (where CRIU writes; with kind s3 the local tier of the bucket)."""
+def open_store(storage, node: str | None = None):
+    """The node's local store (where CRIU writes; with kind s3 the local tier of the bucket).
+
+    ``{node}`` in ``storage.path`` becomes the node's name, so nodes sharing one machine (or
+    one mounted volume) keep separate local tiers.
+    """
     from ckptflow.store.local import LocalStore
 
     kind = getattr(storage.kind, "value", storage.kind)
     if kind not in ("local", "s3"):
         raise ConfigError(f"storage.kind {kind!r} is not supported", fix="use storage.kind: local or s3")
-    return LocalStore(Path(storage.path))
+    return LocalStore(Path(storage.path.replace("{node}", node or "local")))
 
 
 def open_tier(storage):

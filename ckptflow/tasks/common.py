@@ -17,8 +17,8 @@ def open_fleet(fleet_file: str) -> Fleet:
     return load_fleet(Path(fleet_file))
 
 
-def node_runner(fleet: Fleet) -> NodeRunner:
-    return NodeRunner(open_store(fleet.storage))
+def node_runner(fleet: Fleet, node: str | None = None) -> NodeRunner:
+    return NodeRunner(open_store(fleet.storage, node))
 
 
 def this_node(fleet: Fleet) -> str | None:

@@ -23,7 +23,7 @@ def report_node_fingerprint(fleet_file: str, node: str | None = None) -> dict:
         get_run_logger().warning("this machine is no node of fleet %s; set CKPTFLOW_NODE", fleet.fleet)
         return {}
     fp = node_fingerprint()
-    open_store(fleet.storage).put_node_fingerprint(node, fp)
+    open_store(fleet.storage, node).put_node_fingerprint(node, fp)
     return {"node": node, **fp.model_dump(exclude={"notes"})}
 
 

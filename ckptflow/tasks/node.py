@@ -22,7 +22,7 @@ def checkpoint_batch(fleet_file: str, node: str, workloads: list[str], force: bo
     """
     log = get_run_logger()
     fleet = open_fleet(fleet_file)
-    runner = node_runner(fleet)
+    runner = node_runner(fleet, node)
     node_cfg = fleet.node(node)
     runner.store.put_node_fingerprint(node, runner.node_fp)  # keeps what invalidate reads fresh
     tier = open_tier(fleet.storage)
@@ -62,6 +62,7 @@ def checkpoint_batch(fleet_file: str, node: str, workloads: list[str], force: bo
 def restore_workload(fleet_file: str, workload: str) -> dict:
     """Restore a lost workload from its newest valid checkpoint (older ones if it is corrupt)."""
     fleet = open_fleet(fleet_file)
-    res = node_runner(fleet).restore(fleet.workload(workload))
+    w = fleet.workload(workload)
+    res = node_runner(fleet, w.node).restore(w)
     return {"workload": workload, "checkpoint": res.manifest.id, "pid": res.pid, "timings": res.timings,
             "bytes": res.manifest.bytes, "skipped": res.skipped}

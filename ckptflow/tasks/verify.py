@@ -17,7 +17,7 @@ def verify_workload(fleet_file: str, workload: str) -> dict:
     """Verify the newest unverified valid checkpoint of one workload in a sandbox."""
     fleet = open_fleet(fleet_file)
     w = fleet.workload(workload)
-    node = node_runner(fleet)
+    node = node_runner(fleet, w.node)
     m = next((x for x in node.store.valid(workload) if x.state == CheckpointState.complete), None)
     if m is None:
         return {"workload": workload, "state": "skipped", "reason": "no unverified valid checkpoint"}

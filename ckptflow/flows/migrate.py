@@ -1,0 +1,101 @@
+"""migrate and drain: move work off a node, through S3, with the source kept restorable."""
+
+from __future__ import annotations
+
+import json
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.deployments import run_deployment
+from prefect.runtime import flow_run
+
+from ckptflow.models import TrafficClass
+from ckptflow.policies.placement import NodeState, place
+from ckptflow.render import render
+from ckptflow.store import open_store
+from ckptflow.tasks.common import open_fleet
+
+
+class StepFailed(RuntimeError):
+    pass
+
+
+def _step(node: str, action: str, fleet_file: str, workload: str, checkpoint: str | None,
+          via_deployments: bool) -> dict:
+    """Run node-step on ``node``: through its deployment (its work pool's worker), or here."""
+    params = {"fleet_file": fleet_file, "action": action, "workload": workload, "node": node,
+              "checkpoint": checkpoint}
+    if not via_deployments:
+        from ckptflow.flows.node_step import node_step
+
+        return node_step(**params)
+    fr = run_deployment(name=f"node-step/{node}", parameters=params, timeout=1800,
+                        idempotency_key=f"{flow_run.get_id()}-{action}-{workload}-{node}")
+    if not fr.state or not fr.state.is_completed():
+        raise StepFailed(f"{action} of {workload} on {node}: flow run {fr.id} ended "
+                         f"{fr.state.name if fr.state else 'without a state'}")
+    return fr.state.result()
+
+
+@flow(name="migrate", log_prints=True)
+def migrate(fleet_file: str, workload: str, target_node: str, via_deployments: bool = True) -> dict:
+    """Move ``workload`` to ``target_node``: checkpoint on the source (the worker exits), push
+    to S3, pull and restore on the target. If anything fails after the source exited, the
+    checkpoint is restored on the source again. A report artifact either way.
+
+    Start it from the Prefect UI (deployment ``migrate/<fleet>``) with the workload and target.
+    """
+    fleet = open_fleet(fleet_file)
+    w = fleet.workload(workload)
+    fleet.node(target_node)
+    source = w.node
+    out = _step(source, "migrate_out", fleet_file, workload, None, via_deployments)
+    try:
+        inn = _step(target_node, "migrate_in", fleet_file, workload, out["checkpoint"], via_deployments)
+    except Exception as e:
+        get_run_logger().error("move of %s to %s failed (%s); restoring on %s", workload, target_node, e, source)
+        back = _step(source, "restore_local", fleet_file, workload, out["checkpoint"], via_deployments)
+        create_markdown_artifact(key=f"migrate-{workload}", markdown=render(
+            "migrate_report.md.j2", workload=workload, source=source, target=target_node, out=out, inn=None,
+            back=back, error=str(e).splitlines()[0]))
+        raise
+    create_markdown_artifact(key=f"migrate-{workload}", markdown=render(
+        "migrate_report.md.j2", workload=workload, source=source, target=target_node, out=out, inn=inn,
+        back=None, error=None))
+    return {"workload": workload, "source": source, "target": target_node, "checkpoint": out["checkpoint"],
+            "pid": inn["pid"], "out": out, "in": inn}
+
+
+@flow(name="drain", log_prints=True)
+def drain(fleet_file: str, node: str, via_deployments: bool = True) -> list[dict]:
+    """Ahead of maintenance: move long-session workloads off ``node`` (placement picks the
+    target), stop short-request ones once drained, report what went where, mark the node."""
+    fleet = open_fleet(fleet_file)
+    src = fleet.node(node)
+    others = [NodeState(n.name, n.gpu_class, free_gib=n.gpu_memory_gib or 1e9) for n in fleet.nodes
+              if n.name != node]
+    placed: dict[str, int] = {}
+    rows = []
+    for w in (x for x in fleet.workloads if x.node == node):
+        if w.traffic == TrafficClass.short_requests:
+            r = _step(node, "stop", fleet_file, w.name, None, via_deployments)
+            rows.append({"workload": w.name, "action": "stopped (short requests)", "target": "-", **r})
+            continue
+        for n in others:
+            n.load = placed.get(n.name, 0)
+        p = place(w.gpu_footprint_gib or 0, src.gpu_class, others)
+        if p.node is None:
+            rows.append({"workload": w.name, "action": "NOT MOVED", "target": "-", "reason": p.reason})
+            continue
+        try:
+            res = migrate(fleet_file, w.name, p.node, via_deployments)
+            placed[p.node] = placed.get(p.node, 0) + 1
+            rows.append({"workload": w.name, "action": "migrated", "target": p.node, "checkpoint": res["checkpoint"]})
+        except Exception as e:
+            rows.append({"workload": w.name, "action": "FAILED", "target": p.node, "reason": str(e).splitlines()[0]})
+    store = open_store(fleet.storage, node)
+    (store.root / ".nodes").mkdir(parents=True, exist_ok=True)
+    (store.root / ".nodes" / f"{node}.drained").write_text(json.dumps({"flow_run": str(flow_run.get_id()),
+                                                                        "rows": rows}))
+    create_markdown_artifact(key=f"drain-{node}", markdown=render("drain_report.md.j2", node=node, rows=rows))
+    return rows

@@ -1,0 +1,68 @@
+"""Moving a workload between nodes: out through S3, in on the target, or back on the source."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from prefect import task
+
+from ckptflow.errors import ConfigError, WorkloadNotFound
+from ckptflow.runners import process
+from ckptflow.store import open_tier
+from ckptflow.tasks.common import node_runner, open_fleet
+
+
+def _tier(fleet):
+    tier = open_tier(fleet.storage)
+    if tier is None:
+        raise ConfigError(f"fleet {fleet.fleet}: moving workloads between nodes needs storage.kind: s3",
+                          fix="set storage: {kind: s3, bucket: ..., endpoint_url: ...} in the fleet file")
+    return tier
+
+
+@task(name="migrate-out")
+def migrate_out(fleet_file: str, workload: str) -> dict:
+    fleet = open_fleet(fleet_file)
+    tier = _tier(fleet)
+    runner = node_runner(fleet, fleet.workload(workload).node)
+    m = runner.checkpoint(fleet.workload(workload), leave_running=False)
+    pushed = tier.push(runner.store, m)
+    return {"checkpoint": m.id, "bytes": m.bytes, "timings": m.timings, **pushed}
+
+
+@task(name="migrate-in")
+def migrate_in(fleet_file: str, workload: str, node: str, checkpoint: str) -> dict:
+    fleet = open_fleet(fleet_file)
+    fleet.node(node)
+    w = fleet.workload(workload).model_copy(update={"node": node})
+    runner = node_runner(fleet, node)
+    m, pulled = _tier(fleet).pull(runner.store, workload, checkpoint)
+    res = runner.restore(w, manifest=m, fallback=False)
+    return {"checkpoint": m.id, "pid": res.pid, "timings": res.timings, **pulled}
+
+
+@task(name="restore-local")
+def restore_local(fleet_file: str, workload: str, node: str, checkpoint: str) -> dict:
+    fleet = open_fleet(fleet_file)
+    runner = node_runner(fleet, node)
+    res = runner.restore(fleet.workload(workload), manifest=runner.store.get(workload, checkpoint), fallback=False)
+    return {"checkpoint": checkpoint, "pid": res.pid, "timings": res.timings}
+
+
+@task(name="stop-workload")
+def stop_workload(fleet_file: str, workload: str, grace_s: float = 30) -> dict:
+    """SIGTERM a declared worker and wait for it to exit (SIGKILL after ``grace_s``)."""
+    w = open_fleet(fleet_file).workload(workload)
+    try:
+        proc = process.resolve(w)
+    except WorkloadNotFound:
+        return {"stopped": False, "reason": "not running"}
+    os.kill(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while process.pid_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if process.pid_alive(proc.pid):
+        os.kill(proc.pid, signal.SIGKILL)
+    return {"stopped": True, "pid": proc.pid}

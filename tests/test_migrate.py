@@ -1,0 +1,56 @@
+"""migrate and drain through S3 (SeaweedFS): in-process, and through a real Prefect server with
+one process work pool and worker per node."""
+
+import os
+import signal
+
+import pytest
+import yaml
+
+from conftest import write_fleet
+from ckptflow.models import TrafficClass
+
+pytestmark = pytest.mark.criu
+
+
+def _two_node_fleet(tmp_path, s3, workloads, bucket):
+    f = write_fleet(tmp_path / "fleet.yaml", workloads, tmp_path / "store" / "{node}")
+    data = yaml.safe_load(f.read_text())
+    data["nodes"] = [{"name": "node-a", "work_pool": "node-a", "gpu_class": "cpu"},
+                     {"name": "node-b", "work_pool": "node-b", "gpu_class": "cpu"}]
+    for w in data["workloads"]:
+        w["node"] = "node-a"
+    data["storage"].update(kind="s3", bucket=s3.bucket(bucket), endpoint_url=s3.endpoint)
+    f.write_text(yaml.safe_dump(data))
+    return str(f)
+
+
+def test_migrate_in_process_session_continues(tmp_path, prefect_harness, demo_worker, s3):
+    from ckptflow.flows.migrate import migrate
+
+    w, ref = demo_worker("chat"), demo_worker("ref")
+    fleet = _two_node_fleet(tmp_path, s3, [w.workload], "ckpt-mig")
+    for x in (w, ref):
+        x.complete("an agent session to move " * 30, 16, "s")
+    old_pid = w.pid
+    res = migrate(fleet, "chat", "node-b", via_deployments=False)
+    assert res["source"] == "node-a" and res["target"] == "node-b" and res["pid"] == old_pid
+    assert res["out"]["uploaded_bytes"] > 0 and res["in"]["downloaded_bytes"] == res["out"]["bytes"]
+    assert w.digests() == ref.digests()
+    assert w.complete("next", 24, "s") == ref.complete("next", 24, "s")
+
+
+def test_drain_moves_long_sessions_and_stops_short_ones(tmp_path, prefect_harness, demo_worker, s3):
+    from ckptflow.flows.migrate import drain
+
+    long_w, short_w, ref = demo_worker("chat"), demo_worker("api"), demo_worker("ref")
+    short_w.workload = short_w.workload.model_copy(update={"traffic": TrafficClass.short_requests})
+    fleet = _two_node_fleet(tmp_path, s3, [long_w.workload, short_w.workload], "ckpt-drain")
+    for x in (long_w, ref):
+        x.complete("a long session " * 30, 16, "s")
+    rows = {r["workload"]: r for r in drain(fleet, "node-a", via_deployments=False)}
+    assert rows["chat"]["action"] == "migrated" and rows["chat"]["target"] == "node-b"
+    assert rows["api"]["action"] == "stopped (short requests)"
+    assert short_w.proc.wait(timeout=30) is not None
+    assert long_w.complete("go on", 24, "s") == ref.complete("go on", 24, "s")
+    assert (tmp_path / "store" / "node-a" / ".nodes" / "node-a.drained").exists()
