@@ -158,6 +158,19 @@ def invalidate(fleet_file: Path, node: str = typer.Option(None)) -> None:
 
 
 @app.command()
+def deploy(fleet_file: Path, render_only: bool = typer.Option(False, "--render-only",
+                                                              help="Only write prefect.<fleet>.yaml for review.")) -> None:
+    """Render prefect.<fleet>.yaml beside the fleet file and deploy it to the Prefect server."""
+    from ckptflow.deploy import deploy as run, render_prefect_yaml
+
+    try:
+        out = render_prefect_yaml(fleet_file) if render_only else run(fleet_file)
+    except CkptflowError as e:
+        _fail(e)
+    console.print(f"{'rendered' if render_only else 'deployed'} {out}")
+
+
+@app.command()
 def simulate(seed: int = typer.Option(0, help="Trace seed."),
              failures: str = typer.Option("exponential", help="exponential or weibull"),
              as_json: bool = typer.Option(False, "--json", help="Print JSON: {policies: {name: {cost, ...}}}.")) -> None:

@@ -37,7 +37,7 @@ def _step(node: str, action: str, fleet_file: str, workload: str, checkpoint: st
     return fr.state.result()
 
 
-@flow(name="migrate", log_prints=True)
+@flow(name="migrate", log_prints=True, persist_result=True)
 def migrate(fleet_file: str, workload: str, target_node: str, via_deployments: bool = True) -> dict:
     """Move ``workload`` to ``target_node``: checkpoint on the source (the worker exits), push
     to S3, pull and restore on the target. If anything fails after the source exited, the
@@ -66,7 +66,7 @@ def migrate(fleet_file: str, workload: str, target_node: str, via_deployments: b
             "pid": inn["pid"], "out": out, "in": inn}
 
 
-@flow(name="drain", log_prints=True)
+@flow(name="drain", log_prints=True, persist_result=True)
 def drain(fleet_file: str, node: str, via_deployments: bool = True) -> list[dict]:
     """Ahead of maintenance: move long-session workloads off ``node`` (placement picks the
     target), stop short-request ones once drained, report what went where, mark the node."""

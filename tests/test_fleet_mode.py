@@ -1,0 +1,137 @@
+"""Fleet mode on one machine: a real Prefect server on 127.0.0.1, one process work pool and
+worker per node (node-a, node-b), SeaweedFS as S3, deployments from `ckptflow deploy`.
+
+migrate and drain run as deployments; their node steps run on each node's worker, and the
+long session continues exactly on node-b.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import free_port
+from ckptflow.models import TrafficClass
+
+pytestmark = [pytest.mark.criu, pytest.mark.slow]
+ROOT = Path(__file__).parent.parent
+
+
+def _default_sigint():
+    # A worker started from a script inherits SIGINT ignored and then ignores SIGTERM too.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture(scope="module")
+def prefect_fleet(tmp_path_factory, s3):
+    tmp = tmp_path_factory.mktemp("fleet")
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PREFECT_WORKER_QUERY_SECONDS": "1",
+           "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}
+    logs = open(tmp / "server.log", "w")
+    procs = [subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                               "--port", str(port)], env={k: v for k, v in env.items() if k != "PREFECT_API_URL"},
+                              stdout=logs, stderr=subprocess.STDOUT, start_new_session=True)]
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2).read()
+                break
+            except OSError:
+                assert time.time() < deadline, (tmp / "server.log").read_text()[-3000:]
+                time.sleep(0.5)
+        for pool in ("node-a", "node-b"):
+            subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "work-pool", "create", pool,
+                            "--type", "process"], env=env, check=True, capture_output=True)
+            wl = open(tmp / f"worker-{pool}.log", "w")
+            procs.append(subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
+                                          env=env, cwd=ROOT, stdout=wl, stderr=subprocess.STDOUT,
+                                          start_new_session=True, preexec_fn=_default_sigint))
+        yield {"env": env, "tmp": tmp}
+    finally:
+        for p in reversed(procs):  # workers before the server
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def _fleet(tmp, s3, workloads, bucket):
+    f = tmp / f"fleet-{bucket}.yaml"
+    f.write_text(yaml.safe_dump({
+        "fleet": bucket, "storage": {"kind": "s3", "path": str(tmp / "store" / "{node}"),
+                                     "bucket": s3.bucket(bucket), "endpoint_url": s3.endpoint},
+        "nodes": [{"name": "node-a", "work_pool": "node-a"}, {"name": "node-b", "work_pool": "node-b"}],
+        "workloads": [w.model_dump(mode="json", exclude_none=True) | {"node": "node-a"} for w in workloads]}))
+    return f
+
+
+_RUN = r"""
+import json, sys
+from prefect.deployments import run_deployment
+fr = run_deployment(name=sys.argv[1], parameters=json.loads(sys.argv[2]), timeout=300)
+print(json.dumps({"state": fr.state.name, "result": fr.state.result(raise_on_failure=False)
+                  if fr.state.is_completed() else str(fr.state.message)}, default=str))
+"""
+
+
+def _reap_in_background(*workers):
+    """The node steps run in other processes; as the workers' parent, reap them when they exit
+    (what a supervisor does), or their PIDs stay taken as zombies."""
+    import threading
+
+    for w in workers:
+        threading.Thread(target=w.proc.wait, daemon=True).start()
+
+
+def _deploy_and_run(prefect_fleet, fleet_file, deployment, params):
+    env = prefect_fleet["env"]
+    out = subprocess.run([sys.executable, "-m", "ckptflow", "deploy", str(fleet_file)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = subprocess.run([sys.executable, "-c", _RUN, deployment, json.dumps(params)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    logs = "".join(p.read_text()[-2000:] for p in prefect_fleet["tmp"].glob("worker-*.log"))
+    assert res["state"] == "Completed", f"{res}\n{logs}"
+    return res["result"]
+
+
+def test_migrate_deployment_moves_a_long_session_to_node_b(prefect_fleet, demo_worker, s3):
+    w, ref = demo_worker("chat"), demo_worker("ref")
+    for x in (w, ref):
+        x.complete("an agent session that must survive the move " * 25, 16, "s")
+    _reap_in_background(w)
+    fleet = _fleet(prefect_fleet["tmp"], s3, [w.workload], "fleet-mig")
+    res = _deploy_and_run(prefect_fleet, fleet, "migrate/fleet-mig",
+                          {"workload": "chat", "target_node": "node-b"})
+    assert res["source"] == "node-a" and res["target"] == "node-b"
+    assert res["in"]["downloaded_bytes"] == res["out"]["bytes"]          # it came through S3
+    assert (prefect_fleet["tmp"] / "store" / "node-b" / "chat" / res["checkpoint"] / "manifest.json").exists()
+    assert w.digests() == ref.digests()
+    assert w.complete("and now?", 32, "s") == ref.complete("and now?", 32, "s")
+
+
+def test_drain_deployment_empties_node_a(prefect_fleet, demo_worker, s3):
+    long_w, short_w, ref = demo_worker("chat"), demo_worker("api"), demo_worker("ref")
+    short_w.workload = short_w.workload.model_copy(update={"traffic": TrafficClass.short_requests})
+    for x in (long_w, ref):
+        x.complete("a long session " * 30, 16, "s")
+    _reap_in_background(long_w, short_w)
+    fleet = _fleet(prefect_fleet["tmp"], s3, [long_w.workload, short_w.workload], "fleet-drain")
+    rows = {r["workload"]: r for r in _deploy_and_run(prefect_fleet, fleet, "drain/fleet-drain", {"node": "node-a"})}
+    assert rows["chat"]["action"] == "migrated" and rows["chat"]["target"] == "node-b"
+    assert rows["api"]["action"] == "stopped (short requests)"
+    assert not Path(f"/proc/{short_w.proc.pid}").exists() or short_w.proc.wait(timeout=30) is not None
+    assert long_w.complete("go on", 24, "s") == ref.complete("go on", 24, "s")
