@@ -43,6 +43,12 @@ def deploy(fleet_file: Path, *, create_pools: bool = True) -> Path:
             if got.returncode != 0:
                 subprocess.run([*prefect, "work-pool", "create", pool, "--type", "process"], check=True,
                                capture_output=True, text=True)
+        for n in fleet.nodes:  # one checkpoint or restore per node at a time (see tasks.common.node_slot)
+            name = f"ckptflow-node-{n.name}"
+            got = subprocess.run([*prefect, "global-concurrency-limit", "inspect", name], capture_output=True, text=True)
+            if got.returncode != 0:
+                subprocess.run([*prefect, "global-concurrency-limit", "create", name, "--limit", "1"], check=True,
+                               capture_output=True, text=True)
     res = subprocess.run([*prefect, "deploy", "--all", "--prefect-file", str(out)], capture_output=True, text=True)
     if res.returncode != 0:
         raise ConfigError(f"prefect deploy of {out} failed:\n{(res.stdout + res.stderr)[-3000:]}",

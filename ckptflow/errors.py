@@ -27,6 +27,10 @@ class WorkloadNotFound(CkptflowError):
     """The declared workload has no running process (pid file stale, no cmdline match)."""
 
 
+class WorkloadBusy(CkptflowError):
+    """Another checkpoint or restore of this workload is running on this node right now."""
+
+
 class UndeclaredProcess(CkptflowError):
     """A PID does not belong to a declared workload; the runner refuses to touch it."""
 

@@ -69,6 +69,7 @@ def test_full_heartbeat_sequence_over_several_pids():
     assert all("checkpoint" in p.timings for p in procs)
 
 
+@pytest.mark.fault
 def test_lock_timeout_on_one_pid_unlocks_the_others():
     drv = SimDriver([1, 2, 3], fail={("lock", 2): TIMEOUT})
     cuda = CudaRunner(backend=drv)
@@ -110,6 +111,7 @@ def test_state_checked_before_each_step():
         cuda.lock([1])
 
 
+@pytest.mark.fault
 def test_memory_gate_refuses_before_restoring():
     drv = SimDriver([1])
     cuda = CudaRunner(backend=drv)

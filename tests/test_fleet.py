@@ -101,6 +101,7 @@ def test_line_number_points_at_the_field(tmp_path):
         load_fleet(f)
 
 
+@pytest.mark.fault
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
                     lambda c: st.lists(c, max_size=3) | st.dictionaries(

@@ -63,6 +63,7 @@ def test_recover_falls_back_past_a_corrupt_checkpoint(tmp_path, prefect_harness,
     assert w.digests() == digests_at_old
 
 
+@pytest.mark.fault
 def test_heartbeat_reports_a_gone_workload(tmp_path, prefect_harness, demo_worker):
     from ckptflow.flows.heartbeat import HeartbeatFailed, heartbeat
 

@@ -123,6 +123,7 @@ def test_retry_rule_treats_incompatible_as_final():
 
 
 # --- the gate on a real process and real CRIU ------------------------------------------------
+@pytest.mark.fault
 @pytest.mark.criu
 def test_restore_onto_incompatible_node_is_refused_before_criu(tmp_path, demo_worker, caplog):
     from ckptflow.runners.composite import NodeRunner

@@ -43,6 +43,7 @@ def test_second_push_uploads_only_new_chunks(tmp_path, s3):
     assert second["skipped_bytes"] == 7 * CHUNK + 4
 
 
+@pytest.mark.fault
 def test_corrupt_chunk_in_the_bucket_is_refused_and_leaves_no_manifest(tmp_path, s3):
     tier = S3Tier(s3.bucket("ckpt-corrupt"), endpoint_url=s3.endpoint)
     a, b = LocalStore(tmp_path / "a"), LocalStore(tmp_path / "b")

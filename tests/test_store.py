@@ -86,6 +86,7 @@ pathlib.Path(sys.argv[2]).write_text("done")
 """
 
 
+@pytest.mark.fault
 def test_kill_during_store_write_leaves_no_manifest(store, tmp_path):
     marker = tmp_path / "marker"
     child = subprocess.Popen([sys.executable, "-c", _WRITER, str(store.root), str(marker)])

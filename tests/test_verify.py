@@ -83,6 +83,7 @@ def test_golden_differs_marks_failed_and_alerts_exactly_once(tmp_path, prefect_h
     assert len(slack.requests) == 1
 
 
+@pytest.mark.fault
 def test_slack_outage_never_fails_the_flow(tmp_path, prefect_harness, demo_worker, monkeypatch, caplog):
     from ckptflow.flows.heartbeat import heartbeat
     from ckptflow.flows.verify import verify

@@ -25,7 +25,7 @@ from pathlib import Path
 import logging
 
 from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError, IncompatibleCheckpoint,
-                             RestoreFailed, WorkloadNotFound)
+                             RestoreFailed, UndeclaredProcess, WorkloadNotFound)
 from ckptflow.fleet import Node
 from ckptflow.models import CheckpointState, Fingerprint, Manifest, Workload
 from ckptflow.policies.cadence import WorkloadFacts
@@ -259,6 +259,10 @@ class NodeRunner:
             CriuError: the dump failed (bytes discarded; the worker keeps running on heartbeat).
             StorageFull: the volume filled up (bytes discarded).
         """
+        with self.store.lock(w.name):
+            return self._checkpoint(w, leave_running)
+
+    def _checkpoint(self, w: Workload, leave_running: bool) -> Manifest:
         proc = process.resolve(w)
         state = probe(w)
         load = read_load(w)
@@ -303,9 +307,14 @@ class NodeRunner:
                 process is unhealthy or its state differs from the checkpoint's.
             CheckpointNotFound: no valid checkpoint is left.
         """
+        with self.store.lock(w.name):
+            return self._restore(w, manifest, fallback, gpu_pairs, overrides)
+
+    def _restore(self, w: Workload, manifest: Manifest | None, fallback: bool,
+                 gpu_pairs: list[tuple[str, str]] | None, overrides: frozenset[str]) -> RestoreResult:
         try:
             live = process.resolve(w)
-        except WorkloadNotFound:
+        except (WorkloadNotFound, UndeclaredProcess):  # gone, or its stale pid file names another program
             live = None
         if live is not None:
             raise RestoreFailed(f"workload {w.name} is running (PID {live.pid}); refusing to restore over it",

@@ -97,9 +97,10 @@ class CriuRunner:
     """
 
     def __init__(self, criu_bin: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 log_dir: Path | None = None):
+                 log_dir: Path | None = None, pid_free_timeout_s: float = PID_FREE_TIMEOUT_S):
         self.criu_bin = criu_bin or os.environ.get("CKPTFLOW_CRIU") or "criu"
         self.timeout_s = timeout_s
+        self.pid_free_timeout_s = pid_free_timeout_s
         self._own_tmp = tempfile.mkdtemp(prefix="ckptflow-criu-")
         self.plugin_dir = Path(self._own_tmp) / "no-plugins"
         self.plugin_dir.mkdir(mode=0o700)
@@ -183,12 +184,13 @@ class CriuRunner:
         seconds = self._run(args, log, timeout_s, "dump")
         return DumpResult(pid=proc.pid, seconds=seconds, log=log)
 
-    def wait_pid_free(self, pid: int, timeout_s: float = PID_FREE_TIMEOUT_S) -> None:
+    def wait_pid_free(self, pid: int, timeout_s: float | None = None) -> None:
         """Wait until ``pid`` is gone (reaping it if it is our child).
 
         Raises:
             PidBusy: the PID is still in use after ``timeout_s``.
         """
+        timeout_s = self.pid_free_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         while pid_alive(pid) or Path(f"/proc/{pid}").exists():
             _reap(pid)

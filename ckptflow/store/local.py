@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -27,12 +28,13 @@ import secrets
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from ckptflow.errors import CheckpointNotFound, ChecksumMismatch, StorageFull, StoreError
+from ckptflow.errors import CheckpointNotFound, ChecksumMismatch, StorageFull, StoreError, WorkloadBusy
 from ckptflow.models import CheckpointState, FileEntry, Fingerprint, Manifest, _check_ckpt_id, _check_name, utcnow
 
 if TYPE_CHECKING:
@@ -269,6 +271,28 @@ class LocalStore:
         d = self.root / m.workload / m.id
         (d / MANIFEST).unlink(missing_ok=True)
         shutil.rmtree(d, ignore_errors=True)
+
+    @contextmanager
+    def lock(self, workload: str) -> Iterator[None]:
+        """Exclusive, non-blocking lock of one workload on this node (flock: released by the
+        kernel if the holder dies, so a killed runner never leaves it stuck).
+
+        Raises:
+            WorkloadBusy: another checkpoint or restore of the workload holds it.
+        """
+        _check_name(workload)
+        d = self.root / workload
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise WorkloadBusy(f"workload {workload}: another checkpoint or restore is running on this node",
+                                   fix="nothing to do: the running one covers this tick") from None
+            yield
+        finally:
+            os.close(fd)
 
     # --- node fingerprints, as each node last reported them -------------------------------
     def put_node_fingerprint(self, node: str, fp: Fingerprint) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from ckptflow.alerts import Alerter
 from ckptflow.errors import CkptflowError
@@ -19,6 +21,21 @@ def open_fleet(fleet_file: str) -> Fleet:
 
 def node_runner(fleet: Fleet, node: str | None = None) -> NodeRunner:
     return NodeRunner(open_store(fleet.storage, node))
+
+
+@contextmanager
+def node_slot(node: str) -> Iterator[None]:
+    """One checkpoint or restore per node at a time, fleet-wide: a Prefect global concurrency
+    limit ``ckptflow-node-<node>`` of 1 (created by `ckptflow deploy`; strict, so a missing
+    limit fails loudly instead of letting steps race). Deployments set CKPTFLOW_NODE_LIMITS=1;
+    local runs (demo, tests in one process) go without it."""
+    if os.environ.get("CKPTFLOW_NODE_LIMITS") != "1":
+        yield
+        return
+    from prefect.concurrency.sync import concurrency
+
+    with concurrency(f"ckptflow-node-{node}", occupy=1, strict=True):
+        yield
 
 
 def this_node(fleet: Fleet) -> str | None:

@@ -11,7 +11,7 @@ from prefect import task
 from ckptflow.errors import ConfigError, WorkloadNotFound
 from ckptflow.runners import process
 from ckptflow.store import open_tier
-from ckptflow.tasks.common import node_runner, open_fleet
+from ckptflow.tasks.common import node_runner, node_slot, open_fleet
 
 
 def _tier(fleet):
@@ -26,8 +26,10 @@ def _tier(fleet):
 def migrate_out(fleet_file: str, workload: str) -> dict:
     fleet = open_fleet(fleet_file)
     tier = _tier(fleet)
-    runner = node_runner(fleet, fleet.workload(workload).node)
-    m = runner.checkpoint(fleet.workload(workload), leave_running=False)
+    node = fleet.workload(workload).node
+    runner = node_runner(fleet, node)
+    with node_slot(node):
+        m = runner.checkpoint(fleet.workload(workload), leave_running=False)
     pushed = tier.push(runner.store, m)
     return {"checkpoint": m.id, "bytes": m.bytes, "timings": m.timings, **pushed}
 
@@ -39,7 +41,8 @@ def migrate_in(fleet_file: str, workload: str, node: str, checkpoint: str) -> di
     w = fleet.workload(workload).model_copy(update={"node": node})
     runner = node_runner(fleet, node)
     m, pulled = _tier(fleet).pull(runner.store, workload, checkpoint)
-    res = runner.restore(w, manifest=m, fallback=False)
+    with node_slot(node):
+        res = runner.restore(w, manifest=m, fallback=False)
     return {"checkpoint": m.id, "pid": res.pid, "timings": res.timings, **pulled}
 
 
@@ -47,7 +50,9 @@ def migrate_in(fleet_file: str, workload: str, node: str, checkpoint: str) -> di
 def restore_local(fleet_file: str, workload: str, node: str, checkpoint: str) -> dict:
     fleet = open_fleet(fleet_file)
     runner = node_runner(fleet, node)
-    res = runner.restore(fleet.workload(workload), manifest=runner.store.get(workload, checkpoint), fallback=False)
+    with node_slot(node):
+        res = runner.restore(fleet.workload(workload), manifest=runner.store.get(workload, checkpoint),
+                             fallback=False)
     return {"checkpoint": checkpoint, "pid": res.pid, "timings": res.timings}
 
 

@@ -9,7 +9,7 @@ from ckptflow.models import Action
 from ckptflow.policies.cadence import decide
 from ckptflow.runners.composite import collect_facts
 from ckptflow.store import open_tier
-from ckptflow.tasks.common import node_runner, open_fleet, retry_if_retryable
+from ckptflow.tasks.common import node_runner, node_slot, open_fleet, retry_if_retryable
 
 
 @task(name="checkpoint-node-batch", retries=1, retry_condition_fn=retry_if_retryable)
@@ -40,7 +40,8 @@ def checkpoint_batch(fleet_file: str, node: str, workloads: list[str], force: bo
         if force:
             row["reason"] = f"forced (policy said {d.action.value}: {d.reason})"
         try:
-            m = runner.checkpoint(w, leave_running=True)
+            with node_slot(node):
+                m = runner.checkpoint(w, leave_running=True)
         except CkptflowError as e:
             log.error("checkpoint of %s failed: %s", name, e)
             out.append({**row, "ok": False, "error": str(e).splitlines()[0], "error_type": type(e).__name__})
@@ -63,6 +64,7 @@ def restore_workload(fleet_file: str, workload: str) -> dict:
     """Restore a lost workload from its newest valid checkpoint (older ones if it is corrupt)."""
     fleet = open_fleet(fleet_file)
     w = fleet.workload(workload)
-    res = node_runner(fleet, w.node).restore(w)
+    with node_slot(w.node):
+        res = node_runner(fleet, w.node).restore(w)
     return {"workload": workload, "checkpoint": res.manifest.id, "pid": res.pid, "timings": res.timings,
             "bytes": res.manifest.bytes, "skipped": res.skipped}

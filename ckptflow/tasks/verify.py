@@ -9,7 +9,7 @@ from prefect.runtime import flow_run
 from ckptflow.models import CheckpointState
 from ckptflow.runners.composite import cold_start
 from ckptflow.runners.verify import verify_checkpoint
-from ckptflow.tasks.common import alerter, node_runner, open_fleet
+from ckptflow.tasks.common import alerter, node_runner, node_slot, open_fleet
 
 
 @task(name="verify-workload")
@@ -21,7 +21,8 @@ def verify_workload(fleet_file: str, workload: str) -> dict:
     m = next((x for x in node.store.valid(workload) if x.state == CheckpointState.complete), None)
     if m is None:
         return {"workload": workload, "state": "skipped", "reason": "no unverified valid checkpoint"}
-    res = verify_checkpoint(node, w, m)
+    with node_slot(w.node):
+        res = verify_checkpoint(node, w, m)
     row = {"workload": workload, "node": w.node, "checkpoint": m.id, "state": res.state, "reason": res.reason,
            **{f"{k}_s": v for k, v in res.timings.items()}}
     if res.state == "skipped":
