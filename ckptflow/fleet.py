@@ -61,6 +61,11 @@ class Storage(BaseModel):
                                      examples=["http://127.0.0.1:8333"])
     region: str | None = Field(None, description="S3 region.")
     server_side_encryption: str | None = Field("AES256", description="SSE mode passed to S3; null to disable.")
+    encryption_key_env: str | None = Field(
+        None, description="Env var holding a base64 32-byte key: chunks are then encrypted on the node "
+        "(AES-256-GCM) before upload.", examples=["CKPTFLOW_CHUNK_KEY"])
+    encryption_key_block: str | None = Field(
+        None, description="Prefect Secret block holding that key instead of an env var.")
 
     @model_validator(mode="after")
     def _bucket_for_s3(self) -> "Storage":

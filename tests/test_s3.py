@@ -78,3 +78,28 @@ def test_heartbeat_pushes_and_a_second_heartbeat_uploads_little(tmp_path, prefec
     assert r2["uploaded_bytes"] / r2["bytes"] <= 0.15, r2
     tier = S3Tier("ckpt-fleet", endpoint_url=s3.endpoint)
     assert set(tier.list("chat")) == {r1["checkpoint"], r2["checkpoint"]}
+
+
+def test_client_side_encryption_keeps_dedup_and_refuses_another_key(tmp_path, s3, monkeypatch):
+    import base64
+
+    from ckptflow.fleet import Storage
+    from ckptflow.store.s3 import _load_key
+
+    key = os.urandom(32)
+    tier = S3Tier(s3.bucket("ckpt-enc"), endpoint_url=s3.endpoint, key=key)
+    a, b = LocalStore(tmp_path / "a"), LocalStore(tmp_path / "b")
+    payload = os.urandom(2 * CHUNK)
+    m = _ckpt(a, payload)
+    tier.push(a, m)
+    digest = tier.manifest("w", m.id).probe["s3_chunks"]["pages-1.img"][0]
+    stored = s3.client.get_object(Bucket="ckpt-enc", Key=f"ckptflow/chunks/{digest}")["Body"].read()
+    assert payload[:CHUNK] not in stored and len(stored) == CHUNK + 12 + 16   # nonce + tag
+    assert tier.push(a, m)["uploaded_bytes"] == 0                              # dedup by plaintext digest
+    got, _ = tier.pull(b, "w", m.id)
+    assert (b.images_dir(got) / "pages-1.img").read_bytes() == payload
+    wrong = S3Tier("ckpt-enc", endpoint_url=s3.endpoint, key=os.urandom(32))
+    with pytest.raises(ChecksumMismatch, match="does not decrypt with this node's key"):
+        wrong.pull(LocalStore(tmp_path / "c"), "w", m.id)
+    monkeypatch.setenv("CKPT_KEY", base64.b64encode(key).decode())
+    assert _load_key(Storage(kind="s3", bucket="x", encryption_key_env="CKPT_KEY")) == key

@@ -21,11 +21,11 @@ def open_store(storage, node: str | None = None):
     return LocalStore(Path(storage.path.replace("{node}", node or "local")))
 
 
-def open_tier(storage):
-    """The shared S3 tier for kind s3, else None."""
+def open_tier(storage, key: bytes | None = None):
+    """The shared S3 tier for kind s3, else None (``key``: client-side encryption key)."""
     kind = getattr(storage.kind, "value", storage.kind)
     if kind != "s3":
         return None
     from ckptflow.store.s3 import S3Tier
 
-    return S3Tier.from_storage(storage)
+    return S3Tier.from_storage(storage, key)

@@ -38,10 +38,14 @@ class S3Tier:
 
     def __init__(self, bucket: str, prefix: str = "ckptflow", endpoint_url: str | None = None,
                  region: str | None = None, server_side_encryption: str | None = "AES256",
-                 client=None, threads: int = THREADS):
+                 client=None, threads: int = THREADS, key: bytes | None = None):
         import boto3
         from botocore.config import Config
 
+        if key is not None and len(key) != 32:
+            raise StoreError(f"client-side encryption key has {len(key)} bytes; AES-256-GCM needs 32",
+                             fix="generate one with: python -c 'import os,base64;print(base64.b64encode(os.urandom(32)).decode())'")
+        self.key = key
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.sse = server_side_encryption
         self.threads = threads
@@ -50,9 +54,32 @@ class S3Tier:
                                                        retries={"max_attempts": 5, "mode": "standard"}))
 
     @classmethod
-    def from_storage(cls, storage) -> "S3Tier":
+    def from_storage(cls, storage, key: bytes | None = None) -> "S3Tier":
         return cls(bucket=storage.bucket, prefix=storage.prefix, endpoint_url=storage.endpoint_url,
-                   region=storage.region, server_side_encryption=storage.server_side_encryption)
+                   region=storage.region, server_side_encryption=storage.server_side_encryption,
+                   key=key if key is not None else _load_key(storage))
+
+    # Chunks keep their plaintext sha256 as address (dedup still works); with a key, the object
+    # is nonce || AES-256-GCM(chunk), the address as associated data, so a swapped object fails.
+    def _seal(self, digest: str, data: bytes) -> bytes:
+        if self.key is None:
+            return data
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        nonce = os.urandom(12)
+        return nonce + AESGCM(self.key).encrypt(nonce, data, digest.encode())
+
+    def _open(self, digest: str, blob: bytes) -> bytes:
+        if self.key is None:
+            return blob
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        try:
+            return AESGCM(self.key).decrypt(blob[:12], blob[12:], digest.encode())
+        except (InvalidTag, ValueError):
+            raise ChecksumMismatch(f"chunk {digest[:16]}... does not decrypt with this node's key",
+                                   fix="the chunk is corrupt or was written with another key") from None
 
     def _key(self, *parts: str) -> str:
         return "/".join([self.prefix, *parts])
@@ -99,8 +126,9 @@ class S3Tier:
             key = self._key("chunks", digest)
             if self._exists(key):
                 return digest, len(data), False
-            self._call("put", self.s3.put_object, Bucket=self.bucket, Key=key, Body=data,
-                       ChecksumSHA256=_b64(digest), **self._put_kw())
+            body = self._seal(digest, data)
+            self._call("put", self.s3.put_object, Bucket=self.bucket, Key=key, Body=body,
+                       ChecksumSHA256=_b64(hashlib.sha256(body).hexdigest()), **self._put_kw())
             return digest, len(data), True
 
         with ThreadPoolExecutor(max_workers=self.threads) as ex:
@@ -159,8 +187,8 @@ class S3Tier:
 
         def one(job) -> int:
             path, off, digest = job
-            data = self._call("get", self.s3.get_object, Bucket=self.bucket,
-                              Key=self._key("chunks", digest))["Body"].read()
+            data = self._open(digest, self._call("get", self.s3.get_object, Bucket=self.bucket,
+                                                 Key=self._key("chunks", digest))["Body"].read())
             if hashlib.sha256(data).hexdigest() != digest:
                 raise ChecksumMismatch(f"chunk {digest[:16]}... of {path} (offset {off}) from S3 is corrupt",
                                        fix="the bucket holds damaged data; restore an older checkpoint")
@@ -192,3 +220,22 @@ def _b64(hexdigest: str) -> str:
     return base64.b64encode(bytes.fromhex(hexdigest)).decode()
 
 
+
+
+def _load_key(storage) -> bytes | None:
+    """The client-side encryption key from the env var the fleet file names (a Prefect Secret
+    block is read by the tasks layer, which passes the key in)."""
+    import base64
+
+    raw = None
+    if getattr(storage, "encryption_key_env", None):
+        raw = os.environ.get(storage.encryption_key_env)
+        if not raw:
+            raise StoreError(f"storage.encryption_key_env names {storage.encryption_key_env}, which is not set",
+                             fix="export the base64 key on every node (or use encryption_key_block)")
+    if raw is None:
+        return None
+    try:
+        return base64.b64decode(raw, validate=True)
+    except ValueError:
+        raise StoreError("the chunk encryption key is not valid base64") from None

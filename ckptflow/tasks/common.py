@@ -12,7 +12,7 @@ from ckptflow.alerts import Alerter
 from ckptflow.errors import CkptflowError
 from ckptflow.fleet import Fleet, load_fleet
 from ckptflow.runners.composite import NodeRunner
-from ckptflow.store import open_store
+from ckptflow.store import open_store, open_tier
 
 
 def open_fleet(fleet_file: str) -> Fleet:
@@ -48,6 +48,19 @@ def this_node(fleet: Fleet) -> str | None:
         return fleet.nodes[0].name
     host = socket.gethostname().split(".")[0].lower()
     return host if any(n.name == host for n in fleet.nodes) else None
+
+
+def tier(fleet: Fleet):
+    """The fleet's S3 tier (None for local storage), its chunk key read from a Prefect Secret
+    block when the fleet file names one."""
+    key = None
+    if fleet.storage.encryption_key_block:
+        import base64
+
+        from prefect.blocks.system import Secret
+
+        key = base64.b64decode(Secret.load(fleet.storage.encryption_key_block).get())
+    return open_tier(fleet.storage, key)
 
 
 def alerter(fleet: Fleet) -> Alerter:

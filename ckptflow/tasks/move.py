@@ -10,12 +10,12 @@ from prefect import task
 
 from ckptflow.errors import ConfigError, WorkloadNotFound
 from ckptflow.runners import process
-from ckptflow.store import open_tier
 from ckptflow.tasks.common import node_runner, node_slot, open_fleet
+from ckptflow.tasks.common import tier as fleet_tier
 
 
 def _tier(fleet):
-    tier = open_tier(fleet.storage)
+    tier = fleet_tier(fleet)
     if tier is None:
         raise ConfigError(f"fleet {fleet.fleet}: moving workloads between nodes needs storage.kind: s3",
                           fix="set storage: {kind: s3, bucket: ..., endpoint_url: ...} in the fleet file")

@@ -8,8 +8,8 @@ from ckptflow.errors import CkptflowError
 from ckptflow.models import Action
 from ckptflow.policies.cadence import decide
 from ckptflow.runners.composite import collect_facts
-from ckptflow.store import open_tier
 from ckptflow.tasks.common import node_runner, node_slot, open_fleet, retry_if_retryable
+from ckptflow.tasks.common import tier as fleet_tier
 
 
 @task(name="checkpoint-node-batch", retries=1, retry_condition_fn=retry_if_retryable)
@@ -25,7 +25,7 @@ def checkpoint_batch(fleet_file: str, node: str, workloads: list[str], force: bo
     runner = node_runner(fleet, node)
     node_cfg = fleet.node(node)
     runner.store.put_node_fingerprint(node, runner.node_fp)  # keeps what invalidate reads fresh
-    tier = open_tier(fleet.storage)
+    tier = fleet_tier(fleet)
     out = []
     for name in workloads:
         w = fleet.workload(name)
