@@ -316,6 +316,13 @@ class NodeRunner:
             live = process.resolve(w)
         except (WorkloadNotFound, UndeclaredProcess):  # gone, or its stale pid file names another program
             live = None
+        if live is not None and process.pid_stopped(live.pid):
+            # Restores leave the process stopped until its checksums pass. Holding the workload
+            # lock, a stopped declared worker can only be what an interrupted restore left behind.
+            log.warning("workload %s: PID %d is stopped, left by an interrupted restore; killing it", w.name, live.pid)
+            os.kill(live.pid, signal.SIGKILL)
+            self.criu.wait_pid_free(live.pid)
+            live = None
         if live is not None:
             raise RestoreFailed(f"workload {w.name} is running (PID {live.pid}); refusing to restore over it",
                                 fix="stop it first, or use a sandbox restore (verify) to test a checkpoint")

@@ -48,6 +48,15 @@ def _start_time(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
+def pid_stopped(pid: int) -> bool:
+    """True while the process is stopped (state T), e.g. left by an interrupted restore."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
 def pid_alive(pid: int) -> bool:
     """True while /proc/PID exists and is not a zombie."""
     try:

@@ -38,7 +38,8 @@ class S3Tier:
 
     def __init__(self, bucket: str, prefix: str = "ckptflow", endpoint_url: str | None = None,
                  region: str | None = None, server_side_encryption: str | None = "AES256",
-                 client=None, threads: int = THREADS, key: bytes | None = None):
+                 client=None, threads: int = THREADS, key: bytes | None = None, timeout_s: float = 60,
+                 attempts: int = 5):
         import boto3
         from botocore.config import Config
 
@@ -50,8 +51,9 @@ class S3Tier:
         self.sse = server_side_encryption
         self.threads = threads
         self.s3 = client or boto3.client("s3", endpoint_url=endpoint_url, region_name=region or "us-east-1",
-                                         config=Config(max_pool_connections=threads * 2,
-                                                       retries={"max_attempts": 5, "mode": "standard"}))
+                                         config=Config(max_pool_connections=threads * 2, connect_timeout=timeout_s,
+                                                       read_timeout=timeout_s,
+                                                       retries={"max_attempts": attempts, "mode": "standard"}))
 
     @classmethod
     def from_storage(cls, storage, key: bytes | None = None) -> "S3Tier":

@@ -173,3 +173,78 @@ def test_fault_clock_jump_around_a_maintenance_window():
         assert short.action in (Action.skip, Action.drain) and not short.due
     assert seen == [Action.skip, Action.checkpoint_now, Action.drain, Action.checkpoint_now, Action.skip,
                     Action.skip]
+
+
+_RESTORE_IN_CHILD = r"""
+import sys
+from ckptflow.models import Workload
+from ckptflow.runners.composite import NodeRunner
+from ckptflow.store.local import LocalStore
+NodeRunner(LocalStore(sys.argv[1])).restore(Workload.model_validate_json(sys.argv[2]))
+"""
+
+
+@pytest.mark.criu
+def test_fault_runner_killed_during_restore(tmp_path, demo_worker):
+    """SIGKILL of the runner mid-restore: the checkpoint stays valid, whatever CRIU left (a
+    stopped copy) is cleared by the next recover, which restores the session."""
+    from ckptflow.runners.composite import NodeRunner
+
+    w = demo_worker("rk", ballast_mib=1024)
+    w.complete("state before the crash " * 20, 8, "s")
+    digests = w.digests()
+    store = LocalStore(tmp_path / "store")
+    m = NodeRunner(store).checkpoint(w.workload, leave_running=False)
+    w.proc.wait()
+    child = subprocess.Popen([sys.executable, "-c", _RESTORE_IN_CHILD, str(store.root), w.workload.model_dump_json()])
+    deadline = time.time() + 30
+    while not _pgrep("criu restore -d"):
+        assert time.time() < deadline and child.poll() is None, "the restore never started"
+        time.sleep(0.005)
+    child.kill()
+    child.wait()
+    deadline = time.time() + 60
+    while _pgrep("criu restore -d"):
+        assert time.time() < deadline
+        time.sleep(0.05)
+    assert store.get("rk", m.id).state == CheckpointState.complete
+    res = NodeRunner(store).restore(w.workload)
+    assert res.pid == m.pid and w.digests() == digests
+
+
+def test_fault_s3_unavailable_mid_upload(tmp_path, s3):
+    """The S3 server stops answering mid-push: StorageUnavailable (retryable), no remote
+    manifest, the local checkpoint valid; once it is back, the push completes."""
+    from ckptflow.errors import StorageUnavailable
+    from ckptflow.store.s3 import CHUNK, S3Tier
+
+    store = LocalStore(tmp_path / "store")
+    p = store.begin("s3down", node="a")
+    (p.images_dir / "pages-1.img").write_bytes(os.urandom(48 * CHUNK))
+    m = store.commit(p)
+    tier = S3Tier(s3.bucket("ckpt-down"), endpoint_url=s3.endpoint, threads=2, timeout_s=2, attempts=1)
+    errors = []
+
+    def push():
+        try:
+            tier.push(store, m)
+        except StorageUnavailable as e:
+            errors.append(e)
+
+    t = threading.Thread(target=push)
+    t.start()
+    deadline = time.time() + 60
+    while s3.client.list_objects_v2(Bucket="ckpt-down", Prefix="ckptflow/chunks/").get("KeyCount", 0) < 2:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    os.killpg(s3.proc.pid, signal.SIGSTOP)            # the server hangs, as in a network partition
+    try:
+        t.join(timeout=120)
+    finally:
+        os.killpg(s3.proc.pid, signal.SIGCONT)
+    assert not t.is_alive() and errors and errors[0].retryable
+    assert S3Tier("ckpt-down", endpoint_url=s3.endpoint).list("s3down") == []
+    assert store.latest_valid("s3down").id == m.id
+    done = S3Tier("ckpt-down", endpoint_url=s3.endpoint).push(store, m)
+    assert done["skipped_bytes"] >= 2 * CHUNK
+    assert S3Tier("ckpt-down", endpoint_url=s3.endpoint).list("s3down") == [m.id]
