@@ -17,14 +17,14 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests" / "helpers"))
 from _common import BENCH, append_results, md_table  # noqa: E402
+from prefect_server import start_prefect_server  # noqa: E402
 
 PORT = 4299
 RUN = r"""
@@ -55,19 +55,8 @@ def main() -> int:
     env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_LOGGING_LEVEL": "WARNING"}
     env.pop("PREFECT_API_URL", None)
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                               "--port", str(PORT)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+    server = start_prefect_server(env, PORT)
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{PORT}/api/health", timeout=2).read()
-                break
-            except OSError:
-                if time.time() > deadline:
-                    raise RuntimeError("prefect server did not become healthy")
-                time.sleep(0.5)
         out = subprocess.run([sys.executable, "-c", RUN, str(fleet)], capture_output=True, text=True, timeout=600,
                              env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{PORT}/api"})
         if out.returncode != 0:

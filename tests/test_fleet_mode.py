@@ -10,14 +10,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import free_port
+from prefect_server import start_prefect_server
 from ckptflow.models import TrafficClass
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
@@ -37,18 +36,8 @@ def prefect_fleet(tmp_path_factory, s3):
            "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PREFECT_WORKER_QUERY_SECONDS": "1",
            "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}
     logs = open(tmp / "server.log", "w")
-    procs = [subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                               "--port", str(port)], env={k: v for k, v in env.items() if k != "PREFECT_API_URL"},
-                              stdout=logs, stderr=subprocess.STDOUT, start_new_session=True)]
+    procs = [start_prefect_server(env, port, logs)]
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2).read()
-                break
-            except OSError:
-                assert time.time() < deadline, (tmp / "server.log").read_text()[-3000:]
-                time.sleep(0.5)
         for pool in ("node-a", "node-b"):
             subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "work-pool", "create", pool,
                             "--type", "process"], env=env, check=True, capture_output=True)

@@ -6,11 +6,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
 from conftest import free_port, write_fleet
+from prefect_server import start_prefect_server
 from ckptflow.store.local import LocalStore
 
 pytestmark = [pytest.mark.criu, pytest.mark.fault, pytest.mark.slow]
@@ -31,23 +31,6 @@ print(json.dumps({"ok": ok, "failed": failed}))
 """
 
 
-def _server(env, port, log):
-    return subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                             "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def _healthy(port, timeout=120):
-    deadline = time.time() + timeout
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2).read()
-            return
-        except OSError:
-            assert time.time() < deadline, "prefect server did not come up"
-            time.sleep(0.3)
-
-
 def test_fault_prefect_server_restarted_mid_flow(tmp_path, demo_worker):
     w = demo_worker("chat")
     w.complete("state that must survive " * 10, 8, "s")
@@ -58,17 +41,15 @@ def test_fault_prefect_server_restarted_mid_flow(tmp_path, demo_worker):
            "PREFECT_LOGGING_LEVEL": "WARNING"}
     env.pop("PREFECT_API_URL", None)
     log = open(tmp_path / "server.log", "w")
-    server = _server(env, port, log)
+    server = start_prefect_server(env, port, log)
     try:
-        _healthy(port)
         loop = subprocess.Popen([sys.executable, "-c", _LOOP, str(fleet), "40"], stdout=subprocess.PIPE, text=True,
                                 env={**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"})
         time.sleep(8)
         os.killpg(server.pid, signal.SIGKILL)          # the server dies mid-flow...
         server.wait()
         time.sleep(3)
-        server = _server(env, port, log)               # ...and comes back on the same database
-        _healthy(port)
+        server = start_prefect_server(env, port, log)  # ...and comes back on the same database
         out, _ = loop.communicate(timeout=240)
         res = json.loads(out.strip().splitlines()[-1])
     finally:
