@@ -54,3 +54,33 @@ def test_drain_moves_long_sessions_and_stops_short_ones(tmp_path, prefect_harnes
     assert short_w.proc.wait(timeout=30) is not None
     assert long_w.complete("go on", 24, "s") == ref.complete("go on", 24, "s")
     assert (tmp_path / "store" / "node-a" / ".nodes" / "node-a.drained").exists()
+
+
+def test_scale_up_starts_a_warm_replica_beside_the_original(tmp_path, prefect_harness, demo_worker, s3):
+    import subprocess
+
+    from ckptflow.demo.launch import http_json
+    from ckptflow.flows.migrate import scale_up
+    from ckptflow.runners.criu import SandboxCopy
+
+    w = demo_worker("chat")
+    fleet = _two_node_fleet(tmp_path, s3, [w.workload], "ckpt-scale")
+    res = scale_up(fleet, "chat", "node-b", via_deployments=False)      # takes the template first
+    copy = SandboxCopy(pid=res["pid"], init_pid=res["init_pid"], netns=res["netns"])
+    try:
+        assert res["sessions"] == {} and res["pid"] != w.pid
+        assert res["start_s"] < 60
+        # The original serves on, untouched, while the replica runs in its own namespaces.
+        w.complete("a session on the original", 8, "s")
+        assert set(w.digests()) == {"s"}
+        from ckptflow.runners.composite import golden_digest
+
+        g = w.workload.golden
+        assert res["golden"] == golden_digest(http_json(g.url, g.body), g.field)   # computes like the original
+        again = scale_up(fleet, "chat", "node-b", via_deployments=False)  # reuses the template
+        SandboxCopy(pid=again["pid"], init_pid=again["init_pid"], netns=again["netns"]).stop()
+        subprocess.run(["ip", "netns", "del", again["netns"]])
+        assert again["checkpoint"] == res["checkpoint"] and again["downloaded_bytes"] == 0
+    finally:
+        copy.stop()
+        subprocess.run(["ip", "netns", "del", res["netns"]])

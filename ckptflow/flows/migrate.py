@@ -13,7 +13,9 @@ from ckptflow.models import TrafficClass
 from ckptflow.policies.placement import NodeState, place
 from ckptflow.render import render
 from ckptflow.store import open_store
+from ckptflow.policies.cadence import CostModel
 from ckptflow.tasks.common import open_fleet
+from ckptflow.tasks.common import tier as fleet_tier
 
 
 class StepFailed(RuntimeError):
@@ -99,3 +101,23 @@ def drain(fleet_file: str, node: str, via_deployments: bool = True) -> list[dict
                                                                         "rows": rows}))
     create_markdown_artifact(key=f"drain-{node}", markdown=render("drain_report.md.j2", node=node, rows=rows))
     return rows
+
+
+@flow(name="scale-up", log_prints=True, persist_result=True)
+def scale_up(fleet_file: str, workload: str, target_node: str, via_deployments: bool = True) -> dict:
+    """Add a replica of ``workload`` on ``target_node`` from its initialised checkpoint (the
+    template taken before traffic): warm weights and graphs, none of the original's sessions,
+    in its own PID and network namespace so it coexists with the original. Takes the template
+    first when there is none. Records its start time against the cold start it replaces.
+    """
+    fleet = open_fleet(fleet_file)
+    w = fleet.workload(workload)
+    tier = fleet_tier(fleet)
+    templates = [i for i in (tier.list(workload) if tier else []) if tier.manifest(workload, i).kind == "template"]
+    ckpt = templates[0] if templates else _step(w.node, "take_template", fleet_file, workload, None,
+                                                 via_deployments)["checkpoint"]
+    res = _step(target_node, "scale_up_in", fleet_file, workload, ckpt, via_deployments)
+    cold = CostModel().cold_start_s
+    create_markdown_artifact(key=f"scale-up-{workload}", markdown=render(
+        "scale_up_report.md.j2", workload=workload, node=target_node, res=res, cold_start_s=cold))
+    return {**res, "cold_start_assumed_s": cold}

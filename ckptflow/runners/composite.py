@@ -251,7 +251,7 @@ class NodeRunner:
         t["pause"] = sum(v for k, v in t.items() if k != "prepare")  # prepare runs while serving
         return res.pid, {k: round(v, 4) for k, v in t.items()}, sum(footprints.values())
 
-    def checkpoint(self, w: Workload, *, leave_running: bool = True) -> Manifest:
+    def checkpoint(self, w: Workload, *, leave_running: bool = True, kind: str | None = None) -> Manifest:
         """Dump ``w`` into the store and commit its manifest.
 
         Raises:
@@ -260,9 +260,9 @@ class NodeRunner:
             StorageFull: the volume filled up (bytes discarded).
         """
         with self.store.lock(w.name):
-            return self._checkpoint(w, leave_running)
+            return self._checkpoint(w, leave_running, kind)
 
-    def _checkpoint(self, w: Workload, leave_running: bool) -> Manifest:
+    def _checkpoint(self, w: Workload, leave_running: bool, kind: str | None = None) -> Manifest:
         proc = process.resolve(w)
         state = probe(w)
         load = read_load(w)
@@ -279,7 +279,7 @@ class NodeRunner:
         except BaseException:
             self.store.abort(pending)
             raise
-        kind = "heartbeat" if leave_running else "migrate"
+        kind = kind or ("heartbeat" if leave_running else "migrate")
         return self.store.commit(pending, timings=timings, probe=state, kind=kind, pid=pid,
                                  gpu_footprint_bytes=footprint, fingerprint=workload_fingerprint(w, self.node_fp))
 

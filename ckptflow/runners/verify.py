@@ -56,6 +56,25 @@ class VerifyResult:
     log_tail: str = ""
 
 
+def probe_in_netns(ns: str, w: Workload, timeout_s: float = 120) -> dict:
+    """Ask a copy running in network namespace ``ns`` for health, the golden answer and its probe."""
+    cfg = {"health": w.health_url, "timeout": timeout_s, "probe": w.probe_url,
+           "golden": w.golden.model_dump() if w.golden else None}
+    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", _IN_NS, json.dumps(cfg)],
+                         capture_output=True, text=True, timeout=timeout_s + 180)
+    try:
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return {"error": f"probe crashed: {out.stderr.strip()[-300:]}"}
+
+
+def new_netns(prefix: str) -> str:
+    ns = f"{prefix}-{secrets.token_hex(4)}"
+    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+    subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True, capture_output=True)
+    return ns
+
+
 def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: float = 120) -> VerifyResult:
     """Restore ``m`` in a sandbox beside the original and compare its answers. Never raises
     for a bad checkpoint (that is the result); raises only when the node cannot sandbox."""
@@ -74,11 +93,9 @@ def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: flo
             gate_gpu_memory(m.gpu_footprint_bytes)
         except NotEnoughGpuMemory as e:
             return VerifyResult("skipped", f"not enough free GPU memory for a sandbox copy: {str(e).splitlines()[0]}", t)
-    ns = f"ckv-{secrets.token_hex(4)}"
-    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+    ns = new_netns("ckv")
     copy = None
     try:
-        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True, capture_output=True)
         t0 = time.perf_counter()
         try:
             copy = node.criu.restore_beside(node.store.images_dir(m), netns=ns)
@@ -87,16 +104,9 @@ def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: flo
         t["restore"] = round(time.perf_counter() - t0, 4)
         if w.gpu:
             t.update(node._restore_gpu(copy.pid, m, None))
-        cfg = {"health": w.health_url, "timeout": timeout_s, "probe": w.probe_url,
-               "golden": w.golden.model_dump() if w.golden else None}
         t0 = time.perf_counter()
-        out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", _IN_NS, json.dumps(cfg)],
-                             capture_output=True, text=True, timeout=timeout_s + 180)
+        got = probe_in_netns(ns, w, timeout_s)
         t["probe"] = round(time.perf_counter() - t0, 4)
-        try:
-            got = json.loads(out.stdout.strip().splitlines()[-1])
-        except (IndexError, ValueError):
-            return VerifyResult("verify_failed", f"sandbox probe crashed: {out.stderr.strip()[-300:]}", t)
         return _compare(w, m, got, t)
     finally:
         if copy is not None:

@@ -8,7 +8,7 @@ import time
 
 from prefect import task
 
-from ckptflow.errors import ConfigError, WorkloadNotFound
+from ckptflow.errors import ConfigError, RestoreFailed, WorkloadNotFound
 from ckptflow.runners import process
 from ckptflow.tasks.common import node_runner, node_slot, open_fleet
 from ckptflow.tasks.common import tier as fleet_tier
@@ -71,3 +71,41 @@ def stop_workload(fleet_file: str, workload: str, grace_s: float = 30) -> dict:
     if process.pid_alive(proc.pid):
         os.kill(proc.pid, signal.SIGKILL)
     return {"stopped": True, "pid": proc.pid}
+
+
+@task(name="take-template")
+def take_template(fleet_file: str, workload: str) -> dict:
+    """The initialised checkpoint: taken once the worker is ready, before it takes traffic;
+    replicas start from it with warm weights and graphs (scale_up)."""
+    fleet = open_fleet(fleet_file)
+    w = fleet.workload(workload)
+    runner = node_runner(fleet, w.node)
+    with node_slot(w.node):
+        m = runner.checkpoint(w, leave_running=True, kind="template")
+    pushed = _tier(fleet).push(runner.store, m)
+    return {"checkpoint": m.id, "bytes": m.bytes, **pushed}
+
+
+@task(name="scale-up-in")
+def scale_up_in(fleet_file: str, workload: str, node: str, checkpoint: str) -> dict:
+    """Start a replica from the template in its own PID and network namespace on this node."""
+    from ckptflow.runners.composite import golden_digest
+    from ckptflow.runners.verify import new_netns, probe_in_netns
+
+    fleet = open_fleet(fleet_file)
+    w = fleet.workload(workload).model_copy(update={"node": node})
+    runner = node_runner(fleet, node)
+    t0 = time.perf_counter()
+    m, pulled = _tier(fleet).pull(runner.store, workload, checkpoint)
+    runner.gate(w, m)
+    runner.store.verify_bytes(m)
+    ns = new_netns(f"ckr-{workload[:6]}")
+    copy = runner.criu.restore_beside(runner.store.images_dir(m), netns=ns)
+    got = probe_in_netns(ns, w)
+    if "error" in got:
+        copy.stop()
+        raise RestoreFailed(f"replica of {workload} on {node} never became healthy: {got['error']}")
+    return {"checkpoint": m.id, "pid": copy.pid, "init_pid": copy.init_pid, "netns": ns,
+            "start_s": round(time.perf_counter() - t0, 3), "downloaded_bytes": pulled["downloaded_bytes"],
+            "sessions": got.get("sessions"),
+            "golden": golden_digest(got["golden_answer"], w.golden.field) if w.golden else None}
