@@ -11,8 +11,6 @@ Examples:
 
 from __future__ import annotations
 
-import os
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
 

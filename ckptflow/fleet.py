@@ -32,7 +32,7 @@ from typing import Any, Literal
 from functools import lru_cache
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ckptflow.errors import ConfigError
 from ckptflow.models import Engine, Name, TrafficClass, Workload

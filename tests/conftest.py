@@ -1,10 +1,7 @@
 import os
-import shutil
 import signal
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest

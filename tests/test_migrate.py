@@ -1,8 +1,6 @@
 """migrate and drain through S3 (SeaweedFS): in-process, and through a real Prefect server with
 one process work pool and worker per node."""
 
-import os
-import signal
 
 import pytest
 import yaml

@@ -1,7 +1,6 @@
 """The S3 tier against a real S3 server (SeaweedFS on 127.0.0.1)."""
 
 import os
-import signal
 
 import pytest
 

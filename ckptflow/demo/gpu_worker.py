@@ -24,7 +24,7 @@ import time
 import torch
 
 from ckptflow.demo.model import encode
-from ckptflow.demo.worker import Metrics, base_args, completion_response, make_handler, parse_completion, serve
+from ckptflow.demo.worker import Metrics, base_args, completion_response, parse_completion, serve
 
 
 class GpuModel:

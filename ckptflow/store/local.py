@@ -22,7 +22,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
-import json
 import os
 import secrets
 import shutil

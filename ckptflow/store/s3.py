@@ -23,7 +23,6 @@ import hashlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from ckptflow.errors import ChecksumMismatch, CheckpointNotFound, StorageUnavailable, StoreError
 from ckptflow.models import Manifest, _check_ckpt_id, _check_name
