@@ -36,6 +36,14 @@ def test_migrate_in_process_session_continues(tmp_path, prefect_harness, demo_wo
     assert res["out"]["uploaded_bytes"] > 0 and res["in"]["downloaded_bytes"] == res["out"]["bytes"]
     assert w.digests() == ref.digests()
     assert w.complete("next", 24, "s") == ref.complete("next", 24, "s")
+    # Heartbeats follow the workload to node-b; node-a has nothing left to checkpoint.
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.tasks.common import open_fleet
+
+    assert open_fleet(fleet).workload("chat").node == "node-b"
+    assert heartbeat(fleet, node="node-a") == []
+    rows = heartbeat(fleet, node="node-b", force=True)
+    assert [(r["workload"], r["node"], r["ok"]) for r in rows] == [("chat", "node-b", True)]
 
 
 def test_drain_moves_long_sessions_and_stops_short_ones(tmp_path, prefect_harness, demo_worker, s3):

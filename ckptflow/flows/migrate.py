@@ -61,6 +61,7 @@ def migrate(fleet_file: str, workload: str, target_node: str, via_deployments: b
             "migrate_report.md.j2", workload=workload, source=source, target=target_node, out=out, inn=None,
             back=back, error=str(e).splitlines()[0]))
         raise
+    fleet_tier(fleet).put_placement(workload, target_node, out["checkpoint"])  # heartbeats follow it there
     create_markdown_artifact(key=f"migrate-{workload}", markdown=render(
         "migrate_report.md.j2", workload=workload, source=source, target=target_node, out=out, inn=inn,
         back=None, error=None))

@@ -145,6 +145,28 @@ class S3Tier:
         return {"uploaded_bytes": up, "skipped_bytes": sum(n for _, n, new in results if not new),
                 "chunks": len(results), "seconds": round(time.perf_counter() - t0, 3)}
 
+    # --- where each workload runs now (a migrate moves it off its declared node) ----------
+    def put_placement(self, workload: str, node: str, checkpoint: str) -> None:
+        import json
+
+        _check_name(workload)
+        _check_name(node)
+        body = json.dumps({"node": node, "checkpoint": checkpoint, "at": time.time()}).encode()
+        self._call("put placement", self.s3.put_object, Bucket=self.bucket,
+                   Key=self._key("placements", f"{workload}.json"), Body=body, **self._put_kw())
+
+    def placements(self) -> dict[str, str]:
+        """workload -> node, for every workload a migrate moved."""
+        import json
+
+        out = self._call("list placements", self.s3.list_objects_v2, Bucket=self.bucket,
+                         Prefix=self._key("placements") + "/")
+        found = {}
+        for o in out.get("Contents", []):
+            body = self._call("get placement", self.s3.get_object, Bucket=self.bucket, Key=o["Key"])["Body"].read()
+            found[o["Key"].rsplit("/", 1)[1].removesuffix(".json")] = json.loads(body)["node"]
+        return found
+
     # --- pull ------------------------------------------------------------------------------
     def list(self, workload: str) -> list[str]:
         _check_name(workload)

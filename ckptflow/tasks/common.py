@@ -16,7 +16,17 @@ from ckptflow.store import open_store, open_tier
 
 
 def open_fleet(fleet_file: str) -> Fleet:
-    return load_fleet(Path(fleet_file))
+    """The fleet file, with each workload on the node a migrate last moved it to (recorded in
+    the S3 tier), not the node the file declares."""
+    fleet = load_fleet(Path(fleet_file))
+    t = open_tier(fleet.storage) if fleet.storage.kind.value == "s3" else None
+    if t is not None:
+        nodes = {n.name for n in fleet.nodes}
+        moved = {w: n for w, n in t.placements().items() if n in nodes}
+        for w in fleet.workloads:
+            if w.name in moved:
+                w.node = moved[w.name]
+    return fleet
 
 
 def node_runner(fleet: Fleet, node: str | None = None) -> NodeRunner:
