@@ -283,9 +283,3 @@ def _load(resolved: str, mtime_ns: int, size: int, shown: str) -> Fleet:
             where = f"{format_path(loc)}" + (f" (line {line})" if line else "")
             lines.append(f"{path}: {where}: {msg}")
         raise ConfigError("\n".join(lines), fix="see deployments/example-h200-fleet.yaml for every field") from None
-
-
-def resolve_path(fleet_file: Path, value: str) -> Path:
-    """Paths in a fleet file are relative to the directory the fleet is run from."""
-    p = Path(value)
-    return p if p.is_absolute() else Path.cwd() / p

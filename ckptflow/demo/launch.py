@@ -6,12 +6,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from ckptflow.models import GoldenRequest, ProcessFinder, TrafficClass, Workload
+from ckptflow.runners.composite import wait_url
 
 # One BLAS thread: fewer threads for CRIU to freeze, and the 2-core CI stays responsive.
 _WORKER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -65,19 +65,7 @@ def gpu_workload(name: str, port: int, pid_file: Path, footprint_gib: float | No
 
 def wait_healthy(url: str, timeout_s: float = 30, proc: subprocess.Popen | None = None) -> float:
     """Poll ``url`` until it answers 200; return the seconds it took."""
-    t0 = time.perf_counter()
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return time.perf_counter() - t0
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"worker exited with {proc.returncode} before {url} answered")
-        if time.perf_counter() - t0 > timeout_s:
-            raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f} s")
-        time.sleep(0.05)
+    return wait_url(url, timeout_s, proc)
 
 
 def http_json(url: str, body: dict | None = None, timeout_s: float = 60) -> dict:

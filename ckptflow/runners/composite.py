@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import logging
@@ -35,6 +36,9 @@ from ckptflow.policies.load import WorkloadLoad, parse_metrics
 from ckptflow.runners import process
 from ckptflow.runners.criu import CriuRunner
 from ckptflow.store.local import LocalStore
+
+if TYPE_CHECKING:
+    from ckptflow.runners.cuda import CudaRunner
 
 HEALTH_TIMEOUT_S = 60
 log = logging.getLogger("ckptflow")
@@ -143,21 +147,37 @@ def collect_facts(w: Workload, node: Node, store: LocalStore, now: float | None 
         maintenance=[(mw.start.timestamp(), mw.end.timestamp()) for mw in node.maintenance])
 
 
-def wait_healthy(w: Workload, timeout_s: float = HEALTH_TIMEOUT_S) -> float:
-    if not w.health_url:
-        return 0.0
+def wait_url(url: str, timeout_s: float, proc=None) -> float:
+    """Poll ``url`` until it answers 200; return the seconds it took.
+
+    Raises:
+        TimeoutError: no 200 within ``timeout_s`` (with the last error).
+        RuntimeError: ``proc`` (a Popen) exited first.
+    """
     t0 = time.perf_counter()
     last = ""
-    while time.perf_counter() - t0 < timeout_s:
+    while True:
         try:
-            with urllib.request.urlopen(w.health_url, timeout=2) as r:
+            with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
                     return time.perf_counter() - t0
         except (urllib.error.URLError, OSError) as e:
             last = str(e)
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"worker exited with {proc.returncode} before {url} answered")
+        if time.perf_counter() - t0 > timeout_s:
+            raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f} s ({last})")
         time.sleep(0.05)
-    raise RestoreFailed(f"workload {w.name}: {w.health_url} not healthy {timeout_s:.0f} s after restore ({last})",
-                        fix="see the restore log; the checkpoint may be broken (run verify)")
+
+
+def wait_healthy(w: Workload, timeout_s: float = HEALTH_TIMEOUT_S) -> float:
+    if not w.health_url:
+        return 0.0
+    try:
+        return wait_url(w.health_url, timeout_s)
+    except TimeoutError as e:
+        raise RestoreFailed(f"workload {w.name}: not healthy after restore: {e}",
+                            fix="see the restore log; the checkpoint may be broken (run verify)") from None
 
 
 @dataclass
@@ -413,5 +433,3 @@ def _write_pid_file(path: Path, pid: int) -> None:
     tmp.write_text(str(pid))
     os.replace(tmp, path)
 
-
-__all__ = ["NodeRunner", "RestoreResult", "probe", "wait_healthy", "CkptflowError"]

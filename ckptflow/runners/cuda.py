@@ -120,7 +120,6 @@ class BinaryBackend:
     """Fallback: NVIDIA's `cuda-checkpoint` utility (pays ~2.7 s of driver start per call)."""
 
     name = "cuda-checkpoint"
-    _ACTIONS = {"lock": "lock", "checkpoint": "checkpoint", "restore": "restore", "unlock": "unlock"}
 
     def __init__(self, path: str) -> None:
         self.path = path

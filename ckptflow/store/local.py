@@ -65,10 +65,6 @@ def _sha256_range(path: Path, offset: int, length: int) -> str:
     return h.hexdigest()
 
 
-def sha256_file(path: Path) -> str:
-    return _sha256_range(path, 0, path.stat().st_size)
-
-
 def hash_files(root: Path, rel_paths: list[str]) -> list[FileEntry]:
     """Size and sha256 of each file; files above CHUNK are hashed per chunk, all in parallel
     (hashlib releases the GIL, so threads use every core)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.runtime import flow_run
 
-
 from ckptflow.models import CheckpointState
 from ckptflow.runners.composite import cold_start
 from ckptflow.runners.verify import verify_checkpoint
