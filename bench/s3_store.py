@@ -64,7 +64,7 @@ def main() -> None:
         tier.push(src, m)
         up = time.perf_counter() - t0
         t0 = time.perf_counter()
-        tier.pull(dst, "bench", m.id)
+        tier.pull(dst, "bench", m.id, "dst")
         down = time.perf_counter() - t0
 
         # A real worker: two heartbeats, only the session's KV changed in between.

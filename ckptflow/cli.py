@@ -5,7 +5,8 @@ Examples:
     ckptflow doctor                     # every prerequisite with its state and fix
     ckptflow ls                         # checkpoints with state, age and size
     ckptflow heartbeat deployments/local.yaml
-    ckptflow recover deployments/local.yaml demo-chat
+    ckptflow recover deployments/local.yaml demo-chat [--node N]
+    ckptflow recover-node deployments/fleet.yaml gpu-07   # a lost node: its workloads elsewhere
     ckptflow simulate --seed 0 --json   # policies on the reference fleet trace
 """
 
@@ -202,11 +203,28 @@ def heartbeat(fleet_file: Path, node: str = typer.Option(None), workload: list[s
 
 
 @app.command()
-def recover(fleet_file: Path, workload: str) -> None:
-    """Run the recover flow for one lost workload."""
+def recover(fleet_file: Path, workload: str,
+            node: str = typer.Option(None, help="Restore on this node (default: the workload's own).")) -> None:
+    """Run the recover flow for one lost workload (nearest valid copy: the node's, else S3)."""
     from ckptflow.flows.recover import recover as flow
 
-    flow(str(fleet_file), workload)
+    flow(str(fleet_file), workload, node=node)
+
+
+@app.command("recover-node")
+def recover_node(fleet_file: Path, node: str) -> None:
+    """Bring every workload of a lost node back on other nodes (from S3, or a cold start)."""
+    from ckptflow.flows.recover import recover_node as flow
+
+    rows = flow(str(fleet_file), node)
+    table = Table(title=f"recovery of {node}")
+    for col in ("workload", "action", "target", "reason"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["workload"], r["action"], r["target"], r.get("reason", ""))
+    console.print(table)
+    if any(r["action"] in ("FAILED", "NOT RECOVERED") for r in rows):
+        raise typer.Exit(1)
 
 
 if __name__ == "__main__":

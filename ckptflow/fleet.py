@@ -165,6 +165,10 @@ class Fleet(BaseModel):
     slack: Slack | None = None
     retention: Retention = Field(default_factory=Retention, description="Which checkpoints to keep.")
     prefect_ui_url: str | None = Field(None, description="Base URL of the Prefect UI, for links in alerts.")
+    control_pool: str | None = Field(
+        None, min_length=1, description="Work pool of the fleet-level flows (migrate, drain, recover, "
+        "recover-node). Default: the first node's pool. Give it a worker off the GPU nodes, so "
+        "recover-node still runs when any node is lost.", examples=["ckptflow-control"])
 
     @model_validator(mode="after")
     def _references(self) -> "Fleet":

@@ -151,6 +151,19 @@ class CheckpointState(str, Enum):
         return self in (CheckpointState.complete, CheckpointState.verified)
 
 
+class CopyTier(str, Enum):
+    node = "node"    # the local store of one node (tmpfs or local disk): a restore there reads it in place
+    s3 = "s3"        # the fleet's bucket: any node can pull it
+
+
+class CheckpointCopy(BaseModel):
+    """One place that holds a checkpoint's bytes."""
+
+    tier: CopyTier
+    location: str = Field(..., description="Node name for tier node; s3://bucket/prefix for tier s3.")
+    at: datetime = Field(default_factory=lambda: utcnow(), description="When the copy was complete.")
+
+
 class FileEntry(BaseModel):
     path: str = Field(..., description="Path relative to the checkpoint's image directory.")
     size: int = Field(..., ge=0, description="Size in bytes.")
@@ -206,6 +219,15 @@ class Manifest(BaseModel):
         description="What the worker reported right before the dump (session digests, "
                     "golden output digest), used to check a restore.")
     pid: int | None = Field(None, description="PID of the dumped root process.")
+    copies: list[CheckpointCopy] = Field(
+        default_factory=list, description="Where the bytes are: the node that took it, the S3 tier once "
+        "pushed, each node that pulled it. A restore reads the nearest valid one (policies.tiers).")
+
+    def with_copy(self, tier: "CopyTier", location: str) -> "Manifest":
+        """This manifest listing one more copy (a copy already listed is not repeated)."""
+        if any(c.tier == tier and c.location == location for c in self.copies):
+            return self
+        return self.model_copy(update={"copies": [*self.copies, CheckpointCopy(tier=tier, location=location)]})
 
 
 class Action(str, Enum):

@@ -28,6 +28,23 @@ if ! criu_ok; then
   fi
 fi
 
+# PostgreSQL binaries for the fleet-mode tests (Prefect's database there, as in production).
+# Only the binaries: the tests run their own cluster on 127.0.0.1 and stop it; the package's
+# own service is kept from starting (policy-rc.d) so nothing is left listening.
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing PostgreSQL (Debian package) for the fleet-mode tests" >&2
+    made_policy=0
+    if [ ! -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
+      chmod +x /usr/sbin/policy-rc.d; made_policy=1; fi
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null \
+      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null; }
+    if [ "$made_policy" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
+  else
+    echo "setup: warning: PostgreSQL is missing; the fleet-mode tests need it (apt-get install postgresql)" >&2
+  fi
+fi
+
 # The stamp ties the venv to this pyproject and interpreter; anything else changed -> reinstall.
 want="$(sha256sum pyproject.toml | cut -c1-16) $($PY -c 'import sys; print(sys.version.split()[0])')"
 if [ -x .venv/bin/python ] && [ "$(cat .venv/.ckptflow-stamp 2>/dev/null)" = "$want" ]; then

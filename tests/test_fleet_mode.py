@@ -1,8 +1,10 @@
-"""Fleet mode on one machine: a real Prefect server on 127.0.0.1, one process work pool and
-worker per node (node-a, node-b), SeaweedFS as S3, deployments from `ckptflow deploy`.
+"""Fleet mode on one machine: a real Prefect server on 127.0.0.1 with PostgreSQL as its
+database, one process work pool and worker per node (node-a, node-b), each worker with its own
+PREFECT_HOME (nodes share no disk: step results travel through the fleet's S3Bucket results
+block), SeaweedFS as S3, deployments from `ckptflow deploy`.
 
-migrate and drain run as deployments; their node steps run on each node's worker, and the
-long session continues exactly on node-b.
+migrate, drain and recover-node run as deployments; their node steps run on each node's
+worker, and the long session continues exactly on node-b.
 """
 
 import json
@@ -16,6 +18,7 @@ import pytest
 import yaml
 
 from conftest import free_port
+from postgres import Postgres
 from prefect_server import start_prefect_server
 from ckptflow.models import TrafficClass
 
@@ -36,16 +39,20 @@ def prefect_fleet(tmp_path_factory, s3):
            "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "PREFECT_WORKER_QUERY_SECONDS": "1",
            "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}
     logs = open(tmp / "server.log", "w")
-    procs = [start_prefect_server(env, port, logs)]
+    pg = Postgres(free_port()).start()
+    procs = []
     try:
+        procs.append(start_prefect_server({**env, "PREFECT_API_DATABASE_CONNECTION_URL": pg.url}, port, logs))
         for pool in ("node-a", "node-b"):
             subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "work-pool", "create", pool,
                             "--type", "process"], env=env, check=True, capture_output=True)
             wl = open(tmp / f"worker-{pool}.log", "w")
+            home = tmp / f"home-{pool}"   # its own local result storage: nothing shared by disk
             procs.append(subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
-                                          env=env, cwd=ROOT, stdout=wl, stderr=subprocess.STDOUT,
-                                          start_new_session=True, preexec_fn=_default_sigint))
-        yield {"env": env, "tmp": tmp}
+                                          env={**env, "PREFECT_HOME": str(home)}, cwd=ROOT, stdout=wl,
+                                          stderr=subprocess.STDOUT, start_new_session=True,
+                                          preexec_fn=_default_sigint))
+        yield {"env": env, "tmp": tmp, "pg": pg}
     finally:
         for p in reversed(procs):  # workers before the server
             try:
@@ -53,11 +60,12 @@ def prefect_fleet(tmp_path_factory, s3):
                 p.wait(timeout=30)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 os.killpg(p.pid, signal.SIGKILL)
+        pg.stop()
 
 
-def _fleet(tmp, s3, workloads, bucket):
+def _fleet(tmp, s3, workloads, bucket, **extra):
     f = tmp / f"fleet-{bucket}.yaml"
-    f.write_text(yaml.safe_dump({
+    f.write_text(yaml.safe_dump({**extra,
         "fleet": bucket, "storage": {"kind": "s3", "path": str(tmp / "store" / "{node}"),
                                      "bucket": s3.bucket(bucket), "endpoint_url": s3.endpoint},
         "nodes": [{"name": "node-a", "work_pool": "node-a"}, {"name": "node-b", "work_pool": "node-b"}],
@@ -110,6 +118,13 @@ def test_migrate_deployment_moves_a_long_session_to_node_b(prefect_fleet, demo_w
     assert (prefect_fleet["tmp"] / "store" / "node-b" / "chat" / res["checkpoint"] / "manifest.json").exists()
     assert w.digests() == ref.digests()
     assert w.complete("and now?", 32, "s") == ref.complete("and now?", 32, "s")
+    # The server kept it all in PostgreSQL; the steps' results went through the bucket.
+    pg = prefect_fleet["pg"]
+    assert int(pg.sql("select count(*) from deployment where name = 'fleet-mig'")) == 6
+    assert int(pg.sql("select count(*) from flow_run where state_type = 'COMPLETED'")) >= 3
+    keys = [o["Key"] for o in s3.client.list_objects_v2(Bucket="fleet-mig", Prefix="ckptflow/prefect-results/")
+            .get("Contents", [])]
+    assert keys, "no flow result in the fleet's S3 results block"
 
 
 def test_drain_deployment_empties_node_a(prefect_fleet, demo_worker, s3):
@@ -124,3 +139,23 @@ def test_drain_deployment_empties_node_a(prefect_fleet, demo_worker, s3):
     assert rows["api"]["action"] == "stopped (short requests)"
     assert not Path(f"/proc/{short_w.proc.pid}").exists() or short_w.proc.wait(timeout=30) is not None
     assert long_w.complete("go on", 24, "s") == ref.complete("go on", 24, "s")
+
+
+def test_recover_node_deployment_brings_node_a_workloads_back_on_node_b(prefect_fleet, demo_worker, s3):
+    import shutil
+
+    w, ref = demo_worker("chat"), demo_worker("ref")
+    for x in (w, ref):
+        x.complete("a session on a node that is about to fail " * 20, 16, "s")
+    _reap_in_background(w)
+    # The control flows run off node-a (the lost node): here on node-b's pool.
+    fleet = _fleet(prefect_fleet["tmp"], s3, [w.workload], "fleet-lost", control_pool="node-b")
+    out = subprocess.run([sys.executable, "-m", "ckptflow", "heartbeat", str(fleet), "--force"],
+                         env=prefect_fleet["env"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    os.kill(w.pid, signal.SIGKILL)                                     # node-a: process and disk gone
+    shutil.rmtree(prefect_fleet["tmp"] / "store" / "node-a")
+    rows = _deploy_and_run(prefect_fleet, fleet, "recover-node/fleet-lost", {"node": "node-a"})
+    assert [(r["workload"], r["target"], r["action"].split()[0]) for r in rows] == [("chat", "node-b", "restored")]
+    assert w.digests() == ref.digests()
+    assert w.complete("still there?", 24, "s") == ref.complete("still there?", 24, "s")

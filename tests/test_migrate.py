@@ -84,9 +84,19 @@ def test_scale_up_starts_a_warm_replica_beside_the_original(tmp_path, prefect_ha
         g = w.workload.golden
         assert res["golden"] == golden_digest(http_json(g.url, g.body), g.field)   # computes like the original
         again = scale_up(fleet, "chat", "node-b", via_deployments=False)  # reuses the template
-        SandboxCopy(pid=again["pid"], init_pid=again["init_pid"], netns=again["netns"]).stop()
-        subprocess.run(["ip", "netns", "del", again["netns"]])
         assert again["checkpoint"] == res["checkpoint"] and again["downloaded_bytes"] == 0
+        from ckptflow.flows.migrate import scale_down
+        from ckptflow.runners.process import pid_alive
+
+        down = scale_down(fleet, "chat", "node-b", replica=again["netns"], via_deployments=False)
+        assert down["stopped"] == [again["netns"]]
+        assert not pid_alive(again["pid"]) and not pid_alive(again["init_pid"])
+        assert again["netns"] not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert pid_alive(res["pid"]) and pid_alive(w.pid)        # the other replica and the original serve on
+        assert scale_down(fleet, "chat", "node-b", via_deployments=False)["stopped"] == [res["netns"]]
+        assert not pid_alive(res["pid"]) and pid_alive(w.pid)
+        with pytest.raises(Exception, match="no replica nope of chat on node-b"):
+            scale_down(fleet, "chat", "node-b", replica="nope", via_deployments=False)
     finally:
         copy.stop()
         subprocess.run(["ip", "netns", "del", res["netns"]])

@@ -25,7 +25,7 @@ def test_push_pull_round_trip_bytes_match(tmp_path, s3):
     first = tier.push(a, m)
     assert first["uploaded_bytes"] == len(payload) + 4 and first["chunks"] == 5
     assert tier.list("w") == [m.id]
-    got, stats = tier.pull(b, "w", m.id)
+    got, stats = tier.pull(b, "w", m.id, "node-b")
     assert stats["downloaded_bytes"] == len(payload) + 4
     assert (b.images_dir(got) / "pages-1.img").read_bytes() == payload
     assert b.latest_valid("w").id == m.id and [f.sha256 for f in got.files] == [f.sha256 for f in m.files]
@@ -52,7 +52,7 @@ def test_corrupt_chunk_in_the_bucket_is_refused_and_leaves_no_manifest(tmp_path,
     digest = remote.probe["s3_chunks"]["pages-1.img"][1]
     s3.client.put_object(Bucket="ckpt-corrupt", Key=f"ckptflow/chunks/{digest}", Body=b"garbage")
     with pytest.raises(ChecksumMismatch, match="from S3 is corrupt"):
-        tier.pull(b, "w", m.id)
+        tier.pull(b, "w", m.id, "node-b")
     assert b.list("w") == [] and not (b.root / "w" / m.id).exists()
     with pytest.raises(CheckpointNotFound):
         tier.manifest("w", "20990101T000000Z-00000000")
@@ -95,10 +95,10 @@ def test_client_side_encryption_keeps_dedup_and_refuses_another_key(tmp_path, s3
     stored = s3.client.get_object(Bucket="ckpt-enc", Key=f"ckptflow/chunks/{digest}")["Body"].read()
     assert payload[:CHUNK] not in stored and len(stored) == CHUNK + 12 + 16   # nonce + tag
     assert tier.push(a, m)["uploaded_bytes"] == 0                              # dedup by plaintext digest
-    got, _ = tier.pull(b, "w", m.id)
+    got, _ = tier.pull(b, "w", m.id, "node-b")
     assert (b.images_dir(got) / "pages-1.img").read_bytes() == payload
     wrong = S3Tier("ckpt-enc", endpoint_url=s3.endpoint, key=os.urandom(32))
     with pytest.raises(ChecksumMismatch, match="does not decrypt with this node's key"):
-        wrong.pull(LocalStore(tmp_path / "c"), "w", m.id)
+        wrong.pull(LocalStore(tmp_path / "c"), "w", m.id, "node-c")
     monkeypatch.setenv("CKPT_KEY", base64.b64encode(key).decode())
     assert _load_key(Storage(kind="s3", bucket="x", encryption_key_env="CKPT_KEY")) == key

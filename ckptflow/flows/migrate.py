@@ -6,7 +6,6 @@ import json
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.deployments import run_deployment
 from prefect.runtime import flow_run
 
 from ckptflow.models import TrafficClass
@@ -14,29 +13,9 @@ from ckptflow.policies.placement import NodeState, place
 from ckptflow.render import render
 from ckptflow.store import open_store
 from ckptflow.policies.cadence import CostModel
+from ckptflow.flows.steps import run_step
 from ckptflow.tasks.common import open_fleet
 from ckptflow.tasks.common import tier as fleet_tier
-
-
-class StepFailed(RuntimeError):
-    pass
-
-
-def _step(node: str, action: str, fleet_file: str, workload: str, checkpoint: str | None,
-          via_deployments: bool) -> dict:
-    """Run node-step on ``node``: through its deployment (its work pool's worker), or here."""
-    params = {"fleet_file": fleet_file, "action": action, "workload": workload, "node": node,
-              "checkpoint": checkpoint}
-    if not via_deployments:
-        from ckptflow.flows.node_step import node_step
-
-        return node_step(**params)
-    fr = run_deployment(name=f"node-step/{node}", parameters=params, timeout=1800,
-                        idempotency_key=f"{flow_run.get_id()}-{action}-{workload}-{node}")
-    if not fr.state or not fr.state.is_completed():
-        raise StepFailed(f"{action} of {workload} on {node}: flow run {fr.id} ended "
-                         f"{fr.state.name if fr.state else 'without a state'}")
-    return fr.state.result()
 
 
 @flow(name="migrate", log_prints=True, persist_result=True)
@@ -51,12 +30,12 @@ def migrate(fleet_file: str, workload: str, target_node: str, via_deployments: b
     w = fleet.workload(workload)
     fleet.node(target_node)
     source = w.node
-    out = _step(source, "migrate_out", fleet_file, workload, None, via_deployments)
+    out = run_step(source, "migrate_out", fleet_file, workload, None, via_deployments)
     try:
-        inn = _step(target_node, "migrate_in", fleet_file, workload, out["checkpoint"], via_deployments)
+        inn = run_step(target_node, "migrate_in", fleet_file, workload, out["checkpoint"], via_deployments)
     except Exception as e:
         get_run_logger().error("move of %s to %s failed (%s); restoring on %s", workload, target_node, e, source)
-        back = _step(source, "restore_local", fleet_file, workload, out["checkpoint"], via_deployments)
+        back = run_step(source, "restore_local", fleet_file, workload, out["checkpoint"], via_deployments)
         create_markdown_artifact(key=f"migrate-{workload}", markdown=render(
             "migrate_report.md.j2", workload=workload, source=source, target=target_node, out=out, inn=None,
             back=back, error=str(e).splitlines()[0]))
@@ -81,7 +60,7 @@ def drain(fleet_file: str, node: str, via_deployments: bool = True) -> list[dict
     rows = []
     for w in (x for x in fleet.workloads if x.node == node):
         if w.traffic == TrafficClass.short_requests:
-            r = _step(node, "stop", fleet_file, w.name, None, via_deployments)
+            r = run_step(node, "stop", fleet_file, w.name, None, via_deployments)
             rows.append({"workload": w.name, "action": "stopped (short requests)", "target": "-", **r})
             continue
         for n in others:
@@ -115,10 +94,19 @@ def scale_up(fleet_file: str, workload: str, target_node: str, via_deployments: 
     w = fleet.workload(workload)
     tier = fleet_tier(fleet)
     templates = [i for i in (tier.list(workload) if tier else []) if tier.manifest(workload, i).kind == "template"]
-    ckpt = templates[0] if templates else _step(w.node, "take_template", fleet_file, workload, None,
+    ckpt = templates[0] if templates else run_step(w.node, "take_template", fleet_file, workload, None,
                                                  via_deployments)["checkpoint"]
-    res = _step(target_node, "scale_up_in", fleet_file, workload, ckpt, via_deployments)
+    res = run_step(target_node, "scale_up_in", fleet_file, workload, ckpt, via_deployments)
     cold = CostModel().cold_start_s
     create_markdown_artifact(key=f"scale-up-{workload}", markdown=render(
         "scale_up_report.md.j2", workload=workload, node=target_node, res=res, cold_start_s=cold))
     return {**res, "cold_start_assumed_s": cold}
+
+
+@flow(name="scale-down", log_prints=True, persist_result=True)
+def scale_down(fleet_file: str, workload: str, node: str, replica: str | None = None,
+               via_deployments: bool = True) -> dict:
+    """Stop a replica scale_up started on ``node`` (``replica``: its network namespace, as
+    scale_up reported it), or all of ``workload``'s replicas there. The original is untouched."""
+    open_fleet(fleet_file).node(node)
+    return run_step(node, "scale_down", fleet_file, workload, None, via_deployments, replica=replica)

@@ -7,6 +7,10 @@ Actions (each a task on the node that holds the process or the images):
     stop          stop a short-request worker (SIGTERM) once its requests have drained
     take_template take the initialised checkpoint of a ready worker (before traffic) and push it
     scale_up_in   start a replica from that template in its own PID and network namespace
+    scale_down    stop a replica scale_up_in started (its PID namespace and network namespace)
+    restore       restore the newest valid checkpoint from the nearest copy (recover, here or
+                  on a new node after its own was lost)
+    cold_start    start the worker from its start_command (no checkpoint could come back)
 """
 
 from __future__ import annotations
@@ -15,13 +19,18 @@ from typing import Literal
 
 from prefect import flow
 
-from ckptflow.tasks.move import migrate_in, migrate_out, restore_local, scale_up_in, stop_workload, take_template
+from ckptflow.tasks.move import (migrate_in, migrate_out, restore_local, scale_down_in, scale_up_in, stop_workload,
+                                 take_template)
+from ckptflow.tasks.node import restore_workload
+from ckptflow.tasks.verify import cold_start_workload
+
+Step = Literal["migrate_out", "migrate_in", "restore_local", "stop", "take_template", "scale_up_in", "scale_down",
+               "restore", "cold_start"]
 
 
 @flow(name="node-step", persist_result=True, log_prints=True)
-def node_step(fleet_file: str, action: Literal["migrate_out", "migrate_in", "restore_local", "stop",
-                                              "take_template", "scale_up_in"],
-              workload: str, node: str, checkpoint: str | None = None) -> dict:
+def node_step(fleet_file: str, action: Step, workload: str, node: str, checkpoint: str | None = None,
+              replica: str | None = None) -> dict:
     """Run one node-level action for ``workload`` on ``node`` (this node)."""
     if action == "migrate_out":
         return migrate_out(fleet_file, workload)
@@ -33,4 +42,10 @@ def node_step(fleet_file: str, action: Literal["migrate_out", "migrate_in", "res
         return take_template(fleet_file, workload)
     if action == "scale_up_in":
         return scale_up_in(fleet_file, workload, node, checkpoint)
+    if action == "scale_down":
+        return scale_down_in(fleet_file, workload, node, replica)
+    if action == "restore":
+        return restore_workload(fleet_file, workload, node)
+    if action == "cold_start":
+        return cold_start_workload(fleet_file, workload)
     return stop_workload(fleet_file, workload)

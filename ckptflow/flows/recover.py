@@ -1,60 +1,110 @@
-"""Recover: bring back a lost workload from its latest valid checkpoint, and prove it."""
+"""Recover: bring back a lost workload from its newest valid checkpoint, and prove it; and
+recover-node: do that for every workload of a node that is gone, on other nodes."""
 
 from __future__ import annotations
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from ckptflow.errors import CheckpointNotFound, ChecksumMismatch, IncompatibleCheckpoint
+from ckptflow.flows.steps import run_step
+from ckptflow.policies.placement import NodeState, place
 from ckptflow.render import render
-from ckptflow.store import open_store
 from ckptflow.tasks.common import open_fleet
-from ckptflow.tasks.node import restore_workload
-from ckptflow.tasks.verify import alert_restore_failed, cold_start_workload
+from ckptflow.tasks.common import tier as fleet_tier
+from ckptflow.tasks.verify import alert_restore_failed
 
 # No checkpoint can come back: these never get better by retrying, so fall back to a cold start.
 _NO_CHECKPOINT = (CheckpointNotFound, ChecksumMismatch, IncompatibleCheckpoint)
 
 
-@flow(name="recover", log_prints=True)
-def recover(fleet_file: str, workload: str) -> dict:
-    """Restore ``workload`` on its node, check health and its session state, leave a report.
+@flow(name="recover", log_prints=True, persist_result=True)
+def recover(fleet_file: str, workload: str, node: str | None = None, via_deployments: bool = False) -> dict:
+    """Restore ``workload`` on ``node`` (default: the node it runs on), check health and its
+    session state, leave a report.
 
-    A corrupt newest checkpoint is passed over for the next valid one; with none left (or an
+    The restore reads the nearest valid copy: the node's own store, else the S3 tier. A
+    corrupt newest checkpoint is passed over for the next valid one; with none left (or an
     incompatible one) the worker is cold started from its ``start_command``. Either way one
-    Slack alert goes out.
+    Slack alert goes out. Restored on another node, the workload's placement moves there.
 
     Example:
         >>> recover("deployments/local.yaml", "demo-chat")   # doctest: +SKIP
     """
     fleet = open_fleet(fleet_file)
     w = fleet.workload(workload)
+    target = node or w.node
+    fleet.node(target)
     try:
-        res = restore_workload(fleet_file, workload)
+        res = run_step(target, "restore", fleet_file, workload, None, via_deployments)
     except _NO_CHECKPOINT as e:
         reason = str(e).splitlines()[0]
-        cold = cold_start_workload(fleet_file, workload) if w.start_command else None
+        cold = run_step(target, "cold_start", fleet_file, workload, None, via_deployments) if w.start_command else None
         alert_restore_failed(fleet_file, workload, reason, None,
-                             f"cold start ({cold['cold_start_s']:.1f} s)" if cold else None)
+                             f"cold start on {target} ({cold['cold_start_s']:.1f} s)" if cold else None)
         create_markdown_artifact(key=f"restore-{workload}", markdown=render(
-            "restore_report.md.j2", workload=workload, node=w.node, result=None, skipped=[],
+            "restore_report.md.j2", workload=workload, node=target, result=None, skipped=[],
             error=reason + (f" — cold started in {cold['cold_start_s']:.1f} s" if cold else "")))
         if cold is None:
             raise
-        return {"workload": workload, "cold_start": True, **cold}
+        _place(fleet, workload, w.node, target, None)
+        return {"workload": workload, "node": target, "cold_start": True, **cold}
     except Exception as e:
         alert_restore_failed(fleet_file, workload, str(e).splitlines()[0], None, None,
                              getattr(e, "log_tail", ""))
         create_markdown_artifact(key=f"restore-{workload}", markdown=render(
-            "restore_report.md.j2", workload=workload, node=w.node, result=None,
+            "restore_report.md.j2", workload=workload, node=target, result=None,
             error=str(e).splitlines()[0], skipped=[]))
         raise
     if res["skipped"]:
         alert_restore_failed(fleet_file, workload, "; ".join(s["reason"] for s in res["skipped"]),
                              res["skipped"][0]["id"], f"older checkpoint {res['checkpoint']}")
-    manifest = open_store(fleet.storage, w.node).get(workload, res["checkpoint"])
-    view = {"manifest": manifest, "pid": res["pid"], "timings": res["timings"]}
+    _place(fleet, workload, w.node, target, res["checkpoint"])
     create_markdown_artifact(key=f"restore-{workload}",
-                             markdown=render("restore_report.md.j2", workload=workload, node=w.node,
-                                             result=view, error=None, skipped=res["skipped"]))
+                             markdown=render("restore_report.md.j2", workload=workload, node=target,
+                                             result=res, error=None, skipped=res["skipped"]))
     return {**res, "cold_start": False}
+
+
+def _place(fleet, workload: str, was: str, now: str, checkpoint: str | None) -> None:
+    if now != was and (t := fleet_tier(fleet)) is not None:
+        t.put_placement(workload, now, checkpoint or "cold-start")  # heartbeats follow it there
+
+
+@flow(name="recover-node", log_prints=True, persist_result=True)
+def recover_node(fleet_file: str, node: str, via_deployments: bool = False) -> list[dict]:
+    """``node`` is gone (hardware failure, reclaimed): bring each of its workloads back on
+    another node of the same GPU class — from the S3 copy of its newest checkpoint, or a cold
+    start where there is none — and report what came back where.
+
+    Example:
+        >>> recover_node("deployments/fleet.yaml", "gpu-07")   # doctest: +SKIP
+    """
+    fleet = open_fleet(fleet_file)
+    lost = fleet.node(node)
+    others = [NodeState(n.name, n.gpu_class, free_gib=n.gpu_memory_gib or 1e9) for n in fleet.nodes
+              if n.name != node]
+    placed: dict[str, int] = {}
+    rows = []
+    for w in (x for x in fleet.workloads if x.node == node):
+        for n in others:
+            n.load = placed.get(n.name, 0)
+        p = place(w.gpu_footprint_gib or 0, lost.gpu_class, others)
+        if p.node is None:
+            rows.append({"workload": w.name, "action": "NOT RECOVERED", "target": "-", "reason": p.reason})
+            continue
+        try:
+            r = recover(fleet_file, w.name, node=p.node, via_deployments=via_deployments)
+        except Exception as e:
+            rows.append({"workload": w.name, "action": "FAILED", "target": p.node, "reason": str(e).splitlines()[0]})
+            continue
+        placed[p.node] = placed.get(p.node, 0) + 1
+        rows.append({"workload": w.name, "target": p.node,
+                     "action": "cold started" if r["cold_start"] else f"restored {r['checkpoint']}",
+                     "reason": p.reason})
+    bad = [r for r in rows if r["action"] in ("FAILED", "NOT RECOVERED")]
+    if bad:
+        get_run_logger().error("%d of %d workloads of %s did not come back", len(bad), len(rows), node)
+    create_markdown_artifact(key=f"recover-node-{node}", markdown=render("drain_report.md.j2", node=node, rows=rows,
+                                                                         title=f"Recovery of lost node {node}"))
+    return rows

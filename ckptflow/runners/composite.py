@@ -20,19 +20,20 @@ from concurrent.futures import ThreadPoolExecutor
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 from pathlib import Path
 
 import logging
 
 from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError, IncompatibleCheckpoint,
-                             RestoreFailed, UndeclaredProcess, WorkloadNotFound)
+                             RestoreFailed, StorageUnavailable, UndeclaredProcess, WorkloadNotFound)
 from ckptflow.fleet import Node
 from ckptflow.models import CheckpointState, Fingerprint, Manifest, Workload
 from ckptflow.policies.cadence import WorkloadFacts
 from ckptflow.policies.compat import diff
 from ckptflow.runners.fingerprint import node_fingerprint, workload_fingerprint
 from ckptflow.policies.load import WorkloadLoad, parse_metrics
+from ckptflow.policies.tiers import LocalCopy, restore_order
 from ckptflow.runners import process
 from ckptflow.runners.criu import CriuRunner
 from ckptflow.store.local import LocalStore
@@ -186,6 +187,7 @@ class RestoreResult:
     pid: int
     timings: dict[str, float]
     skipped: list[dict] = field(default_factory=list)  # corrupt checkpoints passed over
+    downloaded_bytes: int = 0                           # pulled from the S3 tier (0: read in place)
 
 
 class NodeRunner:
@@ -316,11 +318,13 @@ class NodeRunner:
 
     def restore(self, w: Workload, *, manifest: Manifest | None = None, fallback: bool = True,
                 gpu_pairs: list[tuple[str, str]] | None = None,
-                overrides: frozenset[str] = frozenset()) -> RestoreResult:
-        """Restore ``w`` from ``manifest`` (default: its latest valid checkpoint).
+                overrides: frozenset[str] = frozenset(), tier=None) -> RestoreResult:
+        """Restore ``w`` on ``w.node`` from ``manifest`` (default: its newest valid checkpoint,
+        read from the nearest copy: this node's store, else pulled from ``tier``, the S3 tier).
 
         A checkpoint whose bytes fail their checksums is marked ``verify_failed`` and, with
-        ``fallback``, the next older valid one is tried.
+        ``fallback``, the next candidate is tried (the bucket's copy of the same checkpoint,
+        then older ones; see policies.tiers).
 
         Raises:
             RestoreFailed: the workload is still running (nothing to recover), or the restored
@@ -328,10 +332,34 @@ class NodeRunner:
             CheckpointNotFound: no valid checkpoint is left.
         """
         with self.store.lock(w.name):
-            return self._restore(w, manifest, fallback, gpu_pairs, overrides)
+            return self._restore(w, manifest, fallback, gpu_pairs, overrides, tier)
+
+    def _candidates(self, w: Workload, tier, skipped: list[dict],
+                    overrides: frozenset[str]) -> Iterator[tuple[Manifest, dict, int]]:
+        """(manifest, timings, downloaded bytes) of each checkpoint to try, nearest valid copy first; a bucket copy
+        is gated on its fingerprint before a byte is downloaded."""
+        remote: list[str] = []
+        if tier is not None:
+            try:
+                remote = tier.list(w.name)
+            except StorageUnavailable as e:  # the node's own copies can still bring it back
+                log.warning("workload %s: S3 tier unreachable, trying this node's copies only: %s", w.name, e)
+        local = [LocalCopy(m.id, m.state.value) for m in self.store.list(w.name)]
+        for c in restore_order(local, remote):
+            if c.tier == "node":
+                yield self.store.get(w.name, c.checkpoint), {}, 0
+                continue
+            self.gate(w, tier.manifest(w.name, c.checkpoint), overrides)
+            t0 = time.perf_counter()
+            try:
+                m, pulled = tier.pull(self.store, w.name, c.checkpoint, w.node)
+            except (ChecksumMismatch, StorageUnavailable) as e:
+                skipped.append({"id": c.checkpoint, "reason": f"s3 copy: {str(e).splitlines()[0]}"})
+                continue
+            yield m, {"download": round(time.perf_counter() - t0, 4)}, pulled["downloaded_bytes"]
 
     def _restore(self, w: Workload, manifest: Manifest | None, fallback: bool,
-                 gpu_pairs: list[tuple[str, str]] | None, overrides: frozenset[str]) -> RestoreResult:
+                 gpu_pairs: list[tuple[str, str]] | None, overrides: frozenset[str], tier=None) -> RestoreResult:
         try:
             live = process.resolve(w)
         except (WorkloadNotFound, UndeclaredProcess):  # gone, or its stale pid file names another program
@@ -346,12 +374,11 @@ class NodeRunner:
         if live is not None:
             raise RestoreFailed(f"workload {w.name} is running (PID {live.pid}); refusing to restore over it",
                                 fix="stop it first, or use a sandbox restore (verify) to test a checkpoint")
-        candidates = [manifest] if manifest else list(self.store.valid(w.name))
-        if not candidates:
-            self.store.latest_valid(w.name)  # raises CheckpointNotFound with the fix
-        skipped = []
-        for m in candidates:
-            timings: dict[str, float] = {}
+        skipped: list[dict] = []
+        candidates = iter([(manifest, {}, 0)]) if manifest else self._candidates(w, tier, skipped, overrides)
+        tried = 0
+        for m, timings, downloaded in candidates:
+            tried += 1
             self.gate(w, m, overrides)
             if w.gpu and m.gpu_footprint_bytes:
                 from ckptflow.runners.cuda import gate_gpu_memory
@@ -373,7 +400,11 @@ class NodeRunner:
             self._check_state(w, m)
             total = round(sum(v for k, v in timings.items() if k != "restore_and_checksum"), 4)
             m = self.store.set_state(m, m.state, m.state_reason, restores=[*m.probe.get("restores", []), total])
-            return RestoreResult(manifest=m, pid=pid, timings=timings, skipped=skipped)
+            return RestoreResult(manifest=m, pid=pid, timings=timings, skipped=skipped, downloaded_bytes=downloaded)
+        if not tried and not skipped:
+            raise CheckpointNotFound(f"workload {w.name} has no valid checkpoint in {self.store.root}"
+                                     + (f" or {tier.location}" if tier is not None else ""),
+                                     fix="run a heartbeat first, or cold start the worker")
         raise ChecksumMismatch(f"workload {w.name}: every valid checkpoint failed its checksums: "
                                + "; ".join(s["reason"] for s in skipped),
                                fix="cold start the worker; the store volume may be failing")

@@ -48,6 +48,12 @@ def _start_time(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
+def start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot): with the PID, names one process
+    for good, where a PID alone may be reused."""
+    return _start_time(pid)
+
+
 def pid_stopped(pid: int) -> bool:
     """True while the process is stopped (state T), e.g. left by an interrupted restore."""
     try:

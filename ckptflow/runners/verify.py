@@ -75,6 +75,10 @@ def new_netns(prefix: str) -> str:
     return ns
 
 
+def del_netns(ns: str) -> None:
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
 def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: float = 120) -> VerifyResult:
     """Restore ``m`` in a sandbox beside the original and compare its answers. Never raises
     for a bad checkpoint (that is the result); raises only when the node cannot sandbox."""
@@ -111,7 +115,7 @@ def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: flo
     finally:
         if copy is not None:
             copy.stop()
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        del_netns(ns)
 
 
 def _compare(w: Workload, m: Manifest, got: dict, t: dict) -> VerifyResult:

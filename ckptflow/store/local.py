@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import json
 import os
 import secrets
 import shutil
@@ -34,7 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ckptflow.errors import CheckpointNotFound, ChecksumMismatch, StorageFull, StoreError, WorkloadBusy
-from ckptflow.models import CheckpointState, FileEntry, Fingerprint, Manifest, _check_ckpt_id, _check_name, utcnow
+from ckptflow.models import (CheckpointCopy, CheckpointState, CopyTier, FileEntry, Fingerprint, Manifest,
+                             _check_ckpt_id, _check_name, utcnow)
 
 if TYPE_CHECKING:
     from ckptflow.policies.retention import Retention
@@ -47,8 +49,11 @@ _THREADS = min(32, 2 * (os.cpu_count() or 2))
 
 
 def new_checkpoint_id(now: datetime | None = None) -> str:
+    """``YYYYmmddTHHMMSSZ-uuuuurrr``: the suffix starts with the microsecond in 5 hex digits,
+    then 3 random ones, so ids sort by creation time even within one second (the tier policy
+    orders copies it only knows by id)."""
     now = now or utcnow()
-    return now.strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(4)
+    return now.strftime("%Y%m%dT%H%M%SZ") + f"-{now.microsecond:05x}" + secrets.token_hex(2)[:3]
 
 
 def _sha256_range(path: Path, offset: int, length: int) -> str:
@@ -167,7 +172,8 @@ class LocalStore:
             m = Manifest(id=pending.id, workload=pending.workload, node=pending.node, kind=kind,
                          files=files, bytes=sum(f.size for f in files), timings=timings,
                          fingerprint=fingerprint, probe=probe or {}, pid=pid,
-                         gpu_footprint_bytes=gpu_footprint_bytes, parent=parent)
+                         gpu_footprint_bytes=gpu_footprint_bytes, parent=parent,
+                         copies=[CheckpointCopy(tier=CopyTier.node, location=pending.node)])
             write_json_atomic(pending.dir / MANIFEST, m.model_dump_json(indent=2))
         except OSError as e:
             self.abort(pending)
@@ -259,6 +265,28 @@ class LocalStore:
                                    "probe": {**m.probe, **probe}})
         write_json_atomic(self.root / m.workload / m.id / MANIFEST, new.model_dump_json(indent=2))
         return new
+
+    def add_copy(self, m: Manifest, tier: CopyTier, location: str) -> Manifest:
+        """Record in this node's manifest that another place holds the same bytes."""
+        cur = self.get(m.workload, m.id)
+        new = cur.with_copy(tier, location)
+        if new is not cur:
+            write_json_atomic(self.root / m.workload / m.id / MANIFEST, new.model_dump_json(indent=2))
+        return new
+
+    # --- replicas scale_up started on this node (so a later scale_down finds them) -----
+    def put_replica(self, workload: str, replica: dict) -> None:
+        _check_name(workload)
+        d = self.root / ".replicas" / workload
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_json_atomic(d / f"{_check_name(replica['netns'])}.json", json.dumps(replica))
+
+    def replicas(self, workload: str) -> list[dict]:
+        d = self.root / ".replicas" / _check_name(workload)
+        return [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))] if d.exists() else []
+
+    def drop_replica(self, workload: str, netns: str) -> None:
+        (self.root / ".replicas" / _check_name(workload) / f"{_check_name(netns)}.json").unlink(missing_ok=True)
 
     def delete(self, m: Manifest) -> None:
         """Delete one checkpoint: manifest first, so a crash never leaves a listed checkpoint

@@ -14,7 +14,7 @@ chunk is checked against its address before it is written.
 Example:
     >>> s3 = S3Tier(bucket="ckpt", endpoint_url="http://127.0.0.1:8333")       # doctest: +SKIP
     >>> s3.push(local, manifest)            # -> {"uploaded_bytes": ..., "skipped_bytes": ...}
-    >>> s3.pull(other_local, "chat", manifest.id)
+    >>> s3.pull(other_local, "chat", manifest.id, "node-b")
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from ckptflow.errors import ChecksumMismatch, CheckpointNotFound, StorageUnavailable, StoreError
-from ckptflow.models import Manifest, _check_ckpt_id, _check_name
+from ckptflow.models import CheckpointState, CopyTier, Manifest, _check_ckpt_id, _check_name
 from ckptflow.store.local import LocalStore, write_json_atomic
 
 CHUNK = 8 << 20      # small enough that a changed KV region re-uploads little, large enough for S3
@@ -137,13 +137,20 @@ class S3Tier:
         chunks: dict[str, list[str]] = {}
         for (path, _, _), (digest, _, _) in zip(jobs, results):
             chunks.setdefault(path, []).append(digest)
-        remote = m.model_copy(update={"probe": {**m.probe, "s3_chunk_size": CHUNK, "s3_chunks": chunks}})
+        local_m = local.add_copy(m, CopyTier.s3, self.location)  # written before the manifest goes up:
+        remote = local_m.model_copy(update={"probe": {**local_m.probe, "s3_chunk_size": CHUNK,  # it lists both
+                                                      "s3_chunks": chunks}})
         self._call("put manifest", self.s3.put_object, Bucket=self.bucket,
                    Key=self._key("manifests", m.workload, f"{m.id}.json"),
                    Body=remote.model_dump_json(indent=2).encode(), **self._put_kw())
         up = sum(n for _, n, new in results if new)
         return {"uploaded_bytes": up, "skipped_bytes": sum(n for _, n, new in results if not new),
                 "chunks": len(results), "seconds": round(time.perf_counter() - t0, 3)}
+
+    @property
+    def location(self) -> str:
+        """Where this tier's copies are, as manifests list it."""
+        return f"s3://{self.bucket}/{self.prefix}"
 
     # --- where each workload runs now (a migrate moves it off its declared node) ----------
     def put_placement(self, workload: str, node: str, checkpoint: str) -> None:
@@ -187,13 +194,20 @@ class S3Tier:
             raise CheckpointNotFound(f"no checkpoint {ckpt_id} of {workload} in s3://{self.bucket}/{self.prefix}") from None
         return Manifest.model_validate_json(body)
 
-    def pull(self, local: LocalStore, workload: str, ckpt_id: str) -> tuple[Manifest, dict]:
-        """Download a checkpoint into ``local`` (manifest written last); every chunk verified."""
+    def pull(self, local: LocalStore, workload: str, ckpt_id: str, node: str) -> tuple[Manifest, dict]:
+        """Download a checkpoint into ``local``, the store of ``node`` (manifest written last,
+        listing this new copy); every chunk verified. A local copy that already passed is kept;
+        one marked ``verify_failed`` is replaced."""
+        import shutil
+
         remote = self.manifest(workload, ckpt_id)
         t0 = time.perf_counter()
         d = local.root / workload / ckpt_id
         if (d / "manifest.json").exists():
-            return local.get(workload, ckpt_id), {"downloaded_bytes": 0, "seconds": 0.0}
+            have = local.get(workload, ckpt_id)
+            if have.state != CheckpointState.verify_failed:
+                return have, {"downloaded_bytes": 0, "seconds": 0.0}
+            shutil.rmtree(d)  # its bytes are known bad; the bucket's were verified when pushed
         images = d / "images"
         images.mkdir(parents=True, exist_ok=True, mode=0o700)
         for p in (local.root, local.root / workload, d):
@@ -226,12 +240,10 @@ class S3Tier:
             with ThreadPoolExecutor(max_workers=self.threads) as ex:
                 got = sum(ex.map(one, jobs))
             local_m = remote.model_copy(update={"probe": {k: v for k, v in remote.probe.items()
-                                                          if not k.startswith("s3_")}})
+                                                          if not k.startswith("s3_")}}).with_copy(CopyTier.node, node)
             local.verify_bytes(local_m)
             write_json_atomic(d / "manifest.json", local_m.model_dump_json(indent=2))
         except BaseException:
-            import shutil
-
             shutil.rmtree(d, ignore_errors=True)  # no manifest without its bytes
             raise
         return local_m, {"downloaded_bytes": got, "seconds": round(time.perf_counter() - t0, 3)}

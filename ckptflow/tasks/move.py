@@ -40,7 +40,7 @@ def migrate_in(fleet_file: str, workload: str, node: str, checkpoint: str) -> di
     fleet.node(node)
     w = fleet.workload(workload).model_copy(update={"node": node})
     runner = node_runner(fleet, node)
-    m, pulled = _tier(fleet).pull(runner.store, workload, checkpoint)
+    m, pulled = _tier(fleet).pull(runner.store, workload, checkpoint, node)
     with node_slot(node):
         res = runner.restore(w, manifest=m, fallback=False)
     return {"checkpoint": m.id, "pid": res.pid, "timings": res.timings, **pulled}
@@ -90,13 +90,13 @@ def take_template(fleet_file: str, workload: str) -> dict:
 def scale_up_in(fleet_file: str, workload: str, node: str, checkpoint: str) -> dict:
     """Start a replica from the template in its own PID and network namespace on this node."""
     from ckptflow.runners.composite import golden_digest
-    from ckptflow.runners.verify import new_netns, probe_in_netns
+    from ckptflow.runners.verify import del_netns, new_netns, probe_in_netns
 
     fleet = open_fleet(fleet_file)
     w = fleet.workload(workload).model_copy(update={"node": node})
     runner = node_runner(fleet, node)
     t0 = time.perf_counter()
-    m, pulled = _tier(fleet).pull(runner.store, workload, checkpoint)
+    m, pulled = _tier(fleet).pull(runner.store, workload, checkpoint, node)
     runner.gate(w, m)
     runner.store.verify_bytes(m)
     ns = new_netns(f"ckr-{workload[:6]}")
@@ -104,8 +104,36 @@ def scale_up_in(fleet_file: str, workload: str, node: str, checkpoint: str) -> d
     got = probe_in_netns(ns, w)
     if "error" in got:
         copy.stop()
+        del_netns(ns)
         raise RestoreFailed(f"replica of {workload} on {node} never became healthy: {got['error']}")
+    runner.store.put_replica(workload, {"netns": ns, "pid": copy.pid, "init_pid": copy.init_pid,
+                                        "init_start": process.start_time(copy.init_pid),
+                                        "checkpoint": m.id, "started": time.time()})
     return {"checkpoint": m.id, "pid": copy.pid, "init_pid": copy.init_pid, "netns": ns,
             "start_s": round(time.perf_counter() - t0, 3), "downloaded_bytes": pulled["downloaded_bytes"],
             "sessions": got.get("sessions"),
             "golden": golden_digest(got["golden_answer"], w.golden.field) if w.golden else None}
+
+
+@task(name="scale-down-in")
+def scale_down_in(fleet_file: str, workload: str, node: str, replica: str | None = None) -> dict:
+    """Stop one replica (by its network namespace name) or every replica of ``workload`` that
+    scale_up started on this node: kill its PID namespace's init, delete its namespace."""
+    from ckptflow.runners.criu import SandboxCopy
+    from ckptflow.runners.verify import del_netns
+
+    fleet = open_fleet(fleet_file)
+    store = node_runner(fleet, node).store
+    known = store.replicas(workload)
+    chosen = [r for r in known if replica is None or r["netns"] == replica]
+    if replica is not None and not chosen:
+        raise WorkloadNotFound(f"no replica {replica} of {workload} on {node}; replicas there: "
+                               f"{', '.join(r['netns'] for r in known) or 'none'}",
+                               fix="pass one of those, or no replica to stop them all")
+    for r in chosen:
+        # A PID recorded here may be reused after a reboot; only signal what is still ours.
+        if r.get("init_start") is not None and process.start_time(r["init_pid"]) == r["init_start"]:
+            SandboxCopy(pid=r["pid"], init_pid=r["init_pid"], netns=r["netns"]).stop()
+        del_netns(r["netns"])
+        store.drop_replica(workload, r["netns"])
+    return {"stopped": [r["netns"] for r in chosen], "node": node}

@@ -60,11 +60,18 @@ def checkpoint_batch(fleet_file: str, node: str, workloads: list[str], force: bo
 
 
 @task(name="restore-workload", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_if_retryable)
-def restore_workload(fleet_file: str, workload: str) -> dict:
-    """Restore a lost workload from its newest valid checkpoint (older ones if it is corrupt)."""
+def restore_workload(fleet_file: str, workload: str, node: str | None = None) -> dict:
+    """Restore a lost workload on ``node`` (default: its own) from its newest valid checkpoint,
+    read from the nearest copy: this node's store, else the S3 tier (older ones if corrupt)."""
     fleet = open_fleet(fleet_file)
     w = fleet.workload(workload)
+    if node is not None and node != w.node:
+        fleet.node(node)
+        w = w.model_copy(update={"node": node})
     with node_slot(w.node):
-        res = node_runner(fleet, w.node).restore(w)
-    return {"workload": workload, "checkpoint": res.manifest.id, "pid": res.pid, "timings": res.timings,
-            "bytes": res.manifest.bytes, "skipped": res.skipped}
+        res = node_runner(fleet, w.node).restore(w, tier=fleet_tier(fleet))
+    return {"workload": workload, "node": w.node, "checkpoint": res.manifest.id, "pid": res.pid,
+            "timings": res.timings, "bytes": res.manifest.bytes, "downloaded_bytes": res.downloaded_bytes,
+            "copies": [f"{c.tier.value}:{c.location}" for c in res.manifest.copies], "skipped": res.skipped,
+            "created": res.manifest.created.strftime("%Y-%m-%d %H:%M:%S UTC"), "files": len(res.manifest.files),
+            "sessions": len(res.manifest.probe.get("sessions") or {})}

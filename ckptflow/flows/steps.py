@@ -1,0 +1,42 @@
+"""Run one node-level step where it must run: on the node's worker, or here."""
+
+from __future__ import annotations
+
+from prefect.deployments import run_deployment
+from prefect.runtime import flow_run
+
+from ckptflow.errors import CkptflowError
+
+
+class StepFailed(RuntimeError):
+    pass
+
+
+def run_step(node: str, action: str, fleet_file: str, workload: str, checkpoint: str | None = None,
+             via_deployments: bool = True, replica: str | None = None) -> dict:
+    """Run node-step ``action`` on ``node``: through its deployment ``node-step/<node>`` (its
+    work pool's worker), or in this process.
+
+    A failed step raises the step's own typed error when Prefect kept it (so a caller can
+    still tell "no checkpoint" from "restore broke"), else StepFailed naming the flow run.
+    """
+    params = {"fleet_file": fleet_file, "action": action, "workload": workload, "node": node,
+              "checkpoint": checkpoint, **({"replica": replica} if replica else {})}
+    if not via_deployments:
+        from ckptflow.flows.node_step import node_step
+
+        return node_step(**params)
+    fr = run_deployment(name=f"node-step/{node}", parameters=params, timeout=1800,
+                        idempotency_key=f"{flow_run.get_id()}-{action}-{workload}-{node}")
+    if fr.state and fr.state.is_completed():
+        return fr.state.result()
+    if fr.state and fr.state.is_failed():
+        try:
+            fr.state.result()
+        except CkptflowError:
+            raise
+        except Exception:
+            pass
+    raise StepFailed(f"{action} of {workload} on {node}: flow run {fr.id} ended "
+                     f"{fr.state.name if fr.state else 'without a state'}"
+                     + (f": {fr.state.message}" if fr.state and fr.state.message else ""))

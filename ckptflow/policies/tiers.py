@@ -1,0 +1,51 @@
+"""Which copy of which checkpoint a restore reads first: the nearest valid one.
+
+A checkpoint can be held by the node that took it (its local store: tmpfs or disk, read in
+place) and by the S3 tier (any node pulls it). The newest restorable checkpoint wins — an
+older checkpoint loses every session turn since, which costs more than a download — and for
+one checkpoint the copy on this node comes before the bucket's. A local copy whose bytes
+failed their checksums does not rule out the bucket's copy of the same checkpoint (the bytes
+there were verified when pushed); a checkpoint invalidated for its fingerprint is out in
+every tier.
+
+Example:
+    >>> order = restore_order(
+    ...     local=[LocalCopy("20261129T100000Z-aa", "complete")],
+    ...     remote=["20261129T110000Z-bb", "20261129T100000Z-aa"])
+    >>> [(c.checkpoint, c.tier) for c in order]
+    [('20261129T110000Z-bb', 's3'), ('20261129T100000Z-aa', 'node'), ('20261129T100000Z-aa', 's3')]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RESTORABLE = ("complete", "verified")
+
+
+@dataclass(frozen=True, slots=True)
+class LocalCopy:
+    checkpoint: str
+    state: str                      # CheckpointState value of this node's manifest
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    checkpoint: str
+    tier: str                       # "node" (read in place) or "s3" (pull first)
+
+
+def restore_order(local: list[LocalCopy], remote: list[str]) -> list[Candidate]:
+    """Candidates newest checkpoint first; per checkpoint this node's copy, then the bucket's.
+
+    Checkpoint ids start with their UTC creation time, so they sort by age.
+    """
+    states = {c.checkpoint: c.state for c in local}
+    out = []
+    for ckpt in sorted(set(states) | set(remote), reverse=True):
+        state = states.get(ckpt)
+        if state in RESTORABLE:
+            out.append(Candidate(ckpt, "node"))
+        if ckpt in remote and state in (None, *RESTORABLE, "verify_failed"):
+            out.append(Candidate(ckpt, "s3"))
+    return out
