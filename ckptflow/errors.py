@@ -86,6 +86,11 @@ class NotEnoughGpuMemory(CkptflowError):
     """Free GPU memory is below footprint + margin; a restore would break the worker."""
 
 
+class UnsupportedWorkload(CkptflowError):
+    """The worker, as it was started, cannot be checkpointed (e.g. a tensor-parallel worker whose
+    NCCL uses P2P/SHM/NVLS transports). Restarting it differently is the fix; retrying is not."""
+
+
 class CudaCheckpointError(CkptflowError):
     """A CUDA driver checkpoint call failed; carries the PID, the call and the driver state."""
 

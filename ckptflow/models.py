@@ -119,6 +119,10 @@ class Workload(BaseModel):
                                     examples=["http://127.0.0.1:8001/metrics"])
     gpu: bool = Field(False, description="Whether the worker holds GPU memory (CUDA checkpoint).")
     gpu_footprint_gib: float | None = Field(None, ge=0, description="Expected GPU memory footprint.")
+    tensor_parallel: int = Field(
+        1, ge=1, le=64, description="GPU processes (ranks) of one worker. Above 1, all ranks are checkpointed "
+        "and restored together, and every rank must run with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "
+        "NCCL_NVLS_ENABLE=0 (policies.multigpu); the policy refuses it otherwise.")
     traffic: TrafficClass = Field(TrafficClass.mixed, description="Declared traffic class.")
     kv_capacity_tokens: int | None = Field(
         None, gt=0, description="Tokens the KV cache holds at 100 % usage (turns vLLM's usage ratio "

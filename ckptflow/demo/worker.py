@@ -169,7 +169,8 @@ def make_handler(w):
         def do_POST(self):
             path = self.path.split("?")[0]
             fn = {"/v1/completions": w.complete, "/v1/peek": getattr(w, "peek", None),
-                  "/v1/ckptflow/prepare": getattr(w, "prepare", None)}.get(path)
+                  "/v1/ckptflow/prepare": getattr(w, "prepare", None),
+                  "/v1/allreduce": getattr(w, "allreduce_check", None)}.get(path)
             if fn is None:
                 return self._json(404, {"error": "not found"})
             try:

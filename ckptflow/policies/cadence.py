@@ -66,6 +66,7 @@ class WorkloadFacts:
     mean_request_s: float | None = None
     now: float = 0.0
     maintenance: list[tuple[float, float]] = field(default_factory=list)
+    unsupported: str | None = None             # why the worker, as started, cannot be checkpointed
 
 
 def young_interval(c: float, m: float) -> float:
@@ -211,6 +212,8 @@ def decide(f: WorkloadFacts, policy: str = "cost-based", params: dict | None = N
         fn = POLICIES[policy]
     except KeyError:
         raise KeyError(f"unknown policy {policy!r}; known: {', '.join(sorted(POLICIES))}") from None
+    if f.unsupported:  # whatever the policy: a checkpoint it cannot take is no protection
+        return Decision(workload=f.name, action=Action.skip, reason=f"cannot be checkpointed: {f.unsupported}")
     return fn(f, params or {}, cost or _DEFAULT_COST)
 
 

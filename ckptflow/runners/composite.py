@@ -26,13 +26,15 @@ from pathlib import Path
 import logging
 
 from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError, IncompatibleCheckpoint,
-                             RestoreFailed, StorageUnavailable, UndeclaredProcess, WorkloadNotFound)
+                             RestoreFailed, StorageUnavailable, UndeclaredProcess, UnsupportedWorkload,
+                             WorkloadNotFound)
 from ckptflow.fleet import Node
 from ckptflow.models import CheckpointState, Fingerprint, Manifest, Workload
 from ckptflow.policies.cadence import WorkloadFacts
 from ckptflow.policies.compat import diff
 from ckptflow.runners.fingerprint import node_fingerprint, workload_fingerprint
 from ckptflow.policies.load import WorkloadLoad, parse_metrics
+from ckptflow.policies.multigpu import FIX as TP_FIX, tp_problems
 from ckptflow.policies.tiers import LocalCopy, restore_order
 from ckptflow.runners import process
 from ckptflow.runners.criu import CriuRunner
@@ -110,6 +112,21 @@ def read_load(w: Workload) -> WorkloadLoad | None:
         return None
 
 
+def tp_unsupported(w: Workload, pids: list[int] | None = None) -> str | None:
+    """Why a tensor-parallel worker's ranks, as started, cannot be checkpointed (None: they can)."""
+    if w.tensor_parallel <= 1:
+        return None
+    from ckptflow.runners.cuda import cuda_pids
+
+    if pids is None:
+        try:
+            pids = cuda_pids(process.resolve(w).pid)
+        except (WorkloadNotFound, UndeclaredProcess):
+            return None  # not running: nothing to decide about yet
+    problems = tp_problems(w.tensor_parallel, [process.environ(p) for p in pids])
+    return "; ".join(problems) or None
+
+
 def collect_facts(w: Workload, node: Node, store: LocalStore, now: float | None = None) -> WorkloadFacts:
     """Everything the cadence policy may know about ``w`` right now (metrics, store, fleet file)."""
     now = time.time() if now is None else now
@@ -145,7 +162,8 @@ def collect_facts(w: Workload, node: Node, store: LocalStore, now: float | None 
         live_tokens=live, growth_tokens_s=growth, tokens_since_ckpt=since_tokens, seconds_since_ckpt=since_s,
         newest_invalidated=bool(newest) and newest[0].state == CheckpointState.invalidated,
         mean_request_s=load.mean_request_s if load else None, now=now,
-        maintenance=[(mw.start.timestamp(), mw.end.timestamp()) for mw in node.maintenance])
+        maintenance=[(mw.start.timestamp(), mw.end.timestamp()) for mw in node.maintenance],
+        unsupported=tp_unsupported(w) if w.gpu else None)
 
 
 def wait_url(url: str, timeout_s: float, proc=None) -> float:
@@ -234,6 +252,11 @@ class NodeRunner:
         from ckptflow.runners.cuda import cuda_pids, process_gpu_bytes
 
         t: dict[str, float] = {}
+        pids = cuda_pids(proc.pid)
+        why = tp_unsupported(w, pids)
+        if why:  # before the prepare hook and any lock: nothing touched
+            raise UnsupportedWorkload(f"workload {w.name} (tensor_parallel: {w.tensor_parallel}) cannot be "
+                                      f"checkpointed: {why}", fix=TP_FIX)
         if w.prepare_url:
             t0 = time.perf_counter()
             try:
@@ -243,7 +266,6 @@ class NodeRunner:
             except (urllib.error.URLError, OSError):
                 pass  # an optimisation only: the checkpoint is correct without it
             t["prepare"] = time.perf_counter() - t0
-        pids = cuda_pids(proc.pid)
         footprints = {pid: process_gpu_bytes([pid]) for pid in pids}
         t0 = time.perf_counter()
         procs = self.cuda.lock(pids, footprints)

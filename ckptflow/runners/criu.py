@@ -105,6 +105,9 @@ class CriuRunner:
         self.plugin_dir = Path(self._own_tmp) / "no-plugins"
         self.plugin_dir.mkdir(mode=0o700)
         self.log_dir = Path(log_dir) if log_dir else Path(self._own_tmp)
+        # How CRIU keeps peers quiet around established TCP: nftables (default), iptables, or
+        # skip — safe only when every peer is inside the dumped tree (a TP worker's ranks).
+        self.network_lock = os.environ.get("CKPTFLOW_CRIU_NETWORK_LOCK", "nftables")
 
     # --- prerequisites -----------------------------------------------------------------
     def version(self) -> tuple[int, ...]:
@@ -161,7 +164,7 @@ class CriuRunner:
     def _common(self, images_dir: Path, log: Path, tcp_established: bool) -> list[str]:
         args = ["-D", str(images_dir), "-o", str(log), "-v4", "-L", str(self.plugin_dir)]
         if tcp_established:
-            args += ["--tcp-established", "--network-lock", "nftables"]
+            args += ["--tcp-established", "--network-lock", self.network_lock]
         return args
 
     def dump(self, workload: Workload, images_dir: Path, *, leave_running: bool,

@@ -54,6 +54,15 @@ def start_time(pid: int) -> int | None:
     return _start_time(pid)
 
 
+def environ(pid: int) -> dict[str, str]:
+    """The environment a process was started with (/proc/PID/environ); {} if unreadable."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return {}
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+
+
 def pid_stopped(pid: int) -> bool:
     """True while the process is stopped (state T), e.g. left by an interrupted restore."""
     try:

@@ -1,0 +1,81 @@
+"""Tensor-parallel workers on the CPU side: the NCCL prerequisites and the refusal, before any
+lock or dump. The all-ranks checkpoint itself runs on the H200 (bench/gpu_tp.py)."""
+
+import pytest
+
+from ckptflow.errors import UnsupportedWorkload
+from ckptflow.policies.cadence import WorkloadFacts, decide
+from ckptflow.policies.multigpu import NCCL_REQUIRED, tp_problems
+
+GOOD = dict(NCCL_REQUIRED)
+
+
+def test_one_gpu_needs_nothing_and_ready_ranks_pass():
+    assert tp_problems(1, [{}]) == []
+    assert tp_problems(2, [GOOD, {**GOOD, "PATH": "/usr/bin"}]) == []
+
+
+def test_each_missing_or_wrong_variable_is_named_with_its_rank():
+    wrong = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "0"}        # SHM on, NVLS unset
+    assert tp_problems(2, [GOOD, wrong]) == ["rank process 1: NCCL_SHM_DISABLE is '0', needs 1",
+                                             "rank process 1: NCCL_NVLS_ENABLE is unset, needs 0"]
+    assert tp_problems(2, [{**GOOD, "NCCL_P2P_DISABLE": "0"}, GOOD]) == [
+        "rank process 0: NCCL_P2P_DISABLE is '0', needs 1"]
+
+
+def test_a_missing_rank_refuses_all():
+    assert tp_problems(4, [GOOD] * 3)[0].startswith("found 3 GPU process(es), the workload declares tensor_parallel: 4")
+
+
+def test_policy_skips_an_unsupported_worker_whatever_its_rule_says():
+    f = WorkloadFacts(name="tp", unsupported="rank process 0: NCCL_P2P_DISABLE is unset, needs 1")
+    for policy, params in (("cost-based", {}), ("fixed", {"interval_s": 60})):
+        d = decide(f, policy, params)
+        assert d.action.value == "skip" and not d.due
+        assert d.reason == "cannot be checkpointed: rank process 0: NCCL_P2P_DISABLE is unset, needs 1"
+
+
+class RecordingCuda:
+    """Stands in for the driver on CPU; the refusal must come before any call reaches it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def call(*a, **kw):
+            self.calls.append(name)
+            raise AssertionError(f"CUDA {name} called")
+        return call
+
+
+@pytest.mark.criu
+def test_runner_refuses_a_tp_worker_without_nccl_settings_before_any_lock(tmp_path, demo_worker):
+    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.store.local import LocalStore
+
+    w = demo_worker("tp")
+    w.workload = w.workload.model_copy(update={"gpu": True, "tensor_parallel": 2})
+    cuda = RecordingCuda()
+    node = NodeRunner(LocalStore(tmp_path / "store"), cuda=cuda)
+    with pytest.raises(UnsupportedWorkload) as e:
+        node.checkpoint(w.workload)
+    msg = str(e.value)
+    assert "workload tp (tensor_parallel: 2) cannot be checkpointed" in msg
+    assert "found 1 GPU process(es)" in msg and "NCCL_P2P_DISABLE is unset, needs 1" in msg
+    assert "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NVLS_ENABLE=0" in e.value.fix
+    assert not e.value.retryable
+    assert cuda.calls == [] and LocalStore(tmp_path / "store").list("tp") == []
+    assert w.complete("still serving", 4, "s")          # untouched
+
+
+@pytest.mark.criu
+def test_heartbeat_reports_the_reason_instead_of_checkpointing(tmp_path, prefect_harness, demo_worker):
+    from conftest import write_fleet
+    from ckptflow.flows.heartbeat import heartbeat
+
+    w = demo_worker("tp")
+    w.workload = w.workload.model_copy(update={"gpu": True, "tensor_parallel": 2})
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store")
+    rows = heartbeat(str(fleet))
+    assert [(r["decision"], r["checkpoint"]) for r in rows] == [("skip", None)]
+    assert rows[0]["reason"].startswith("cannot be checkpointed: found 1 GPU process(es)")
