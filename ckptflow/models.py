@@ -122,7 +122,7 @@ class Workload(BaseModel):
     tensor_parallel: int = Field(
         1, ge=1, le=64, description="GPU processes (ranks) of one worker. Above 1, all ranks are checkpointed "
         "and restored together, and every rank must run with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "
-        "NCCL_NVLS_ENABLE=0 (policies.multigpu); the policy refuses it otherwise.")
+        "NCCL_NVLS_ENABLE=0 USE_LIBUV=0 (policies.multigpu); the policy refuses it otherwise.")
     traffic: TrafficClass = Field(TrafficClass.mixed, description="Declared traffic class.")
     kv_capacity_tokens: int | None = Field(
         None, gt=0, description="Tokens the KV cache holds at 100 % usage (turns vLLM's usage ratio "
@@ -214,6 +214,9 @@ class Manifest(BaseModel):
     bytes: int = Field(0, ge=0, description="Total image bytes.")
     timings: dict[str, float] = Field(default_factory=dict, description="Phase -> seconds.")
     gpu_footprint_bytes: int = Field(0, ge=0)
+    gpu_pids: list[int] = Field(default_factory=list, description="PIDs of the processes whose GPU state "
+                                "the CUDA checkpoint took (every rank of a TP worker); CRIU restores them "
+                                "with the same PIDs, and the CUDA restore needs each one.")
     fingerprint: Fingerprint | None = None
     parent: CheckpointId | None = None
     state: CheckpointState = CheckpointState.complete

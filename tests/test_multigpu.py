@@ -16,7 +16,8 @@ def test_one_gpu_needs_nothing_and_ready_ranks_pass():
 
 
 def test_each_missing_or_wrong_variable_is_named_with_its_rank():
-    wrong = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "0"}        # SHM on, NVLS unset
+    wrong = {**GOOD, "NCCL_SHM_DISABLE": "0"}
+    del wrong["NCCL_NVLS_ENABLE"]                                       # SHM on, NVLS unset
     assert tp_problems(2, [GOOD, wrong]) == ["rank process 1: NCCL_SHM_DISABLE is '0', needs 1",
                                              "rank process 1: NCCL_NVLS_ENABLE is unset, needs 0"]
     assert tp_problems(2, [{**GOOD, "NCCL_P2P_DISABLE": "0"}, GOOD]) == [
@@ -62,7 +63,7 @@ def test_runner_refuses_a_tp_worker_without_nccl_settings_before_any_lock(tmp_pa
     msg = str(e.value)
     assert "workload tp (tensor_parallel: 2) cannot be checkpointed" in msg
     assert "found 1 GPU process(es)" in msg and "NCCL_P2P_DISABLE is unset, needs 1" in msg
-    assert "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NVLS_ENABLE=0" in e.value.fix
+    assert "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NVLS_ENABLE=0 USE_LIBUV=0" in e.value.fix
     assert not e.value.retryable
     assert cuda.calls == [] and LocalStore(tmp_path / "store").list("tp") == []
     assert w.complete("still serving", 4, "s")          # untouched

@@ -63,6 +63,23 @@ def gpu_workload(name: str, port: int, pid_file: Path, footprint_gib: float | No
                                                       cmdline_must_contain="ckptflow.demo.gpu_worker")})
 
 
+def start_tp_worker(port: int, pid_file: Path, *, world_size: int, backend: str, ballast_gib: float,
+                    seed: int = 1234, timeout_s: float = 300) -> subprocess.Popen:
+    """Start the tensor-parallel demo worker (rank 0 starts the other ranks as its children).
+    The ranks inherit this process's environment: set the NCCL variables here first."""
+    return start_worker(port, pid_file, seed=seed, timeout_s=timeout_s, module="ckptflow.demo.tp_worker",
+                        extra=["--world-size", str(world_size), "--backend", backend,
+                               "--ballast-gib", str(ballast_gib)])
+
+
+def tp_workload(name: str, port: int, pid_file: Path, world_size: int, footprint_gib: float | None = None) -> Workload:
+    # Ranks talk over loopback TCP (gloo, NCCL's bootstrap and socket transport): established
+    # connections inside the dumped tree.
+    return gpu_workload(name, port, pid_file, footprint_gib).model_copy(update={
+        "tensor_parallel": world_size, "tcp_established": True,
+        "find": ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="ckptflow.demo.tp_worker")})
+
+
 def wait_healthy(url: str, timeout_s: float = 30, proc: subprocess.Popen | None = None) -> float:
     """Poll ``url`` until it answers 200; return the seconds it took."""
     return wait_url(url, timeout_s, proc)

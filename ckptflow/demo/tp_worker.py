@@ -2,7 +2,7 @@
 heads and MLP split across ranks, a KV cache shard per session on every rank, an all-reduce
 per layer and per decode step. Same HTTP API as the GPU worker, served by rank 0.
 
-Run:  NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NVLS_ENABLE=0 \\
+Run:  NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NVLS_ENABLE=0 USE_LIBUV=0 \\
       python -m ckptflow.demo.tp_worker --port 18001 --pid-file /tmp/tp.pid --world-size 2
 
 Rank 0 is the process the runner finds (pid file); it starts the other ranks as its children,
@@ -235,7 +235,7 @@ class TpWorker:
 
 def _die_with_parent() -> None:
     # A rank must not outlive rank 0 (a killed worker leaves no orphan holding GPU memory).
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
 def _free_port() -> int:
@@ -253,6 +253,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ballast-gib", type=float, default=0.0, help="Per rank.")
     p.add_argument("--master-port", type=int, default=0)
     a = p.parse_args(argv)
+    if os.environ.get("CKPTFLOW_TP_STACKS"):  # kill -USR1 <rank> writes its Python stacks there
+        import faulthandler
+
+        faulthandler.register(signal.SIGUSR1, open(os.path.join(os.environ["CKPTFLOW_TP_STACKS"],
+                                                                f"rank{a.rank}.stack"), "w"), all_threads=True)
     if a.rank == 0:
         a.master_port = a.master_port or _free_port()
         for r in range(1, a.world_size):

@@ -247,7 +247,7 @@ class NodeRunner:
             self._cuda = CudaRunner()
         return self._cuda
 
-    def _dump_gpu(self, w: Workload, proc, images_dir: Path, leave_running: bool) -> tuple[int, dict, int]:
+    def _dump_gpu(self, w: Workload, proc, images_dir: Path, leave_running: bool) -> tuple[int, dict, int, list[int]]:
         """lock -> checkpoint -> CRIU dump [-> restore -> unlock]; unlock on any failure."""
         from ckptflow.runners.cuda import cuda_pids, process_gpu_bytes
 
@@ -293,7 +293,7 @@ class NodeRunner:
                                               fix="see the stuck state above; the worker may need a restart") from e
             raise
         t["pause"] = sum(v for k, v in t.items() if k != "prepare")  # prepare runs while serving
-        return res.pid, {k: round(v, 4) for k, v in t.items()}, sum(footprints.values())
+        return res.pid, {k: round(v, 4) for k, v in t.items()}, sum(footprints.values()), pids
 
     def checkpoint(self, w: Workload, *, leave_running: bool = True, kind: str | None = None) -> Manifest:
         """Dump ``w`` into the store and commit its manifest.
@@ -313,10 +313,10 @@ class NodeRunner:
         if load is not None:
             state["tokens_total"] = load.tokens_total
         pending = self.store.begin(w.name, node=w.node)
-        footprint = 0
+        footprint, gpu_pids = 0, []
         try:
             if w.gpu:
-                pid, timings, footprint = self._dump_gpu(w, proc, pending.images_dir, leave_running)
+                pid, timings, footprint, gpu_pids = self._dump_gpu(w, proc, pending.images_dir, leave_running)
             else:
                 res = self.criu.dump(w, pending.images_dir, leave_running=leave_running, proc=proc)
                 pid, timings = res.pid, {"dump": round(res.seconds, 4), "pause": round(res.seconds, 4)}
@@ -325,13 +325,16 @@ class NodeRunner:
             raise
         kind = kind or ("heartbeat" if leave_running else "migrate")
         return self.store.commit(pending, timings=timings, probe=state, kind=kind, pid=pid,
-                                 gpu_footprint_bytes=footprint, fingerprint=workload_fingerprint(w, self.node_fp))
+                                 gpu_footprint_bytes=footprint, gpu_pids=gpu_pids,
+                                 fingerprint=workload_fingerprint(w, self.node_fp))
 
     def _restore_gpu(self, pid: int, m: Manifest, gpu_pairs: list[tuple[str, str]] | None) -> dict:
         """CUDA restore (optionally remapping GPU UUIDs) and unlock of a CRIU-restored worker."""
         from ckptflow.runners.cuda import CudaProcess, ProcessState, cuda_pids
 
-        procs = [CudaProcess(p, state=ProcessState.CHECKPOINTED) for p in cuda_pids(pid)]
+        # CRIU gives every process its PID back; after a CUDA checkpoint they hold no GPU
+        # files, so the ranks are known only from the manifest.
+        procs = [CudaProcess(p, state=ProcessState.CHECKPOINTED) for p in (m.gpu_pids or cuda_pids(pid))]
         t0 = time.perf_counter()
         self.cuda.restore(procs, footprint_bytes=m.gpu_footprint_bytes, gpu_pairs=gpu_pairs)
         t1 = time.perf_counter()
@@ -390,8 +393,11 @@ class NodeRunner:
             # Restores leave the process stopped until its checksums pass. Holding the workload
             # lock, a stopped declared worker can only be what an interrupted restore left behind.
             log.warning("workload %s: PID %d is stopped, left by an interrupted restore; killing it", w.name, live.pid)
-            os.kill(live.pid, signal.SIGKILL)
-            self.criu.wait_pid_free(live.pid)
+            left = process.tree(live.pid)
+            for p in left:
+                os.kill(p, signal.SIGKILL)
+            for p in left:
+                self.criu.wait_pid_free(p)
             live = None
         if live is not None:
             raise RestoreFailed(f"workload {w.name} is running (PID {live.pid}); refusing to restore over it",
@@ -458,11 +464,17 @@ class NodeRunner:
             try:
                 timings["checksum"] = round(check.result(), 4)
             except BaseException:
-                os.kill(pid, signal.SIGKILL)  # never ran a single instruction
-                self.criu.wait_pid_free(pid)
+                restored = process.tree(pid)
+                for p in restored:
+                    os.kill(p, signal.SIGKILL)  # never ran a single instruction
+                for p in restored:
+                    self.criu.wait_pid_free(p)
                 raise
         timings["restore_and_checksum"] = round(time.perf_counter() - t0, 4)
-        os.kill(pid, signal.SIGCONT)
+        # CRIU left every process of the tree stopped, not just the root (a TP worker's other
+        # ranks too; a rank left stopped would hang its CUDA restore and every collective).
+        for p in process.tree(pid):
+            os.kill(p, signal.SIGCONT)
         return pid
 
     def _check_state(self, w: Workload, m: Manifest) -> None:

@@ -261,6 +261,10 @@ def _fix_for(log_tail: str) -> str | None:
         ("Connected TCP socket", "the process has established TCP connections; set tcp_established: true"),
         ("External socket", "the process talks over a socket to something outside its tree"),
         ("/dev/nvidia", "the process holds GPU state: checkpoint it through the CUDA runner first"),
+        # Seen on the H200 with torch 2.11: torch.distributed's TCPStore runs on libuv, which
+        # maps an io_uring ring; CRIU cannot dump io_uring.
+        ("io_uring", "the process uses io_uring, which CRIU cannot dump; for torch.distributed's "
+                     "TCPStore (libuv) start the worker with USE_LIBUV=0"),
     ]
     for needle, fix in hints:
         if needle in log_tail:

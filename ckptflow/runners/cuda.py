@@ -345,16 +345,9 @@ def process_gpu_bytes(pids: list[int]) -> int:
 
 def cuda_pids(root_pid: int) -> list[int]:
     """The root PID and its descendants that hold /dev/nvidia* open (they carry CUDA state)."""
-    pids, frontier = [], [root_pid]
-    while frontier:
-        pid = frontier.pop()
-        pids.append(pid)
-        try:
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    frontier += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
+    from ckptflow.runners.process import tree
+
+    pids = tree(root_pid)
     out = []
     for pid in pids:
         try:

@@ -63,6 +63,21 @@ def environ(pid: int) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
 
 
+def tree(root_pid: int) -> list[int]:
+    """``root_pid`` and all its descendants, parents first."""
+    pids, frontier = [], [root_pid]
+    while frontier:
+        pid = frontier.pop(0)
+        pids.append(pid)
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    frontier += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return pids
+
+
 def pid_stopped(pid: int) -> bool:
     """True while the process is stopped (state T), e.g. left by an interrupted restore."""
     try:
