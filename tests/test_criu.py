@@ -212,3 +212,38 @@ def test_sandbox_copy_beside_the_running_original(tmp_path, criu, demo_worker):
         assert w.digests() == digests and w.proc.poll() is None
     finally:
         subprocess.run(["ip", "netns", "del", ns])
+
+
+def test_restore_resumes_every_process_of_the_tree(tmp_path, store):
+    # Found on the H200 with a TP=2 worker: CRIU's --leave-stopped stops the whole tree; a child
+    # left stopped (another rank) hung the restore. Every restored process must run again.
+    import signal
+
+    from conftest import free_port
+    from ckptflow.demo import launch
+    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.runners.process import pid_alive, pid_stopped, tree
+
+    port, pid_file = free_port(), tmp_path / "tree.pid"
+    proc = launch.start_worker(port, pid_file, extra=["--helper"])
+    w = launch.demo_workload("tree", port, pid_file)
+    root = int(pid_file.read_text())
+    before = tree(root)
+    assert len(before) == 2
+    node = NodeRunner(store)
+    try:
+        m = node.checkpoint(w, leave_running=False)             # the whole tree exits
+        proc.wait(timeout=30)
+        for p in before:
+            node.criu.wait_pid_free(p)
+        res = node.restore(w, manifest=m)
+        after = tree(res.pid)
+        assert after == before                                  # same PIDs, parent and child
+        assert not any(pid_stopped(p) for p in after) and all(pid_alive(p) for p in after)
+        assert launch.complete(port, "still there", 4) is not None
+    finally:
+        for p in tree(root):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

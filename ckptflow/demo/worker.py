@@ -205,10 +205,22 @@ def serve(w, a: argparse.Namespace) -> None:
     server.serve_forever()
 
 
+# Dies with its parent (PR_SET_PDEATHSIG), counts in memory while alive.
+_HELPER = ("import ctypes, time\nctypes.CDLL('libc.so.6').prctl(1, 9)\nn = 0\n"
+           "while True:\n    n += 1\n    time.sleep(0.05)\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = base_args(__doc__.splitlines()[0])
     p.add_argument("--ballast-mib", type=int, default=0)
+    p.add_argument("--helper", action="store_true",
+                   help="Also run a child process (stands in for a tokenizer or another rank): the "
+                        "worker is then a process tree, checkpointed and restored whole.")
     a = p.parse_args(argv)
+    if a.helper:
+        import subprocess
+
+        subprocess.Popen([sys.executable, "-c", _HELPER], stdin=subprocess.DEVNULL)
     serve(Worker(a.seed, a.ballast_mib, a.model_name), a)
 
 
