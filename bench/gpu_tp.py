@@ -168,6 +168,35 @@ def refusal(images_root: Path, tmp: Path) -> dict:
     return out
 
 
+def failure_after_lock(images_root: Path, tmp: Path) -> dict:
+    """CRIU fails after every rank was locked and CUDA-checkpointed: every rank must come back
+    (CUDA restore + unlock) and serve on, with no checkpoint left behind."""
+    real = shutil.which(os.environ.get("CKPTFLOW_CRIU", "criu"))
+    fake = tmp / "criu-fails-dump"
+    fake.write_text(f'#!/bin/sh\n[ "$1" = dump ] && {{ echo "Error (simulated): dump failed" >&2; exit 1; }}\n'
+                    f'exec {real} "$@"\n')
+    fake.chmod(0o755)
+    proc, w, _ = start("tp-fail", "gloo", 2, 1, tmp, nccl_env=True)
+    pids = cuda_pids(int(Path(w.find.pid_file).read_text()))
+    before, want = state(PORT), peek(PORT)
+    node = NodeRunner(LocalStore(images_root / "fail"), criu=CriuRunner(criu_bin=str(fake)))
+    try:
+        node.checkpoint(w)
+        out = {"raised": None}
+    except Exception as e:
+        out = {"raised": type(e).__name__}
+    from cuda.bindings import driver as d
+
+    d.cuInit(0)
+    out["rank_states"] = [str(d.cuCheckpointProcessGetState(p)[1]).split(".")[-1] for p in pids]
+    out["serving_after"] = state(PORT) == before and peek(PORT) == want and allreduce(PORT)
+    out["no_checkpoint"] = node.store.list(w.name) == []
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    log(f"failure after lock: {out}")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="gloo:2:4,nccl:1:4")
@@ -197,11 +226,16 @@ def main() -> int:
                 log(f"{c}: FAILED {type(e).__name__}: {e}")
                 errors[c] = f"{type(e).__name__}: {str(e)[:1500]}"
         ref = refusal(images_root, tmp)
+        fail = failure_after_lock(images_root, tmp)
     finally:
         shutil.rmtree(images_root, ignore_errors=True)
+    # Rows of configs not run this time stay from earlier runs (each row says its config).
+    old = json.loads(out.read_text()).get("rows", []) if out.exists() else []
+    ran = {r["config"] for r in rows}
+    rows_all = [r for r in old if r["config"] not in ran] + rows
     out.write_text(json.dumps({"gpu": gpu, "gpus": n_gpus, "driver": driver, "images_on": a.images,
-                               "network_lock": os.environ["CKPTFLOW_CRIU_NETWORK_LOCK"], "rows": rows,
-                               "errors": errors, "refusal": ref}, indent=1) + "\n")
+                               "network_lock": os.environ["CKPTFLOW_CRIU_NETWORK_LOCK"], "rows": rows_all,
+                               "errors": errors, "refusal": ref, "failure_after_lock": fail}, indent=1) + "\n")
     headers = ["config", "GPU procs", "image GiB", "pause s", "restore-to-ready s", "cold start s",
                "serving after heartbeat", "all-reduce after restore", "bit-exact"]
     table = md_table(headers, [[r["config"], r["gpu_processes"], r["image_gib"], r["pause_s"], r["restore_to_ready_s"],
@@ -209,13 +243,15 @@ def main() -> int:
                                for r in rows])
     notes = "\n".join([f"- {r['config']}: heartbeat {r['heartbeat_phases']}; restore {r['restore_phases']}" for r in rows]
                       + [f"- {c}: FAILED {e.splitlines()[0][:300]}" for c, e in errors.items()]
-                      + [f"- refusal of a TP worker without NCCL settings: {ref}"])
+                      + [f"- refusal of a TP worker without NCCL settings: {ref}",
+                         f"- CRIU dump failing after both ranks were locked and checkpointed: {fail}"])
     print(table)
     print(notes)
     append_results(f"Tensor-parallel checkpoint on {n_gpus}× {gpu}, driver {driver} (bench/gpu_tp.py)", table,
                    f"Images on {a.images}; CRIU network lock {os.environ['CKPTFLOW_CRIU_NETWORK_LOCK']}. "
                    f"Config = backend:ranks:ballast GiB per rank. Phases (s):\n{notes}")
-    ok = rows and all(r["bitexact"] and r["allreduce_ok"] for r in rows) and not errors and ref["refused"]
+    ok = (rows and all(r["bitexact"] and r["allreduce_ok"] for r in rows) and not errors and ref["refused"]
+          and fail["raised"] == "CriuError" and fail["serving_after"] and fail["no_checkpoint"])
     return 0 if ok else 1
 
 
