@@ -171,3 +171,37 @@ def test_manifest_without_fingerprint_is_checked_with_a_warning(tmp_path, demo_w
         res = node.restore(w.workload)
     assert res.pid == m.pid
     assert "fingerprint lacks" in caplog.text
+
+
+@pytest.mark.criu
+def test_s3_fleet_reads_every_nodes_report_from_the_bucket_and_retires_bucket_copies(tmp_path, prefect_harness, s3):
+    from ckptflow.flows.invalidate import invalidate
+    from ckptflow.store.s3 import S3Tier
+
+    w = Workload(name="w1", node="a1", find=ProcessFinder(pid_file="/run/w1.pid"), engine="vllm",
+                 engine_version="0.11.0", model_id="org/model", model_revision="r1")
+    f = tmp_path / "fleet.yaml"
+    f.write_text(yaml.safe_dump({
+        "fleet": "t", "storage": {"kind": "s3", "path": str(tmp_path / "store" / "{node}"),
+                                  "bucket": s3.bucket("ckpt-inval"), "endpoint_url": s3.endpoint},
+        "nodes": [{"name": "a1", "work_pool": "a1", "gpu_class": "H200"},
+                  {"name": "a2", "work_pool": "a2", "gpu_class": "H200"}],
+        "workloads": [w.model_dump(mode="json", exclude_none=True)]}))
+    tier = S3Tier("ckpt-inval", endpoint_url=s3.endpoint)
+    a1 = LocalStore(tmp_path / "store" / "a1")
+    p = a1.begin("w1", node="a1")
+    (p.images_dir / "pages-1.img").write_bytes(b"x" * 4096)
+    m = a1.commit(p, fingerprint=workload_fingerprint(w, BASE))   # taken before a1's upgrade
+    tier.push(a1, m)
+
+    tier.put_node_fingerprint("a2", BASE)            # a2, reported from another machine, not upgraded
+    res = invalidate(str(f), node="a1")              # a1 reports this machine: kernel, CRIU... differ
+    assert res["invalidated"] == []                  # a2 can still restore it: nothing retired
+    assert set(tier.node_fingerprints()) == {"a1", "a2"}
+
+    tier.put_node_fingerprint("a2", BASE.model_copy(update={"kernel": "6.19.0"}))   # a2 upgraded too
+    res = invalidate(str(f), node="a1")
+    assert sorted((r["copy"], r["checkpoint"]) for r in res["invalidated"]) == [("node", m.id), ("s3", m.id)]
+    assert a1.get("w1", m.id).state == CheckpointState.invalidated
+    assert tier.manifest("w1", m.id).state == CheckpointState.invalidated
+    assert "kernel" in tier.manifest("w1", m.id).state_reason

@@ -125,3 +125,23 @@ def test_checkpoint_ids_sort_by_creation_time_within_one_second():
     t = datetime(2026, 11, 29, 10, 0, 0, tzinfo=timezone.utc)
     ids = [new_checkpoint_id(t.replace(microsecond=us)) for us in (999_999, 500_000, 1_000, 0, 10)]
     assert sorted(ids) == [ids[3], ids[4], ids[2], ids[1], ids[0]]
+
+
+@pytest.mark.criu
+def test_a_bucket_copy_invalidated_there_is_never_pulled(tmp_path, s3):
+    from ckptflow.errors import CheckpointNotFound
+    from ckptflow.models import ProcessFinder, Workload
+    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.store.s3 import S3Tier
+
+    tier = S3Tier(s3.bucket("ckpt-inv-pull"), endpoint_url=s3.endpoint)
+    a, b = LocalStore(tmp_path / "a"), LocalStore(tmp_path / "b")
+    p = a.begin("gone", node="node-a")
+    (p.images_dir / "pages-1.img").write_bytes(os.urandom(4096))
+    m = a.commit(p)
+    tier.push(a, m)
+    tier.set_state(m, CheckpointState.invalidated, "driver: 580 -> 590")
+    w = Workload(name="gone", node="node-b", find=ProcessFinder(pid_file=str(tmp_path / "none.pid")))
+    with pytest.raises(CheckpointNotFound, match="no valid checkpoint"):
+        NodeRunner(b).restore(w, tier=tier)
+    assert b.list("gone") == []                      # nothing downloaded

@@ -20,9 +20,9 @@ def invalidate(fleet_file: str, node: str | None = None) -> dict:
         >>> invalidate("deployments/local.yaml")   # doctest: +SKIP
     """
     report_node_fingerprint(fleet_file, node)
-    rows = invalidate_stale(fleet_file)
+    rows = invalidate_stale(fleet_file, node)
     create_table_artifact(key="invalidate", table=rows or [{"note": "every checkpoint still restorable"}],
                           description="Checkpoints invalidated by this run, with the reason")
     alerts = alert_invalidations(fleet_file, rows) if rows else 0
-    deleted = apply_retention(fleet_file)
+    deleted = apply_retention(fleet_file, node)
     return {"invalidated": rows, "alerts": alerts, "deleted": deleted}

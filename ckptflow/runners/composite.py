@@ -374,7 +374,10 @@ class NodeRunner:
             if c.tier == "node":
                 yield self.store.get(w.name, c.checkpoint), {}, 0
                 continue
-            self.gate(w, tier.manifest(w.name, c.checkpoint), overrides)
+            rm = tier.manifest(w.name, c.checkpoint)
+            if not rm.state.restorable:  # e.g. invalidated in the bucket after a version change
+                continue
+            self.gate(w, rm, overrides)
             t0 = time.perf_counter()
             try:
                 m, pulled = tier.pull(self.store, w.name, c.checkpoint, w.node)

@@ -174,6 +174,31 @@ class S3Tier:
             found[o["Key"].rsplit("/", 1)[1].removesuffix(".json")] = json.loads(body)["node"]
         return found
 
+    # --- node fingerprints: every node reports here, invalidate reads them all --------------
+    def put_node_fingerprint(self, node: str, fp) -> None:
+        _check_name(node)
+        self._call("put fingerprint", self.s3.put_object, Bucket=self.bucket, Key=self._key("nodes", f"{node}.json"),
+                   Body=fp.model_dump_json(indent=2).encode(), **self._put_kw())
+
+    def node_fingerprints(self) -> dict:
+        from ckptflow.models import Fingerprint
+
+        out = self._call("list fingerprints", self.s3.list_objects_v2, Bucket=self.bucket,
+                         Prefix=self._key("nodes") + "/")
+        found = {}
+        for o in out.get("Contents", []):
+            body = self._call("get fingerprint", self.s3.get_object, Bucket=self.bucket, Key=o["Key"])["Body"].read()
+            found[o["Key"].rsplit("/", 1)[1].removesuffix(".json")] = Fingerprint.model_validate_json(body)
+        return found
+
+    def set_state(self, m: Manifest, state: CheckpointState, reason: str | None = None) -> Manifest:
+        """Rewrite the bucket's manifest with a new state (e.g. invalidated), keeping its chunk map."""
+        remote = self.manifest(m.workload, m.id).model_copy(update={"state": state, "state_reason": reason})
+        self._call("put manifest", self.s3.put_object, Bucket=self.bucket,
+                   Key=self._key("manifests", m.workload, f"{m.id}.json"),
+                   Body=remote.model_dump_json(indent=2).encode(), **self._put_kw())
+        return remote
+
     # --- pull ------------------------------------------------------------------------------
     def list(self, workload: str) -> list[str]:
         _check_name(workload)

@@ -73,6 +73,12 @@ def tier(fleet: Fleet):
     return open_tier(fleet.storage, key)
 
 
+def fingerprints(fleet: Fleet):
+    """Where nodes report their fingerprints and invalidate reads them: the S3 tier of an S3
+    fleet (every node sees every report), else the fleet's shared local store root."""
+    return tier(fleet) or open_store(fleet.storage)
+
+
 def alerter(fleet: Fleet) -> Alerter:
     return Alerter(fleet.slack, state_dir=Path(fleet.storage.path), prefect_ui_url=fleet.prefect_ui_url)
 

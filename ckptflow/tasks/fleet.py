@@ -10,7 +10,7 @@ from prefect.runtime import flow_run
 from ckptflow.models import CheckpointState
 from ckptflow.policies.compat import stale
 from ckptflow.runners.fingerprint import node_fingerprint, workload_fingerprint
-from ckptflow.tasks.common import alerter, open_fleet, this_node
+from ckptflow.tasks.common import alerter, fingerprints, open_fleet, this_node, tier
 from ckptflow.store import open_store
 
 
@@ -23,16 +23,19 @@ def report_node_fingerprint(fleet_file: str, node: str | None = None) -> dict:
         get_run_logger().warning("this machine is no node of fleet %s; set CKPTFLOW_NODE", fleet.fleet)
         return {}
     fp = node_fingerprint()
-    open_store(fleet.storage, node).put_node_fingerprint(node, fp)
+    fingerprints(fleet).put_node_fingerprint(node, fp)
     return {"node": node, **fp.model_dump(exclude={"notes"})}
 
 
 @task(name="invalidate-stale-checkpoints")
-def invalidate_stale(fleet_file: str) -> list[dict]:
-    """Mark every checkpoint no eligible node can restore as invalidated, with the reason."""
+def invalidate_stale(fleet_file: str, node: str | None = None) -> list[dict]:
+    """Mark every checkpoint no eligible node can restore as invalidated, with the reason: the
+    copies in this node's store, and the bucket's copies of the workloads placed on this node."""
     fleet = open_fleet(fleet_file)
-    store = open_store(fleet.storage)
-    reported = store.node_fingerprints()
+    node = node or this_node(fleet)
+    store = open_store(fleet.storage, node)
+    t = tier(fleet)
+    reported = fingerprints(fleet).node_fingerprints()
     rows = []
     for w in fleet.workloads:
         cls = fleet.node(w.node).gpu_class
@@ -40,14 +43,18 @@ def invalidate_stale(fleet_file: str) -> list[dict]:
                     for n in fleet.nodes if n.gpu_class == cls and n.name in reported}
         for m, why in stale(store.list(w.name), eligible, w.gpu):
             store.set_state(m, CheckpointState.invalidated, why)
-            rows.append({"workload": w.name, "node": m.node, "checkpoint": m.id, "reason": why})
+            rows.append({"workload": w.name, "node": m.node, "checkpoint": m.id, "reason": why, "copy": "node"})
+        if t is not None and w.node == node:
+            for m, why in stale([t.manifest(w.name, i) for i in t.list(w.name)], eligible, w.gpu):
+                t.set_state(m, CheckpointState.invalidated, why)
+                rows.append({"workload": w.name, "node": m.node, "checkpoint": m.id, "reason": why, "copy": "s3"})
     return rows
 
 
 @task(name="apply-retention")
-def apply_retention(fleet_file: str) -> list[dict]:
+def apply_retention(fleet_file: str, node: str | None = None) -> list[dict]:
     fleet = open_fleet(fleet_file)
-    store = open_store(fleet.storage)
+    store = open_store(fleet.storage, node or this_node(fleet))
     return [{"workload": w.name, "deleted": ckpt, "why": why}
             for w in fleet.workloads for ckpt, why in store.apply_retention(w.name, fleet.retention)]
 

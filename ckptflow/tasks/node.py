@@ -8,7 +8,7 @@ from ckptflow.errors import CkptflowError
 from ckptflow.models import Action
 from ckptflow.policies.cadence import decide
 from ckptflow.runners.composite import collect_facts
-from ckptflow.tasks.common import node_runner, node_slot, open_fleet, retry_if_retryable
+from ckptflow.tasks.common import fingerprints, node_runner, node_slot, open_fleet, retry_if_retryable
 from ckptflow.tasks.common import tier as fleet_tier
 
 
@@ -24,8 +24,8 @@ def checkpoint_batch(fleet_file: str, node: str, workloads: list[str], force: bo
     fleet = open_fleet(fleet_file)
     runner = node_runner(fleet, node)
     node_cfg = fleet.node(node)
-    runner.store.put_node_fingerprint(node, runner.node_fp)  # keeps what invalidate reads fresh
     tier = fleet_tier(fleet)
+    (tier or fingerprints(fleet)).put_node_fingerprint(node, runner.node_fp)  # keeps what invalidate reads fresh
     out = []
     for name in workloads:
         w = fleet.workload(name)
