@@ -28,14 +28,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-from ckptflow.demo.gpu_worker import gpu_checksum
-from ckptflow.demo.model import encode
-from ckptflow.demo.worker import Metrics, base_args, completion_response, parse_completion, serve
+from ckptflow.demo.gpu_worker import GpuWorker, gpu_checksum
+from ckptflow.demo.worker import Metrics, base_args, serve
 
 PREFILL, DECODE, COPY, DIGEST, ALLREDUCE, BALLAST, EXIT = range(7)
 
@@ -149,11 +147,24 @@ class Rank:
             self.run(op, a, b, c)
 
 
-class TpWorker:
-    """Rank 0: the GPU worker's API over the sharded model."""
+class _Rank0Model:
+    """What GpuWorker reads of its model (sizes, device, slot copy), driving every rank."""
 
-    def __init__(self, rank0: Rank, model_name: str):
+    def __init__(self, worker: "TpWorker"):
+        m = worker.r.model
+        self.S, self.T, self.dev = m.S, m.T, m.dev
+        self._w = worker
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        self._w._call(COPY, src, dst, length)
+
+
+class TpWorker(GpuWorker):
+    """Rank 0: the GPU worker's API (sessions, peek, prepare, metrics) over the sharded model."""
+
+    def __init__(self, rank0: Rank, model_name: str):  # no GpuWorker.__init__: the model is sharded
         self.r = rank0
+        self.model = _Rank0Model(self)
         self.model_name = model_name
         self.metrics = Metrics(model_name)
         self.sessions: dict[str, dict] = {}
@@ -177,53 +188,10 @@ class TpWorker:
             pos += 1
         return out, pos, (out[-1] if out else last)
 
-    def _session(self, sid: str) -> dict:
-        if sid not in self.sessions:
-            if len(self.sessions) >= self.r.model.S - 1:
-                raise ValueError(f"at most {self.r.model.S - 1} sessions")
-            self.sessions[sid] = {"slot": len(self.sessions), "len": 0, "last": None}
-        return self.sessions[sid]
-
-    def complete(self, body: dict) -> dict:
-        prompt, max_tokens, sid = parse_completion(body)
-        t0 = time.perf_counter()
-        toks_in = encode(prompt)
-        T = self.r.model.T
-        if sid is None:
-            toks, _, _ = self._generate(self.r.model.S - 1, 0, None, toks_in, max_tokens)
-        else:
-            s = self._session(sid)
-            if s["len"] + len(toks_in) + max_tokens + 1 > T:
-                raise ValueError(f"session {sid} would exceed {T} tokens")
-            toks, s["len"], s["last"] = self._generate(s["slot"], s["len"], s["last"], toks_in, max_tokens)
-        self.metrics.observe(len(toks_in), len(toks), time.perf_counter() - t0,
-                             sum(s["len"] for s in self.sessions.values()), T * (self.r.model.S - 1),
-                             len(self.sessions))
-        return completion_response(self.model_name, sid, toks, len(toks_in))
-
-    def peek(self, body: dict) -> dict:
-        prompt, max_tokens, sid = parse_completion(body)
-        s = self.sessions.get(sid)
-        if s is None:
-            raise ValueError(f"no session {sid}")
-        scratch = self.r.model.S - 1
-        self._call(COPY, s["slot"], scratch, s["len"])
-        toks, _, _ = self._generate(scratch, s["len"], s["last"], encode(prompt), max_tokens)
-        return {"session_id": sid, "tokens": toks}
-
     def allreduce_check(self, body: dict) -> dict:
         got = self._call(ALLREDUCE)
         want = self.r.world * (self.r.world + 1) / 2
         return {"sum": got, "expected": want, "ok": got == want, "world_size": self.r.world}
-
-    def prepare(self, body: dict) -> dict:
-        before = torch.cuda.memory_reserved() if self.r.dev.type == "cuda" else 0
-        if self.r.dev.type == "cuda":
-            torch.cuda.empty_cache()
-        return {"released_bytes": int(before - (torch.cuda.memory_reserved() if self.r.dev.type == "cuda" else 0))}
-
-    def session_lengths(self) -> dict[str, int]:
-        return {k: s["len"] for k, s in self.sessions.items()}
 
     def session_digests(self) -> dict[str, str]:
         return {k: self._call(DIGEST, s["slot"], s["len"]) + f":{s['len']}:{s['last']}"

@@ -9,11 +9,10 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from ckptflow.models import TrafficClass
-from ckptflow.policies.placement import NodeState, place
 from ckptflow.render import render
 from ckptflow.store import open_store
 from ckptflow.policies.cadence import CostModel
-from ckptflow.flows.steps import run_step
+from ckptflow.flows.steps import run_step, spreader_off
 from ckptflow.tasks.common import open_fleet
 from ckptflow.tasks.common import tier as fleet_tier
 
@@ -53,25 +52,20 @@ def drain(fleet_file: str, node: str, via_deployments: bool = True) -> list[dict
     """Ahead of maintenance: move long-session workloads off ``node`` (placement picks the
     target), stop short-request ones once drained, report what went where, mark the node."""
     fleet = open_fleet(fleet_file)
-    src = fleet.node(node)
-    others = [NodeState(n.name, n.gpu_class, free_gib=n.gpu_memory_gib or 1e9) for n in fleet.nodes
-              if n.name != node]
-    placed: dict[str, int] = {}
+    targets = spreader_off(fleet, node)
     rows = []
     for w in (x for x in fleet.workloads if x.node == node):
         if w.traffic == TrafficClass.short_requests:
             r = run_step(node, "stop", fleet_file, w.name, None, via_deployments)
             rows.append({"workload": w.name, "action": "stopped (short requests)", "target": "-", **r})
             continue
-        for n in others:
-            n.load = placed.get(n.name, 0)
-        p = place(w.gpu_footprint_gib or 0, src.gpu_class, others)
+        p = targets.place(w.gpu_footprint_gib or 0)
         if p.node is None:
             rows.append({"workload": w.name, "action": "NOT MOVED", "target": "-", "reason": p.reason})
             continue
         try:
             res = migrate(fleet_file, w.name, p.node, via_deployments)
-            placed[p.node] = placed.get(p.node, 0) + 1
+            targets.placed(p.node)
             rows.append({"workload": w.name, "action": "migrated", "target": p.node, "checkpoint": res["checkpoint"]})
         except Exception as e:
             rows.append({"workload": w.name, "action": "FAILED", "target": p.node, "reason": str(e).splitlines()[0]})

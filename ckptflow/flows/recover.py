@@ -7,8 +7,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from ckptflow.errors import CheckpointNotFound, ChecksumMismatch, IncompatibleCheckpoint
-from ckptflow.flows.steps import run_step
-from ckptflow.policies.placement import NodeState, place
+from ckptflow.flows.steps import run_step, spreader_off
 from ckptflow.render import render
 from ckptflow.tasks.common import open_fleet
 from ckptflow.tasks.common import tier as fleet_tier
@@ -81,15 +80,10 @@ def recover_node(fleet_file: str, node: str, via_deployments: bool = False) -> l
         >>> recover_node("deployments/fleet.yaml", "gpu-07")   # doctest: +SKIP
     """
     fleet = open_fleet(fleet_file)
-    lost = fleet.node(node)
-    others = [NodeState(n.name, n.gpu_class, free_gib=n.gpu_memory_gib or 1e9) for n in fleet.nodes
-              if n.name != node]
-    placed: dict[str, int] = {}
+    targets = spreader_off(fleet, node)
     rows = []
     for w in (x for x in fleet.workloads if x.node == node):
-        for n in others:
-            n.load = placed.get(n.name, 0)
-        p = place(w.gpu_footprint_gib or 0, lost.gpu_class, others)
+        p = targets.place(w.gpu_footprint_gib or 0)
         if p.node is None:
             rows.append({"workload": w.name, "action": "NOT RECOVERED", "target": "-", "reason": p.reason})
             continue
@@ -98,7 +92,7 @@ def recover_node(fleet_file: str, node: str, via_deployments: bool = False) -> l
         except Exception as e:
             rows.append({"workload": w.name, "action": "FAILED", "target": p.node, "reason": str(e).splitlines()[0]})
             continue
-        placed[p.node] = placed.get(p.node, 0) + 1
+        targets.placed(p.node)
         rows.append({"workload": w.name, "target": p.node,
                      "action": "cold started" if r["cold_start"] else f"restored {r['checkpoint']}",
                      "reason": p.reason})

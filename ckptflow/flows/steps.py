@@ -40,3 +40,12 @@ def run_step(node: str, action: str, fleet_file: str, workload: str, checkpoint:
     raise StepFailed(f"{action} of {workload} on {node}: flow run {fr.id} ended "
                      f"{fr.state.name if fr.state else 'without a state'}"
                      + (f": {fr.state.message}" if fr.state and fr.state.message else ""))
+
+
+def spreader_off(fleet, node: str):
+    """Where the workloads of ``node`` may go: every other node of its GPU class (policies.placement)."""
+    from ckptflow.policies.placement import NodeState, Spreader
+
+    src = fleet.node(node)
+    return Spreader(src.gpu_class, [NodeState(n.name, n.gpu_class, free_gib=n.gpu_memory_gib or 1e9)
+                                    for n in fleet.nodes if n.name != node])

@@ -50,3 +50,27 @@ def place(footprint_gib: float, gpu_class: str, nodes: list[NodeState], *, exclu
         return Placement(None, "no eligible node: " + ("; ".join(why) or "no candidates"))
     best = min(ok, key=lambda n: (n.load, -n.free_gib, n.name))
     return Placement(best.name, f"{best.name}: {best.free_gib:.0f} GiB free >= {need:.0f} GiB, load {best.load:g}")
+
+
+class Spreader:
+    """Places the workloads leaving one node on the others, one at a time, counting what it
+    placed as load so they spread instead of piling onto the emptiest node.
+
+    Example:
+        >>> sp = Spreader("H200", [NodeState("b", "H200", 100), NodeState("c", "H200", 100)])
+        >>> first = sp.place(10).node; sp.placed(first); (first, sp.place(10).node)
+        ('b', 'c')
+    """
+
+    def __init__(self, gpu_class: str, nodes: list[NodeState]):
+        self.gpu_class, self.nodes = gpu_class, nodes
+        self.counts: dict[str, int] = {}
+
+    def place(self, footprint_gib: float) -> Placement:
+        for n in self.nodes:
+            n.load = self.counts.get(n.name, 0)
+        return place(footprint_gib, self.gpu_class, self.nodes)
+
+    def placed(self, node: str) -> None:
+        """Count a workload that did arrive on ``node``."""
+        self.counts[node] = self.counts.get(node, 0) + 1
