@@ -84,3 +84,27 @@ def test_restore_refused_without_enough_gpu_memory(tmp_path, gpu_worker):
     with pytest.raises(NotEnoughGpuMemory, match="needed"):
         node.restore(w, manifest=huge)
     assert set(node.criu.log_dir.glob("restore-*.log")) == logs_before  # no CRIU call was made
+
+
+def test_gpu_verify_checks_bytes_and_skips_the_sandbox_leaving_the_original_alone(tmp_path, gpu_worker):
+    # Measured on the H200: the driver cannot restore CUDA state into a copy under another PID
+    # (CUDA_ERROR_NOT_INITIALIZED), so a GPU checkpoint is verified by fingerprint and bytes only,
+    # reported "skipped" (never "verify_failed": that would alert on a good checkpoint).
+    from ckptflow.demo.launch import http_json, session_digests
+    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.runners.verify import verify_checkpoint
+    from ckptflow.store.local import LocalStore
+
+    w, port = gpu_worker
+    base = f"http://127.0.0.1:{port}"
+    http_json(f"{base}/v1/completions", {"prompt": "a session to verify " * 40, "max_tokens": 16, "session_id": "s"})
+    node = NodeRunner(LocalStore(tmp_path / "store"))
+    m = node.checkpoint(w)
+    res = verify_checkpoint(node, w, m)
+    assert res.state == "skipped" and "restore in place" in res.reason and "checksum" in res.timings
+    assert session_digests(port) == m.probe["sessions"]            # the original serves on, untouched
+    pages = max(node.store.images_dir(m).glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    with open(pages, "r+b") as f:
+        f.seek(4096)
+        f.write(b"\xff" * 8)
+    assert verify_checkpoint(node, w, m).state == "verify_failed"    # bad bytes still fail it

@@ -77,7 +77,7 @@ class DriverBackend:
 
     def get_state(self, pid: int) -> tuple[int, int]:
         err, st = self.d.cuCheckpointProcessGetState(pid)
-        return int(err), int(st)
+        return int(err), (int(st) if st is not None else -1)  # no state comes with an error
 
     def lock(self, pid: int, timeout_ms: int) -> int:
         a = self.d.CUcheckpointLockArgs()

@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ckptflow.errors import CkptflowError, CriuError, NotEnoughGpuMemory
+from ckptflow.errors import CkptflowError, CriuError
 from ckptflow.models import Manifest, Workload
 from ckptflow.runners.composite import NodeRunner, golden_digest
 
@@ -79,6 +79,15 @@ def del_netns(ns: str) -> None:
     subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+# Measured on the H200 (driver 580.159.04): a CRIU copy of a CUDA-checkpointed worker in its
+# own PID namespace is unknown to the driver — cuCheckpointProcessGetState answers
+# CUDA_ERROR_NOT_INITIALIZED for it, asked from the host and from inside the namespace — so
+# its GPU state cannot be restored beside the original.
+GPU_SANDBOX = ("fingerprint and checksums pass; a GPU checkpoint cannot be restored beside its original "
+               "(the driver restores CUDA state only into the PID that took it), so no sandbox run: "
+               "prove it by a restore in place (recover) on a drained node")
+
+
 def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: float = 120) -> VerifyResult:
     """Restore ``m`` in a sandbox beside the original and compare its answers. Never raises
     for a bad checkpoint (that is the result); raises only when the node cannot sandbox."""
@@ -91,12 +100,7 @@ def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: flo
         return VerifyResult("verify_failed", str(e).splitlines()[0], t)
     t["checksum"] = round(time.perf_counter() - t0, 4)
     if w.gpu:
-        from ckptflow.runners.cuda import gate_gpu_memory
-
-        try:
-            gate_gpu_memory(m.gpu_footprint_bytes)
-        except NotEnoughGpuMemory as e:
-            return VerifyResult("skipped", f"not enough free GPU memory for a sandbox copy: {str(e).splitlines()[0]}", t)
+        return VerifyResult("skipped", GPU_SANDBOX, t)
     ns = new_netns("ckv")
     copy = None
     try:
@@ -106,8 +110,6 @@ def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: flo
         except CriuError as e:
             return VerifyResult("verify_failed", f"sandbox restore failed: {str(e).splitlines()[0]}", t, e.log_tail)
         t["restore"] = round(time.perf_counter() - t0, 4)
-        if w.gpu:
-            t.update(node._restore_gpu(copy.pid, m, None))
         t0 = time.perf_counter()
         got = probe_in_netns(ns, w, timeout_s)
         t["probe"] = round(time.perf_counter() - t0, 4)
