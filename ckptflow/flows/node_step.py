@@ -32,20 +32,15 @@ Step = Literal["migrate_out", "migrate_in", "restore_local", "stop", "take_templ
 def node_step(fleet_file: str, action: Step, workload: str, node: str, checkpoint: str | None = None,
               replica: str | None = None) -> dict:
     """Run one node-level action for ``workload`` on ``node`` (this node)."""
-    if action == "migrate_out":
-        return migrate_out(fleet_file, workload)
-    if action == "migrate_in":
-        return migrate_in(fleet_file, workload, node, checkpoint)
-    if action == "restore_local":
-        return restore_local(fleet_file, workload, node, checkpoint)
-    if action == "take_template":
-        return take_template(fleet_file, workload)
-    if action == "scale_up_in":
-        return scale_up_in(fleet_file, workload, node, checkpoint)
-    if action == "scale_down":
-        return scale_down_in(fleet_file, workload, node, replica)
-    if action == "restore":
-        return restore_workload(fleet_file, workload, node)
-    if action == "cold_start":
-        return cold_start_workload(fleet_file, workload)
-    return stop_workload(fleet_file, workload)
+    steps = {
+        "migrate_out": lambda: migrate_out(fleet_file, workload),
+        "migrate_in": lambda: migrate_in(fleet_file, workload, node, checkpoint),
+        "restore_local": lambda: restore_local(fleet_file, workload, node, checkpoint),
+        "stop": lambda: stop_workload(fleet_file, workload),
+        "take_template": lambda: take_template(fleet_file, workload),
+        "scale_up_in": lambda: scale_up_in(fleet_file, workload, node, checkpoint),
+        "scale_down": lambda: scale_down_in(fleet_file, workload, node, replica),
+        "restore": lambda: restore_workload(fleet_file, workload, node),
+        "cold_start": lambda: cold_start_workload(fleet_file, workload),
+    }
+    return steps[action]()
