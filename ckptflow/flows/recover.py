@@ -56,8 +56,10 @@ def recover(fleet_file: str, workload: str, node: str | None = None, via_deploym
             error=str(e).splitlines()[0], skipped=[]))
         raise
     if res["skipped"]:
+        same = any(s["id"] == res["checkpoint"] for s in res["skipped"])  # a bad node copy, a good S3 one
         alert_restore_failed(fleet_file, workload, "; ".join(s["reason"] for s in res["skipped"]),
-                             res["skipped"][0]["id"], f"older checkpoint {res['checkpoint']}")
+                             res["skipped"][0]["id"],
+                             f"{'the S3 copy of' if same else 'older'} checkpoint {res['checkpoint']}")
     _place(fleet, workload, w.node, target, res["checkpoint"])
     create_markdown_artifact(key=f"restore-{workload}",
                              markdown=render("restore_report.md.j2", workload=workload, node=target,
