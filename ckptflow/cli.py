@@ -211,6 +211,14 @@ def recover(fleet_file: Path, workload: str,
     flow(str(fleet_file), workload, node=node)
 
 
+@app.command()
+def prune(fleet_file: Path) -> None:
+    """Apply retention in the fleet's S3 bucket and delete chunks no manifest references."""
+    from ckptflow.flows.prune import prune as flow
+
+    console.print(flow(str(fleet_file)))
+
+
 @app.command("recover-node")
 def recover_node(fleet_file: Path, node: str) -> None:
     """Bring every workload of a lost node back on other nodes (from S3, or a cold start)."""

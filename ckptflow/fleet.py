@@ -161,7 +161,8 @@ class Fleet(BaseModel):
     nodes: list[Node] = Field(..., min_length=1)
     workloads: list[Workload] = Field(default_factory=list)
     policies: list[PolicyRule] = Field(default_factory=list)
-    schedules: dict[Literal["heartbeat", "invalidate", "verify", "recover"], Schedule] = Field(default_factory=dict)
+    schedules: dict[Literal["heartbeat", "invalidate", "verify", "recover", "prune"], Schedule] = Field(
+        default_factory=dict)
     slack: Slack | None = None
     retention: Retention = Field(default_factory=Retention, description="Which checkpoints to keep.")
     prefect_ui_url: str | None = Field(None, description="Base URL of the Prefect UI, for links in alerts.")

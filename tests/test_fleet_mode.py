@@ -120,7 +120,7 @@ def test_migrate_deployment_moves_a_long_session_to_node_b(prefect_fleet, demo_w
     assert w.complete("and now?", 32, "s") == ref.complete("and now?", 32, "s")
     # The server kept it all in PostgreSQL; the steps' results went through the bucket.
     pg = prefect_fleet["pg"]
-    assert int(pg.sql("select count(*) from deployment where name = 'fleet-mig'")) == 6
+    assert int(pg.sql("select count(*) from deployment where name = 'fleet-mig'")) == 7
     assert int(pg.sql("select count(*) from flow_run where state_type = 'COMPLETED'")) >= 3
     keys = [o["Key"] for o in s3.client.list_objects_v2(Bucket="fleet-mig", Prefix="ckptflow/prefect-results/")
             .get("Contents", [])]

@@ -102,3 +102,45 @@ def test_client_side_encryption_keeps_dedup_and_refuses_another_key(tmp_path, s3
         wrong.pull(LocalStore(tmp_path / "c"), "w", m.id, "node-c")
     monkeypatch.setenv("CKPT_KEY", base64.b64encode(key).decode())
     assert _load_key(Storage(kind="s3", bucket="x", encryption_key_env="CKPT_KEY")) == key
+
+
+def test_prune_applies_retention_in_the_bucket_and_frees_unreferenced_chunks(tmp_path, s3):
+    from ckptflow.policies.retention import Retention
+
+    tier = S3Tier(s3.bucket("ckpt-prune"), endpoint_url=s3.endpoint)
+    a, b = LocalStore(tmp_path / "a"), LocalStore(tmp_path / "b")
+    ms = []
+    for i in range(3):                                   # three heartbeats, each with its own bytes
+        ms.append(_ckpt(a, os.urandom(2 * CHUNK)))
+        tier.push(a, ms[-1])
+    before = {o["Key"] for o in s3.client.list_objects_v2(Bucket="ckpt-prune", Prefix="ckptflow/chunks/")["Contents"]}
+    res = tier.prune(Retention(keep=1))
+    assert sorted(r["checkpoint"] for r in res["manifests_deleted"]) == sorted(m.id for m in ms[:2])
+    assert tier.list("w") == [ms[2].id]                  # the newest stays
+    assert res["chunks_deleted"] == 4 and res["bytes_freed"] == 4 * CHUNK   # core-1.img's chunk is shared
+    after = {o["Key"] for o in s3.client.list_objects_v2(Bucket="ckpt-prune", Prefix="ckptflow/chunks/")["Contents"]}
+    assert len(before) - len(after) == 4
+    got, _ = tier.pull(b, "w", ms[2].id, "node-b")       # the kept checkpoint still has every byte
+    assert (b.images_dir(got) / "pages-1.img").read_bytes() == (a.images_dir(ms[2]) / "pages-1.img").read_bytes()
+    assert s3.client.list_objects_v2(Bucket="ckpt-prune", Prefix="ckptflow/locks/").get("KeyCount", 0) == 0
+
+
+@pytest.mark.fault
+def test_prune_and_push_never_overlap(tmp_path, s3):
+    from ckptflow.errors import StorageUnavailable
+    from ckptflow.policies.retention import Retention
+
+    tier = S3Tier(s3.bucket("ckpt-lease"), endpoint_url=s3.endpoint)
+    a = LocalStore(tmp_path / "a")
+    m = _ckpt(a, os.urandom(CHUNK))
+    tier.push(a, m)
+    lease = tier._lease()                                # a push in flight (its dedup checks done)
+    assert tier.prune(Retention(keep=1))["skipped"].startswith("1 push(es) in progress")
+    tier._delete(lease)
+    tier._stamp("ckptflow/locks/prune.json")             # a prune in flight
+    with pytest.raises(StorageUnavailable, match="is being pruned") as e:
+        tier.push(a, _ckpt(a, os.urandom(CHUNK)))
+    assert e.value.retryable
+    assert s3.client.list_objects_v2(Bucket="ckpt-lease", Prefix="ckptflow/leases/").get("KeyCount", 0) == 0
+    tier._delete("ckptflow/locks/prune.json")
+    assert tier.push(a, _ckpt(a, os.urandom(CHUNK)))["uploaded_bytes"] == CHUNK

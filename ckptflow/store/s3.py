@@ -28,6 +28,8 @@ from ckptflow.errors import ChecksumMismatch, CheckpointNotFound, StorageUnavail
 from ckptflow.models import CheckpointState, CopyTier, Manifest, _check_ckpt_id, _check_name
 from ckptflow.store.local import LocalStore, write_json_atomic
 
+LEASE_TTL_S = 6 * 3600   # a push lease older than this is from a crashed push
+PRUNE_TTL_S = 3600       # a prune lock older than this is from a crashed prune
 CHUNK = 8 << 20      # small enough that a changed KV region re-uploads little, large enough for S3
 THREADS = 16         # parallel PUT/GET of chunks (I/O bound; the GIL is released)
 
@@ -117,7 +119,15 @@ class S3Tier:
 
     # --- push ------------------------------------------------------------------------------
     def push(self, local: LocalStore, m: Manifest) -> dict:
-        """Upload the checkpoint's new chunks in parallel, then its manifest (last)."""
+        """Upload the checkpoint's new chunks in parallel, then its manifest (last), under a
+        lease that keeps ``prune`` from deleting a chunk this push counts on (see prune)."""
+        lease = self._lease()
+        try:
+            return self._push(local, m)
+        finally:
+            self._delete(lease)
+
+    def _push(self, local: LocalStore, m: Manifest) -> dict:
         images = local.verify_bytes(m)  # never upload bytes that already differ from their manifest
         t0 = time.perf_counter()
         jobs = [(f.path, off, min(CHUNK, f.size - off)) for f in m.files for off in range(0, max(f.size, 1), CHUNK)]
@@ -155,6 +165,96 @@ class S3Tier:
     def location(self) -> str:
         """Where this tier's copies are, as manifests list it."""
         return f"s3://{self.bucket}/{self.prefix}"
+
+    # --- prune: retention in the bucket, then chunks no manifest references -----------------
+    # A push checks which chunks the bucket already holds and uploads only the others, so a
+    # chunk deleted between that check and the push's manifest would leave a manifest without
+    # its bytes. Push and prune therefore never overlap: a push writes a lease, then looks for
+    # the prune lock (and backs off if it is there); prune writes the lock, then looks for
+    # leases (and gives up if any is live). Whichever wrote second sees the other.
+    def _stamp(self, key: str) -> None:
+        import json
+
+        self._call("put", self.s3.put_object, Bucket=self.bucket, Key=key,
+                   Body=json.dumps({"at": time.time()}).encode(), **self._put_kw())
+
+    def _stamp_at(self, key: str) -> float | None:
+        import json
+
+        from botocore.exceptions import ClientError
+
+        try:
+            body = self._call("get", self.s3.get_object, Bucket=self.bucket, Key=key)["Body"].read()
+        except ClientError:
+            return None
+        return float(json.loads(body)["at"])
+
+    def _delete(self, key: str) -> None:
+        self._call("delete", self.s3.delete_object, Bucket=self.bucket, Key=key)
+
+    def _keys(self, prefix: str):
+        for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+            yield from page.get("Contents", [])
+
+    def _lease(self) -> str:
+        import uuid
+
+        key = self._key("leases", f"{uuid.uuid4().hex}.json")
+        self._stamp(key)
+        since = self._stamp_at(self._key("locks", "prune.json"))
+        if since is not None and time.time() - since < PRUNE_TTL_S:
+            self._delete(key)
+            raise StorageUnavailable(f"s3://{self.bucket}/{self.prefix} is being pruned (since "
+                                     f"{time.time() - since:.0f} s); the upload waits for it",
+                                     fix="nothing to do: the local copy stands and the next heartbeat pushes it")
+        return key
+
+    def prune(self, rule=None, now: float | None = None) -> dict:
+        """Apply the retention rule to the bucket's manifests (never the newest valid one of a
+        workload), then delete the chunks no remaining manifest references.
+
+        Returns what it deleted, or ``{"skipped": reason}`` while pushes are running.
+        """
+        from datetime import datetime, timezone
+
+        from ckptflow.policies.retention import to_delete
+
+        now = time.time() if now is None else now
+        lock = self._key("locks", "prune.json")
+        self._stamp(lock)
+        try:
+            live = [o["Key"] for o in self._keys(self._key("leases") + "/")
+                    if (self._stamp_at(o["Key"]) or 0) > time.time() - LEASE_TTL_S]
+            if live:
+                return {"skipped": f"{len(live)} push(es) in progress; prune again later"}
+            kept, gone = [], []
+            by_workload: dict[str, list[Manifest]] = {}
+            for o in self._keys(self._key("manifests") + "/"):
+                workload, name = o["Key"].rsplit("/", 2)[-2:]
+                by_workload.setdefault(workload, []).append(self.manifest(workload, name.removesuffix(".json")))
+            for workload, ms in by_workload.items():
+                newest_valid = max((m for m in ms if m.state.restorable), key=lambda m: (m.created, m.id), default=None)
+                drop = {m.id: why for m, why in to_delete(ms, datetime.fromtimestamp(now, timezone.utc), rule)}
+                if newest_valid is not None and newest_valid.id in drop:
+                    raise StoreError(f"retention wanted to delete {newest_valid.id}, the newest valid checkpoint "
+                                     f"of {workload} in the bucket")
+                for m in ms:
+                    if m.id in drop:
+                        self._delete(self._key("manifests", workload, f"{m.id}.json"))
+                        gone.append({"workload": workload, "checkpoint": m.id, "why": drop[m.id]})
+                    else:
+                        kept.append(m)
+            referenced = {d for m in kept for ds in m.probe.get("s3_chunks", {}).values() for d in ds}
+            freed = chunks = 0
+            for o in self._keys(self._key("chunks") + "/"):
+                if o["Key"].rsplit("/", 1)[1] not in referenced:
+                    self._delete(o["Key"])
+                    freed += o["Size"]
+                    chunks += 1
+            return {"manifests_deleted": gone, "chunks_deleted": chunks, "bytes_freed": freed,
+                    "manifests_kept": len(kept)}
+        finally:
+            self._delete(lock)
 
     # --- where each workload runs now (a migrate moves it off its declared node) ----------
     def put_placement(self, workload: str, node: str, checkpoint: str) -> None:

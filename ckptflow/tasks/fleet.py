@@ -73,3 +73,13 @@ def alert_invalidations(fleet_file: str, rows: list[dict]) -> int:
         sent += a.send("invalidated", workload=name, key=key, node=fleet.workload(name).node, rows=rs,
                        flow_run_id=flow_run.get_id())
     return sent
+
+
+@task(name="prune-bucket")
+def prune_bucket(fleet_file: str) -> dict:
+    """Retention in the fleet's bucket, then the chunks no manifest references (store.s3.prune)."""
+    fleet = open_fleet(fleet_file)
+    t = tier(fleet)
+    if t is None:
+        return {"skipped": "storage.kind is local: nothing in a bucket to prune"}
+    return t.prune(fleet.retention)
