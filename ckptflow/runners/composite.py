@@ -380,7 +380,7 @@ class NodeRunner:
             self.gate(w, rm, overrides)
             t0 = time.perf_counter()
             try:
-                m, pulled = tier.pull(self.store, w.name, c.checkpoint, w.node)
+                m, pulled = tier.pull(self.store, w.name, c.checkpoint, w.node, remote=rm)
             except (ChecksumMismatch, StorageUnavailable) as e:
                 skipped.append({"id": c.checkpoint, "reason": f"s3 copy: {str(e).splitlines()[0]}"})
                 continue

@@ -192,9 +192,17 @@ class S3Tier:
     def _delete(self, key: str) -> None:
         self._call("delete", self.s3.delete_object, Bucket=self.bucket, Key=key)
 
-    def _keys(self, prefix: str):
-        for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
-            yield from page.get("Contents", [])
+    def _keys(self, prefix: str) -> list[dict]:
+        """Every object under ``prefix`` (all pages), errors typed like every other call."""
+        pages = self._call(f"list {prefix}", lambda: list(
+            self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)))
+        return [o for page in pages for o in page.get("Contents", [])]
+
+    def _bodies(self, folder: str) -> dict[str, bytes]:
+        """name (without .json) -> body, for each object in ``PREFIX/folder/``."""
+        return {o["Key"].rsplit("/", 1)[1].removesuffix(".json"):
+                self._call(f"get {folder}", self.s3.get_object, Bucket=self.bucket, Key=o["Key"])["Body"].read()
+                for o in self._keys(self._key(folder) + "/")}
 
     def _lease(self) -> str:
         import uuid
@@ -270,13 +278,7 @@ class S3Tier:
         """workload -> node, for every workload a migrate moved."""
         import json
 
-        out = self._call("list placements", self.s3.list_objects_v2, Bucket=self.bucket,
-                         Prefix=self._key("placements") + "/")
-        found = {}
-        for o in out.get("Contents", []):
-            body = self._call("get placement", self.s3.get_object, Bucket=self.bucket, Key=o["Key"])["Body"].read()
-            found[o["Key"].rsplit("/", 1)[1].removesuffix(".json")] = json.loads(body)["node"]
-        return found
+        return {w: json.loads(body)["node"] for w, body in self._bodies("placements").items()}
 
     # --- node fingerprints: every node reports here, invalidate reads them all --------------
     def put_node_fingerprint(self, node: str, fp) -> None:
@@ -287,13 +289,7 @@ class S3Tier:
     def node_fingerprints(self) -> dict:
         from ckptflow.models import Fingerprint
 
-        out = self._call("list fingerprints", self.s3.list_objects_v2, Bucket=self.bucket,
-                         Prefix=self._key("nodes") + "/")
-        found = {}
-        for o in out.get("Contents", []):
-            body = self._call("get fingerprint", self.s3.get_object, Bucket=self.bucket, Key=o["Key"])["Body"].read()
-            found[o["Key"].rsplit("/", 1)[1].removesuffix(".json")] = Fingerprint.model_validate_json(body)
-        return found
+        return {n: Fingerprint.model_validate_json(body) for n, body in self._bodies("nodes").items()}
 
     def set_state(self, m: Manifest, state: CheckpointState, reason: str | None = None) -> Manifest:
         """Rewrite the bucket's manifest with a new state (e.g. invalidated), keeping its chunk map."""
@@ -306,10 +302,8 @@ class S3Tier:
     # --- pull ------------------------------------------------------------------------------
     def list(self, workload: str) -> list[str]:
         _check_name(workload)
-        out = self._call("list", self.s3.list_objects_v2, Bucket=self.bucket,
-                         Prefix=self._key("manifests", workload) + "/")
-        return sorted((o["Key"].rsplit("/", 1)[1].removesuffix(".json") for o in out.get("Contents", [])),
-                      reverse=True)
+        return sorted((o["Key"].rsplit("/", 1)[1].removesuffix(".json")
+                       for o in self._keys(self._key("manifests", workload) + "/")), reverse=True)
 
     def manifest(self, workload: str, ckpt_id: str) -> Manifest:
         from botocore.exceptions import ClientError
@@ -323,13 +317,15 @@ class S3Tier:
             raise CheckpointNotFound(f"no checkpoint {ckpt_id} of {workload} in s3://{self.bucket}/{self.prefix}") from None
         return Manifest.model_validate_json(body)
 
-    def pull(self, local: LocalStore, workload: str, ckpt_id: str, node: str) -> tuple[Manifest, dict]:
+    def pull(self, local: LocalStore, workload: str, ckpt_id: str, node: str,
+             remote: Manifest | None = None) -> tuple[Manifest, dict]:
         """Download a checkpoint into ``local``, the store of ``node`` (manifest written last,
         listing this new copy); every chunk verified. A local copy that already passed is kept;
-        one marked ``verify_failed`` is replaced."""
+        one marked ``verify_failed`` is replaced. ``remote``: the bucket's manifest, when the
+        caller read it already."""
         import shutil
 
-        remote = self.manifest(workload, ckpt_id)
+        remote = remote or self.manifest(workload, ckpt_id)
         t0 = time.perf_counter()
         d = local.root / workload / ckpt_id
         if (d / "manifest.json").exists():

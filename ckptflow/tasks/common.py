@@ -73,10 +73,11 @@ def tier(fleet: Fleet):
     return open_tier(fleet.storage, key)
 
 
-def fingerprints(fleet: Fleet):
+def fingerprints(fleet: Fleet, s3=None):
     """Where nodes report their fingerprints and invalidate reads them: the S3 tier of an S3
-    fleet (every node sees every report), else the fleet's shared local store root."""
-    return tier(fleet) or open_store(fleet.storage)
+    fleet (every node sees every report; ``s3`` if the caller opened it already), else the
+    fleet's shared local store root."""
+    return s3 or tier(fleet) or open_store(fleet.storage)
 
 
 def alerter(fleet: Fleet) -> Alerter:

@@ -35,7 +35,7 @@ def invalidate_stale(fleet_file: str, node: str | None = None) -> list[dict]:
     node = node or this_node(fleet)
     store = open_store(fleet.storage, node)
     t = tier(fleet)
-    reported = fingerprints(fleet).node_fingerprints()
+    reported = fingerprints(fleet, t).node_fingerprints()
     rows = []
     for w in fleet.workloads:
         cls = fleet.node(w.node).gpu_class

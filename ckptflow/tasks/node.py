@@ -25,7 +25,7 @@ def checkpoint_batch(fleet_file: str, node: str, workloads: list[str], force: bo
     runner = node_runner(fleet, node)
     node_cfg = fleet.node(node)
     tier = fleet_tier(fleet)
-    (tier or fingerprints(fleet)).put_node_fingerprint(node, runner.node_fp)  # keeps what invalidate reads fresh
+    fingerprints(fleet, tier).put_node_fingerprint(node, runner.node_fp)  # keeps what invalidate reads fresh
     out = []
     for name in workloads:
         w = fleet.workload(name)
