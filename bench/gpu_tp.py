@@ -3,7 +3,9 @@
 Usage (on the GPU node, as root, CRIU >= 4.2 reachable via CKPTFLOW_CRIU or PATH):
     python3 bench/gpu_tp.py --configs gloo:2:4,nccl:1:4 [--images /dev/shm]
 
-A config is BACKEND:WORLD_SIZE:BALLAST_GIB_PER_RANK. With one GPU, ``gloo:2`` puts both ranks on
+A config is BACKEND:WORLD_SIZE:BALLAST_GIB_PER_RANK[:swap]. ``swap`` restores onto swapped GPUs
+(rank r's GPU i -> GPU (i+1) mod n) through the driver's UUID remapping, and checks in NVML that
+each rank now runs on the other GPU. With one GPU, ``gloo:2`` puts both ranks on
 the same device (NCCL refuses that): the all-ranks path — two CUDA processes in one tree,
 established TCP between them, an all-reduce per layer — with gloo's collectives instead of
 NCCL's. ``nccl:1`` is NCCL's dry run on one GPU. ``nccl:2`` needs two GPUs
@@ -101,13 +103,35 @@ def start(name: str, backend: str, world: int, ballast: float, tmp: Path, nccl_e
     return proc, w, cold
 
 
-def run_config(backend: str, world: int, ballast: float, images_root: Path, tmp: Path) -> dict:
-    row: dict = {"config": f"{backend}:{world}:{ballast:g}", "backend": backend, "world_size": world,
-                 "ballast_gib_per_rank": ballast}
-    criu = CriuRunner()
+def gpu_of(pids: list[int]) -> dict[int, int]:
+    """PID -> index of the physical GPU it holds memory on (NVML)."""
+    import pynvml
+
+    out = {}
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i)):
+            if p.pid in pids:
+                out[p.pid] = i
+    return out
+
+
+def swap_pairs() -> list[tuple[str, str]]:
+    import pynvml
+
+    n = pynvml.nvmlDeviceGetCount()
+    uuids = [pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(n)]
+    uuids = [u.decode() if isinstance(u, bytes) else u for u in uuids]
+    return [(uuids[i], uuids[(i + 1) % n]) for i in range(n)]
+
+
+def run_config(backend: str, world: int, ballast: float, images_root: Path, tmp: Path, swap: bool = False) -> dict:
+    row: dict = {"config": f"{backend}:{world}:{ballast:g}" + (":swap" if swap else ""), "backend": backend,
+                 "world_size": world, "ballast_gib_per_rank": ballast, "swapped_gpus": swap}
+    # CRIU's logs stay where --criu-logs says (default: removed with the runner), for a failed restore.
+    criu = CriuRunner(log_dir=os.environ.get("CKPTFLOW_BENCH_CRIU_LOGS") or None)
     proc, w, cold = start(f"tp-{backend}-{world}", backend, world, ballast, tmp, nccl_env=True)
     try:
-        return _run(row, criu, proc, w, cold, images_root)
+        return _run(row, criu, proc, w, cold, images_root, swap)
     finally:  # whatever happened, no rank keeps holding the GPU for the next config
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # CRIU restores the process group with the tree
@@ -116,10 +140,12 @@ def run_config(backend: str, world: int, ballast: float, images_root: Path, tmp:
         criu.close()
 
 
-def _run(row: dict, criu: CriuRunner, proc, w, cold: float, images_root: Path) -> dict:
+def _run(row: dict, criu: CriuRunner, proc, w, cold: float, images_root: Path, swap: bool = False) -> dict:
     row["cold_start_s"] = round(cold, 2)
     pids = cuda_pids(int(Path(w.find.pid_file).read_text()))
     row["gpu_processes"] = len(pids)
+    where = gpu_of(pids)
+    row["rank_gpus_before"] = [where.get(p) for p in pids]
     before, want = state(PORT), peek(PORT)
     row["allreduce_before"] = allreduce(PORT)
     node = NodeRunner(LocalStore(images_root / "store"), criu=criu)
@@ -132,9 +158,17 @@ def _run(row: dict, criu: CriuRunner, proc, w, cold: float, images_root: Path) -
     proc.wait()
     for p in pids:
         criu.wait_pid_free(p)
+    pairs = swap_pairs() if swap else None
+    row["gpu_pairs"] = pairs
     t0 = time.perf_counter()
-    res = node.restore(w)
+    res = node.restore(w, gpu_pairs=pairs)
     row["restore_to_ready_s"] = round(time.perf_counter() - t0, 2)
+    where = gpu_of(pids)
+    row["rank_gpus_after"] = [where.get(p) for p in pids]
+    if swap:
+        n = len(pairs)
+        row["moved_as_asked"] = all(a is not None and b == (a + 1) % n
+                                    for a, b in zip(row["rank_gpus_before"], row["rank_gpus_after"]))
     row["restore_phases"] = res.timings
     row["restored_gpu_processes"] = len(cuda_pids(res.pid))
     after = state(PORT)
@@ -197,10 +231,44 @@ def failure_after_lock(images_root: Path, tmp: Path) -> dict:
     return out
 
 
+def heartbeat_under_load(images_root: Path, tmp: Path, backend: str) -> dict:
+    """A heartbeat arriving while a long generation runs: the quiesce waits for the request to
+    finish (every rank idle on the CPU ring), the lock then succeeds, and the request's tokens
+    equal the same request on an untouched worker."""
+    import threading
+
+    proc, w, _ = start(f"tp-busy-{backend}", backend, 2, 0.5, tmp, nccl_env=True)
+    node = NodeRunner(LocalStore(images_root / "busy"))
+    out: dict = {"backend": backend}
+    try:
+        want = launch.complete(PORT, "a long answer", 200, "ref")
+        got: list = []
+        th = threading.Thread(target=lambda: got.append(launch.complete(PORT, "a long answer", 200, "busy")))
+        th.start()
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        m = node.checkpoint(w)
+        out.update(heartbeat_s=round(time.perf_counter() - t0, 2), prepare_s=m.timings.get("prepare"),
+                   pause_s=m.timings["pause"])
+        th.join(timeout=300)
+        out["request_tokens_equal"] = bool(got) and got[0] == want
+        out["serving_after"] = allreduce(PORT) and bool(launch.complete(PORT, "still there", 8, "agent"))
+        out["ok"] = out["request_tokens_equal"] and out["serving_after"]
+    except Exception as e:
+        out.update(ok=False, error=f"{type(e).__name__}: {str(e)[:800]}")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    log(f"heartbeat under load: {out}")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="gloo:2:4,nccl:1:4")
     ap.add_argument("--images", default="/dev/shm")
+    ap.add_argument("--busy-backend", default="", help="also heartbeat a TP=2 worker of this backend while "
+                    "a long generation is in flight (the quiesce must wait for it, not fail the lock)")
     ap.add_argument("--watchdog-s", type=float, default=0, help="dump this script's stacks and exit after N s")
     a = ap.parse_args()
     if a.watchdog_s:
@@ -219,12 +287,13 @@ def main() -> int:
     out = BENCH / "results" / "gpu_tp.json"
     try:
         for c in a.configs.split(","):
-            backend, world, ballast = c.split(":")
+            backend, world, ballast, *flags = c.split(":")
             try:
-                rows.append(run_config(backend, int(world), float(ballast), images_root, tmp))
+                rows.append(run_config(backend, int(world), float(ballast), images_root, tmp, swap="swap" in flags))
             except Exception as e:  # keep going: one config's failure is a result too
                 log(f"{c}: FAILED {type(e).__name__}: {e}")
                 errors[c] = f"{type(e).__name__}: {str(e)[:1500]}"
+        busy = heartbeat_under_load(images_root, tmp, a.busy_backend) if a.busy_backend else None
         ref = refusal(images_root, tmp)
         fail = failure_after_lock(images_root, tmp)
     finally:
@@ -235,22 +304,26 @@ def main() -> int:
     rows_all = [r for r in old if r["config"] not in ran] + rows
     out.write_text(json.dumps({"gpu": gpu, "gpus": n_gpus, "driver": driver, "images_on": a.images,
                                "network_lock": os.environ["CKPTFLOW_CRIU_NETWORK_LOCK"], "rows": rows_all,
-                               "errors": errors, "refusal": ref, "failure_after_lock": fail}, indent=1) + "\n")
-    headers = ["config", "GPU procs", "image GiB", "pause s", "restore-to-ready s", "cold start s",
+                               "errors": errors, "refusal": ref, "failure_after_lock": fail,
+                               "heartbeat_under_load": busy}, indent=1) + "\n")
+    headers = ["config", "GPU procs", "rank GPUs before → after", "image GiB", "pause s", "restore-to-ready s", "cold start s",
                "serving after heartbeat", "all-reduce after restore", "bit-exact"]
-    table = md_table(headers, [[r["config"], r["gpu_processes"], r["image_gib"], r["pause_s"], r["restore_to_ready_s"],
+    table = md_table(headers, [[r["config"], r["gpu_processes"],
+                                f"{r.get('rank_gpus_before')} → {r.get('rank_gpus_after')}", r["image_gib"], r["pause_s"], r["restore_to_ready_s"],
                                 r["cold_start_s"], r["serving_after_heartbeat"], r["allreduce_ok"], r["bitexact"]]
                                for r in rows])
     notes = "\n".join([f"- {r['config']}: heartbeat {r['heartbeat_phases']}; restore {r['restore_phases']}" for r in rows]
                       + [f"- {c}: FAILED {e.splitlines()[0][:300]}" for c, e in errors.items()]
                       + [f"- refusal of a TP worker without NCCL settings: {ref}",
-                         f"- CRIU dump failing after both ranks were locked and checkpointed: {fail}"])
+                         f"- CRIU dump failing after both ranks were locked and checkpointed: {fail}",
+                         f"- heartbeat while a long generation is in flight: {busy}"])
     print(table)
     print(notes)
     append_results(f"Tensor-parallel checkpoint on {n_gpus}× {gpu}, driver {driver} (bench/gpu_tp.py)", table,
                    f"Images on {a.images}; CRIU network lock {os.environ['CKPTFLOW_CRIU_NETWORK_LOCK']}. "
                    f"Config = backend:ranks:ballast GiB per rank. Phases (s):\n{notes}")
-    ok = (rows and all(r["bitexact"] and r["allreduce_ok"] for r in rows) and not errors and ref["refused"]
+    ok = (rows and all(r["bitexact"] and r["allreduce_ok"] and r.get("moved_as_asked", True) for r in rows)
+          and not errors and ref["refused"] and (busy is None or busy["ok"])
           and fail["raised"] == "CriuError" and fail["serving_after"] and fail["no_checkpoint"])
     return 0 if ok else 1
 

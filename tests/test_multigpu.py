@@ -80,3 +80,59 @@ def test_heartbeat_reports_the_reason_instead_of_checkpointing(tmp_path, prefect
     rows = heartbeat(str(fleet))
     assert [(r["decision"], r["checkpoint"]) for r in rows] == [("skip", None)]
     assert rows[0]["reason"].startswith("cannot be checkpointed: found 1 GPU process(es)")
+
+
+def _report(pid: int, out) -> tuple[int, int]:
+    import os
+    import signal
+    import time
+
+    out.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.time() + 10
+    while not out.exists():
+        assert time.time() < deadline, "rank 0 never reported"
+        time.sleep(0.01)
+    sent, total = map(int, out.read_text().split())
+    return sent, total
+
+
+@pytest.mark.criu
+def test_command_ring_survives_kill_and_restore_as_a_ghost_file(tmp_path, criu):
+    """The ranks' CPU-side command ring (a /dev/shm file both map, unlinked once mapped) comes
+    back inside the CRIU image: after a kill and a restore the same ranks go on exchanging
+    commands with no command lost or repeated, and nothing is left in /dev/shm."""
+    import glob
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from conftest import HELPERS, kill_pid_file
+    from ckptflow.models import ProcessFinder, Workload
+
+    pid_file, out = tmp_path / "r.pid", tmp_path / "sums"
+    p = subprocess.Popen([sys.executable, str(HELPERS / "ring_pair.py"), str(pid_file), str(out)],
+                         start_new_session=True, stdin=subprocess.DEVNULL)
+    w = Workload(name="ring", node="n", find=ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="ring_pair.py"))
+    try:
+        deadline = time.time() + 20
+        while not pid_file.exists():
+            assert time.time() < deadline
+            time.sleep(0.01)
+        time.sleep(0.3)
+        sent, total = _report(p.pid, out)
+        assert sent > 10 and total == sent * (sent + 1) // 2
+        assert glob.glob(f"/dev/shm/ckptflow-ring-test-{p.pid}") == []  # unlinked once both mapped
+        rank1 = int(open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()[0])
+        res = criu.dump(w, tmp_path / "img", leave_running=False)
+        p.wait(timeout=10)
+        for gone in (res.pid, rank1):  # every PID of the tree must be free for the restore
+            criu.wait_pid_free(gone)
+        pid = criu.restore(tmp_path / "img", old_pid=res.pid)
+        time.sleep(0.3)
+        sent2, total2 = _report(pid, out)
+        assert sent2 > sent and total2 == sent2 * (sent2 + 1) // 2
+        assert glob.glob("/dev/shm/ckptflow-ring-test-*") == []
+    finally:
+        kill_pid_file(pid_file, "ring_pair.py")

@@ -77,6 +77,7 @@ def tp_workload(name: str, port: int, pid_file: Path, world_size: int, footprint
     # connections inside the dumped tree.
     return gpu_workload(name, port, pid_file, footprint_gib).model_copy(update={
         "tensor_parallel": world_size, "tcp_established": True,
+        "resume_url": f"http://127.0.0.1:{port}/v1/ckptflow/resume",
         "find": ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="ckptflow.demo.tp_worker")})
 
 

@@ -11,8 +11,16 @@ covers every process of the tree that holds a GPU. Ranks go to GPU ``rank % devi
 with one GPU, ``--backend gloo`` runs two ranks on the same device (a dry run of the
 all-ranks path; NCCL refuses two ranks on one GPU).
 
-Rank 0 drives the others SPMD-style: before each model call it broadcasts a command, so every
-rank runs the same call and meets the same collectives.
+Rank 0 drives the others SPMD-style: before each model call it writes a command into a
+shared-memory ring (demo/shm_ring.py), so every rank runs the same call and meets the same
+collectives. Idle ranks wait on that ring on the CPU, never inside NCCL (a rank spinning in a
+collective on the GPU cannot be locked by the CUDA driver); NCCL carries tensors only.
+
+Quiesce (the workload's ``prepare_url``): ``POST /v1/ckptflow/prepare {"hold_s": 120}`` waits for
+the request in flight, then until every rank is idle on the ring with its GPU work finished,
+and holds new commands until ``POST /v1/ckptflow/resume`` (the workload's ``resume_url``) or
+until ``hold_s`` passes, so a runner that dies mid-checkpoint cannot wedge the worker.
+``GET /v1/ckptflow/ranks`` says what each rank is doing, without waiting.
 
 Extra endpoint:
     POST /v1/allreduce   every rank all-reduces (rank + 1); answers the sum and whether it is
@@ -22,20 +30,26 @@ Extra endpoint:
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import torch
 import torch.distributed as dist
 
 from ckptflow.demo.gpu_worker import GpuWorker, gpu_checksum
+from ckptflow.demo.shm_ring import IDLE, RUNNING, Ring
 from ckptflow.demo.worker import Metrics, base_args, serve
 
 PREFILL, DECODE, COPY, DIGEST, ALLREDUCE, BALLAST, EXIT = range(7)
+OP_NAMES = dict(enumerate(["PREFILL", "DECODE", "COPY", "DIGEST", "ALLREDUCE", "BALLAST", "EXIT"]))
+HOLD_S = 120.0  # default quiesce hold: longer than any measured checkpoint pause of this worker
 
 
 class TpModel:
@@ -99,17 +113,21 @@ class TpModel:
 class Rank:
     """What every rank runs for one command (rank 0 also serves HTTP)."""
 
-    def __init__(self, rank: int, world: int, device: torch.device, seed: int, ballast_gib: float):
-        self.rank, self.world, self.dev = rank, world, device
+    def __init__(self, rank: int, world: int, device: torch.device, seed: int, ballast_gib: float, ring: Ring):
+        self.rank, self.world, self.dev, self.ring = rank, world, device, ring
         self.model = TpModel(rank, world, device, seed)
         n = int(ballast_gib * 2**30) // 8
         self.ballast = torch.arange(n, dtype=torch.int64, device=device)
         self.ballast.mul_(0x9E3779B97F4A7C15 - 2**64).bitwise_xor_(seed + rank)
-        self.cmd = torch.zeros(4, dtype=torch.long, device=device)
+        self.sync()
+
+    def sync(self) -> None:
+        # "Idle" must mean no kernel of this rank is still queued on the GPU (NCCL is async).
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
 
     def send(self, op: int, a: int = 0, b: int = 0, c: int = 0) -> None:
-        self.cmd.copy_(torch.tensor([op, a, b, c]))
-        dist.broadcast(self.cmd, 0)
+        self.ring.send(op, a, b, c)
 
     def run(self, op: int, a: int, b: int, c: int, toks: torch.Tensor | None = None):
         m = self.model
@@ -138,13 +156,14 @@ class Rank:
         raise ValueError(f"unknown op {op}")
 
     def follow(self) -> None:
-        """Ranks > 0: run rank 0's commands until EXIT."""
+        """Ranks > 0: wait on the CPU ring, run rank 0's commands until EXIT."""
         while True:
-            dist.broadcast(self.cmd, 0)
-            op, a, b, c = (int(x) for x in self.cmd.tolist())
+            seq, op, a, b, c = self.ring.recv()
             if op == EXIT:
                 return
             self.run(op, a, b, c)
+            self.sync()
+            self.ring.done(seq)
 
 
 class _Rank0Model:
@@ -159,6 +178,15 @@ class _Rank0Model:
         self._w._call(COPY, src, dst, length)
 
 
+def _one_at_a_time(fn):
+    """Model calls run one request at a time, and not while a checkpoint holds the worker."""
+    @functools.wraps(fn)
+    def wrapped(self, *a, **k):
+        with self.busy:
+            return fn(self, *a, **k)
+    return wrapped
+
+
 class TpWorker(GpuWorker):
     """Rank 0: the GPU worker's API (sessions, peek, prepare, metrics) over the sharded model."""
 
@@ -168,10 +196,60 @@ class TpWorker(GpuWorker):
         self.model_name = model_name
         self.metrics = Metrics(model_name)
         self.sessions: dict[str, dict] = {}
+        self.busy = threading.Lock()     # held by a request, or by a quiesce until resume
+        self._hold: threading.Timer | None = None
+        self._hold_lock = threading.Lock()
+        self.ranks_url: str | None = None
 
     def _call(self, op: int, a: int = 0, b: int = 0, c: int = 0, toks: torch.Tensor | None = None):
-        self.r.send(op, a, b, c)
-        return self.r.run(op, a, b, c, toks)
+        self.r.ring.publish(RUNNING, op)
+        try:
+            self.r.send(op, a, b, c)
+            return self.r.run(op, a, b, c, toks)
+        finally:
+            self.r.ring.read_seq = self.r.ring.write_seq
+            self.r.ring.publish(IDLE, -1)
+
+    complete = _one_at_a_time(GpuWorker.complete)
+    peek = _one_at_a_time(GpuWorker.peek)
+
+    def prepare(self, body: dict) -> dict:
+        """Quiesce: no request in flight, every rank idle on the CPU ring with its GPU work done;
+        hold new commands until resume (or ``hold_s``)."""
+        hold_s = float(body.get("hold_s", HOLD_S))
+        t0 = time.perf_counter()
+        if not self.busy.acquire(timeout=hold_s):
+            raise ValueError(f"a request has held the worker for {hold_s:g} s; not quiesced")
+        try:
+            self.r.sync()
+            self.r.ring.wait_idle(timeout_s=hold_s)
+        except BaseException:
+            self.busy.release()
+            raise
+        with self._hold_lock:
+            self._hold = threading.Timer(hold_s, self._release)
+            self._hold.daemon = True
+            self._hold.start()
+        return {"quiesced": True, "hold_s": hold_s, "waited_s": round(time.perf_counter() - t0, 4),
+                "ranks": self.rank_states()["ranks"], "ranks_url": self.ranks_url}
+
+    def _release(self) -> bool:
+        with self._hold_lock:
+            if self._hold is None:
+                return False
+            self._hold.cancel()
+            self._hold = None
+            self.busy.release()
+            return True
+
+    def resume(self, body: dict) -> dict:
+        return {"resumed": self._release()}
+
+    def rank_states(self) -> dict:
+        now = time.time()
+        return {"ranks": [{"rank": s.rank, "pid": s.pid, "running": s.running,
+                           "op": OP_NAMES.get(s.op) if s.running else None, "for_s": round(now - s.since, 3),
+                           "describe": s.describe(OP_NAMES, now)} for s in self.r.ring.states()]}
 
     def _generate(self, slot: int, start: int, last, prompt: list[int], n: int) -> tuple[list[int], int, int]:
         pos, logits, out = start, None, []
@@ -188,15 +266,18 @@ class TpWorker(GpuWorker):
             pos += 1
         return out, pos, (out[-1] if out else last)
 
+    @_one_at_a_time
     def allreduce_check(self, body: dict) -> dict:
         got = self._call(ALLREDUCE)
         want = self.r.world * (self.r.world + 1) / 2
         return {"sum": got, "expected": want, "ok": got == want, "world_size": self.r.world}
 
+    @_one_at_a_time
     def session_digests(self) -> dict[str, str]:
         return {k: self._call(DIGEST, s["slot"], s["len"]) + f":{s['len']}:{s['last']}"
                 for k, s in self.sessions.items()}
 
+    @_one_at_a_time
     def ballast_digest(self) -> dict:
         return {"digest": self._call(BALLAST), "bytes": int(self.r.ballast.numel() * 8 * self.r.world)}
 
@@ -220,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--ballast-gib", type=float, default=0.0, help="Per rank.")
     p.add_argument("--master-port", type=int, default=0)
+    p.add_argument("--ring", help="(ranks > 0) the command ring rank 0 created")
     a = p.parse_args(argv)
     if os.environ.get("CKPTFLOW_TP_STACKS"):  # kill -USR1 <rank> writes its Python stacks there
         import faulthandler
@@ -228,10 +310,14 @@ def main(argv: list[str] | None = None) -> None:
                                                                 f"rank{a.rank}.stack"), "w"), all_threads=True)
     if a.rank == 0:
         a.master_port = a.master_port or _free_port()
+        ring_path = f"/dev/shm/ckptflow-tp-{os.getpid()}-{a.master_port}"
+        ring = Ring.create(ring_path, a.world_size)
         for r in range(1, a.world_size):
             cmd = [sys.executable, "-m", "ckptflow.demo.tp_worker", *(argv if argv is not None else sys.argv[1:]),
-                   "--rank", str(r), "--master-port", str(a.master_port)]
+                   "--rank", str(r), "--master-port", str(a.master_port), "--ring", ring_path]
             subprocess.Popen(cmd, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    else:
+        ring = Ring.attach(a.ring, a.rank)
     if a.device == "cuda":
         dev = torch.device("cuda", a.rank % torch.cuda.device_count())
         torch.cuda.set_device(dev)
@@ -239,14 +325,20 @@ def main(argv: list[str] | None = None) -> None:
         dev = torch.device("cpu")
     dist.init_process_group(a.backend, init_method=f"tcp://127.0.0.1:{a.master_port}", rank=a.rank,
                             world_size=a.world_size)
-    rank = Rank(a.rank, a.world_size, dev, a.seed, a.ballast_gib)
+    rank = Rank(a.rank, a.world_size, dev, a.seed, a.ballast_gib, ring)
     if a.rank > 0:
         rank.follow()
         return
     w = TpWorker(rank, a.model_name)
-    w.allreduce_check({})  # every rank connected and agreeing before the pid file says "ready"
+    w.ranks_url = f"http://{a.host}:{a.port}/v1/ckptflow/ranks"
     try:
-        serve(w, a)
+        w.allreduce_check({})  # every rank connected and agreeing before the pid file says "ready"
+    finally:
+        # Every rank has mapped the ring by now: unlinked, it leaves nothing in /dev/shm and CRIU
+        # carries it inside the image (a ghost file).
+        os.unlink(ring_path)
+    try:
+        serve(w, a, threaded=True)
     finally:
         rank.send(EXIT)
 

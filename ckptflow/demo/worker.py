@@ -157,6 +157,8 @@ def make_handler(w):
                 return self._json(200, {"sessions": w.session_digests()})
             if path == "/v1/ballast/digest":
                 return self._json(200, w.ballast_digest())
+            if path == "/v1/ckptflow/ranks" and hasattr(w, "rank_states"):
+                return self._json(200, w.rank_states())
             m = re.fullmatch(r"/v1/sessions/([A-Za-z0-9._-]{1,64})/digest", path)
             if m:
                 digests = w.session_digests()
@@ -170,6 +172,7 @@ def make_handler(w):
             path = self.path.split("?")[0]
             fn = {"/v1/completions": w.complete, "/v1/peek": getattr(w, "peek", None),
                   "/v1/ckptflow/prepare": getattr(w, "prepare", None),
+                  "/v1/ckptflow/resume": getattr(w, "resume", None),
                   "/v1/allreduce": getattr(w, "allreduce_check", None)}.get(path)
             if fn is None:
                 return self._json(404, {"error": "not found"})
@@ -177,7 +180,7 @@ def make_handler(w):
                 n = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(n) or b"{}")
                 return self._json(200, fn(body))
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError, TimeoutError) as e:
                 return self._json(400, {"error": str(e)})
 
     return Handler
@@ -193,9 +196,17 @@ def base_args(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def serve(w, a: argparse.Namespace) -> None:
-    """Bind, write the pid file (atomically, once listening), serve one request at a time."""
-    server = HTTPServer((a.host, a.port), make_handler(w))
+def serve(w, a: argparse.Namespace, threaded: bool = False) -> None:
+    """Bind, write the pid file (atomically, once listening), serve one request at a time
+    (``threaded``: a thread per request, for a worker that serialises its own model calls and
+    must answer resume while a quiesce holds it)."""
+    if threaded:
+        from http.server import ThreadingHTTPServer
+
+        server = ThreadingHTTPServer((a.host, a.port), make_handler(w))
+        server.daemon_threads = True
+    else:
+        server = HTTPServer((a.host, a.port), make_handler(w))
     if a.pid_file:
         tmp = a.pid_file + ".tmp"
         with open(tmp, "w") as f:

@@ -110,10 +110,18 @@ class DriverBackend:
 
 
 def _uuid(d: Any, text: str) -> Any:
-    u = d.CUuuid()
-    raw = bytes.fromhex(text.removeprefix("GPU-").replace("-", ""))
-    u.bytes = raw
-    return u
+    """The driver's own CUuuid of the GPU named ``text`` (NVML's "GPU-…" form). The bindings'
+    CUuuid is read-only (cuda-bindings 13.x), so it is taken from cuDeviceGetUuid."""
+    want = bytes.fromhex(text.removeprefix("GPU-").replace("-", ""))
+    err, n = d.cuDeviceGetCount()
+    for i in range(n if int(err) == 0 else 0):
+        _, dev = d.cuDeviceGet(i)
+        err, u = d.cuDeviceGetUuid(dev)
+        raw = u.bytes if isinstance(u.bytes, bytes) else bytes(b & 0xFF for b in u.bytes)
+        if int(err) == 0 and raw == want:
+            return u
+    raise CudaCheckpointError(f"no GPU with UUID {text} on this node", fix="pass UUIDs of this node's GPUs "
+                              "(nvidia-smi -L) in the restore's GPU pairs")
 
 
 class BinaryBackend:
