@@ -1,12 +1,19 @@
-"""Slack alerts (slack-sdk), one per workload per change of failure state; never fatal.
+"""Slack alerts (slack-sdk) with a lifecycle per workload; never fatal.
+
+A workload has at most one open alert. ``send`` opens it (or, for a new reason, posts again);
+the same reason again is suppressed; ``resolve`` posts one "recovered" message and closes it.
+The open alert lives in the fleet's store (an S3 fleet's bucket), so whichever node runs the
+next step sees it.
 
 Configured from the fleet file's ``slack:`` section: an incoming webhook URL or a bot token
 (+ channel), read from the environment variable it names or a Prefect Secret block. Block Kit
 bodies come from jinja2 templates in templates/slack/.
 
 Example:
-    >>> Alerter(fleet.slack, state_dir=Path(".ckptflow/store")).send(
-    ...     "restore_failed", workload="chat", node="n1", checkpoint="...", reason="...")  # doctest: +SKIP
+    >>> a = Alerter(fleet.slack, state=LocalStore(".ckptflow/store"))               # doctest: +SKIP
+    >>> a.send("worker_gone", workload="chat", key="no live process", node="n1", reason="...",
+    ...        checkpoint=None, flow_run_id=None)                                     # posts, opens
+    >>> a.resolve("chat", node="n1", how="restored from checkpoint ...", checkpoint="...")  # posts, closes
 """
 
 from __future__ import annotations
@@ -15,61 +22,97 @@ import hashlib
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
+from ckptflow.errors import CkptflowError
 from ckptflow.render import render
 
 log = logging.getLogger("ckptflow")
 
-KINDS = {"restore_failed", "verify_failed", "invalidated", "recovered"}
+KINDS = {"restore_failed", "verify_failed", "invalidated", "worker_gone"}
+
+# Block Kit limits: Slack rejects the whole message when one text is longer.
+SECTION_MAX = 3000
+FIELD_MAX = 2000
+HEADER_MAX = 150
 
 
 class Alerter:
-    """Send alerts without storms: an alert whose (kind, workload, key) equals the last one
-    sent for that workload is suppressed until the workload's failure state changes."""
+    """Post alerts without storms and close them when the workload is back.
 
-    def __init__(self, slack=None, state_dir: Path | None = None, secret: str | None = None,
-                 prefect_ui_url: str | None = None):
+    Args:
+        slack: the fleet file's ``slack:`` section (None: alerts are only logged).
+        state: where open alerts are kept, a LocalStore or an S3Tier (``get_alert``, ``put_alert``,
+            ``drop_alert``, ``alerts``); None keeps none (every alert posts).
+        state_dir: shorthand for ``state=LocalStore(state_dir)``.
+    """
+
+    def __init__(self, slack=None, state=None, secret: str | None = None, prefect_ui_url: str | None = None, *,
+                 state_dir: Path | None = None):
         self.cfg = slack
         self.secret = secret
         self.ui = prefect_ui_url
-        self.state_file = (Path(state_dir) / ".alerts.json") if state_dir else None
+        if state is None and state_dir is not None:
+            from ckptflow.store.local import LocalStore
 
-    def _state(self) -> dict:
-        if self.state_file and self.state_file.exists():
-            return json.loads(self.state_file.read_text())
-        return {}
+            state = LocalStore(Path(state_dir))
+        self.state = state
 
-    def _save(self, st: dict) -> None:
-        if self.state_file:
-            self.state_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.state_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(st))
-            os.replace(tmp, self.state_file)
+    # --- state: a storage outage must not stop an alert, nor fail the step that sends it -----
+    def _state(self, what: str, fn, *a):
+        if self.state is None:
+            return None
+        try:
+            return fn(*a)
+        except (CkptflowError, OSError, ValueError) as e:
+            log.error("alert state: cannot %s: %s", what, str(e).splitlines()[0])
+            return None
 
-    def clear(self, workload: str) -> None:
-        """The workload is healthy again: its next failure alerts anew."""
-        st = self._state()
-        if st.pop(workload, None) is not None:
-            self._save(st)
+    def open_alerts(self) -> dict[str, dict]:
+        """workload -> its open alert (kind, reason, node, opened)."""
+        return self._state("list alerts", lambda: self.state.alerts()) or {}
 
     def send(self, kind: str, *, workload: str, key: str = "", **ctx) -> bool:
-        """Render and post one alert; True if posted. Slack errors are logged, never raised."""
+        """Open the workload's alert, or post again when ``(kind, key)`` differs from the open
+        one's; True if posted. Slack errors are logged, never raised."""
         if kind not in KINDS:
             raise ValueError(f"unknown alert kind {kind!r}")
-        st = self._state()
+        cur = self._state("read alert", lambda: self.state.get_alert(workload))
         token = hashlib.sha256(f"{kind}|{key}".encode()).hexdigest()[:16]
-        if st.get(workload) == token:
-            log.info("alert %s for %s suppressed (already sent for this state)", kind, workload)
+        if cur and cur.get("token") == token:
+            log.info("alert %s for %s suppressed (already open for this reason)", kind, workload)
             return False
         body = json.loads(render(f"slack/{kind}.json.j2", workload=workload, ui=self.ui, **ctx))
-        posted = self._post(body)
-        if posted:
-            st[workload] = token
-            self._save(st)
-        return posted
+        if not self._post(body, ctx.get("flow_run_id")):
+            return False
+        self._state("save alert", lambda: self.state.put_alert(workload, {
+            "kind": kind, "token": token, "reason": str(ctx.get("reason") or key)[:FIELD_MAX],
+            "node": ctx.get("node"), "opened": cur["opened"] if cur else time.time(),
+            "flow_run_id": str(ctx.get("flow_run_id") or "")}))
+        return True
 
-    def _post(self, body: dict) -> bool:
+    def resolve(self, workload: str, *, kinds: set[str] | None = None, always: bool = False, node: str = "",
+                how: str = "", checkpoint: str | None = None, skipped: list[dict] | None = None,
+                flow_run_id=None) -> bool:
+        """Post one "recovered" message closing the workload's open alert (only one of ``kinds``,
+        when given); with ``always``, post it even when no alert is open. True if posted."""
+        cur = self._state("read alert", lambda: self.state.get_alert(workload))
+        if cur is not None and kinds is not None and cur.get("kind") not in kinds:
+            cur = None
+        if cur is None and not always:
+            return False
+        body = json.loads(render("slack/recovered.json.j2", workload=workload, node=node, how=how,
+                                 checkpoint=checkpoint, resolves=cur, skipped=skipped or [], ui=self.ui,
+                                 flow_run_id=flow_run_id))
+        if not self._post(body, flow_run_id):
+            return False  # the alert stays open: the next success posts the resolution
+        if cur is not None:
+            self._state("close alert", lambda: self.state.drop_alert(workload))
+        return True
+
+    def _post(self, body: dict, flow_run_id=None) -> bool:
+        _fit(body, self.ui, flow_run_id)
         cfg = self.cfg
         if cfg is None:
             log.warning("alert (no slack configured): %s", body.get("text"))
@@ -100,6 +143,31 @@ class Alerter:
         except Exception as e:  # an outage of Slack must never fail a flow
             log.error("slack alert failed: %s", type(e).__name__ + ": " + str(e)[:200])
             return False
+
+
+def _fit(body: dict, ui: str | None, flow_run_id) -> None:
+    """Cut every block text to Slack's limit, pointing at the flow run for the rest."""
+    url = f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}" if ui and flow_run_id else None
+    more = render("slack/_truncated.j2", url=url, flow_run_id=flow_run_id).strip()
+    for b in body.get("blocks") or []:
+        t = b.get("text")
+        if isinstance(t, dict) and isinstance(t.get("text"), str):
+            if b.get("type") == "header":
+                t["text"] = _cut(t["text"], HEADER_MAX, "…")
+            else:
+                t["text"] = _cut(t["text"], SECTION_MAX, "\n" + more)
+        for f in b.get("fields") or []:
+            if isinstance(f.get("text"), str):
+                f["text"] = _cut(f["text"], FIELD_MAX, "\n" + more)
+
+
+def _cut(text: str, limit: int, more: str) -> str:
+    if len(text) <= limit:
+        return text
+    keep = text[:limit - len(more) - 3]
+    if keep.count("```") % 2:  # a cut inside a code block: close it, or the pointer renders as code
+        keep += "```"
+    return keep + more
 
 
 def _secret_from(cfg) -> str | None:

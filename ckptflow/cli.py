@@ -8,26 +8,138 @@ Examples:
     ckptflow recover deployments/local.yaml demo-chat [--node N]
     ckptflow recover-node deployments/fleet.yaml gpu-07   # a lost node: its workloads elsewhere
     ckptflow simulate --seed 0 --json   # policies on the reference fleet trace
+
+Exit codes: 0 done; 1 the command ran and something failed (a checkpoint, a prerequisite, an
+unexpected error); 2 refused: bad input or a typed error, printed as `error: …` and `fix: …`
+on stderr. `ckptflow --debug …` shows the traceback instead.
 """
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
-from pathlib import Path
+import os
 
-import typer
-from rich.console import Console
-from rich.table import Table
+# Prefect reports usage from the client on import and from its server; ckptflow's own commands
+# keep both off unless the operator set them. Set before anything imports Prefect; the
+# `prefect` processes `deploy` starts inherit it.
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-from ckptflow.errors import CkptflowError
+import logging  # noqa: E402
+import sys  # noqa: E402
+from datetime import datetime, timezone  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING, Any, Callable  # noqa: E402
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0])
+import typer  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from ckptflow.errors import CkptflowError, ConfigError  # noqa: E402
+
+if TYPE_CHECKING:
+    from ckptflow.fleet import Fleet
+
+DEFAULT_FLEET = Path("deployments/local.yaml")
+_debug = False
+
+
+class _Cli(typer.Typer):
+    """One exit convention for every command: a typed error is two lines on stderr and exit 2,
+    anything else one line and exit 1; the traceback only with --debug."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except CkptflowError as e:
+            if _debug:
+                raise
+            _print_error(e.message, e.fix)
+            sys.exit(2)
+        except Exception as e:
+            if _debug:
+                raise
+            _print_error(f"{type(e).__name__}: {e}", "run `ckptflow --debug ...` to see the traceback")
+            sys.exit(1)
+
+
+app = _Cli(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0],
+           pretty_exceptions_show_locals=False)
 console = Console()
 
 
-def _fail(e: Exception) -> None:
-    console.print(f"[bold red]error:[/] {e}")
-    raise typer.Exit(2)
+def _print_error(message: str, fix: str | None) -> None:
+    # Plain writes, not rich: a message may hold [brackets], and an SRE greps these lines whole.
+    lines = message.strip().splitlines() or [""]
+    typer.echo(f"error: {lines[0]}", err=True)
+    for line in lines[1:]:
+        typer.echo(line if line.startswith(" ") else f"  {line}", err=True)
+    if fix:
+        typer.echo(f"fix: {fix}", err=True)
+
+
+@app.callback()
+def main(debug: bool = typer.Option(False, "--debug", help="Show the traceback of an error.")) -> None:
+    """Scheduled checkpoint policies for GPU inference workers."""
+    global _debug
+    _debug = debug
+
+
+def _fleet(fleet_file: Path, workloads: list[str] | None = None, nodes: list[str | None] | None = None) -> "Fleet":
+    """Read and check the fleet file and every name given on the command line, before any
+    Prefect server starts: a typo costs a line, not a temporary server and a traceback."""
+    from ckptflow.fleet import load_fleet
+
+    fleet = load_fleet(fleet_file)
+    for name in workloads or []:
+        fleet.workload(name)
+    for name in nodes or []:
+        if name is not None:
+            fleet.node(name)
+    return fleet
+
+
+def _fleet_path(positional: Path | None, legacy: Path | None) -> Path:
+    if legacy is not None:
+        if positional is not None and positional != legacy:
+            raise ConfigError(f"two fleet files given: {positional} and --fleet {legacy}",
+                              fix="pass one fleet file, as the first argument")
+        typer.echo("warning: --fleet is deprecated; pass the fleet file as the first argument", err=True)
+        return legacy
+    return positional or DEFAULT_FLEET
+
+
+class _NoTraceback(logging.Formatter):
+    """Wraps a console handler's formatter: the record's message without its traceback."""
+
+    def __init__(self, inner: logging.Formatter):
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+
+
+def _flow(module: str, name: str) -> Callable:
+    """Import a flow; without --debug, Prefect's console log keeps its one-line messages and
+    drops the tracebacks it prints around a failed run (the error line says what failed)."""
+    import importlib
+
+    fn = getattr(importlib.import_module(module), name)
+    if not _debug:
+        for h in logging.getLogger().handlers:
+            if isinstance(h, logging.StreamHandler) and h.formatter and not isinstance(h.formatter, _NoTraceback):
+                h.setFormatter(_NoTraceback(h.formatter))
+    return fn
+
+
+FLEET_ARG = typer.Argument(..., help="Fleet file, e.g. deployments/local.yaml.")
+OPT_FLEET_ARG = typer.Argument(None, show_default=False, help=f"Fleet file (default {DEFAULT_FLEET}).")
+LEGACY_FLEET = typer.Option(None, "--fleet", hidden=True, help="Deprecated: pass the fleet file as the argument.")
 
 
 @app.command()
@@ -35,11 +147,7 @@ def demo() -> None:
     """Run the end-to-end demo on this machine; exit 0 only if the continuation matched."""
     from ckptflow.demo.main import run_demo
 
-    try:
-        ok = run_demo(console)
-    except CkptflowError as e:
-        _fail(e)
-    raise typer.Exit(0 if ok else 1)
+    raise typer.Exit(0 if run_demo(console) else 1)
 
 
 @app.command()
@@ -60,26 +168,23 @@ def doctor() -> None:
 
 
 @app.command("ls")
-def ls(fleet_file: Path = typer.Option(Path("deployments/local.yaml"), "--fleet", help="Fleet file."),
+def ls(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET,
        workload: str = typer.Option(None, help="Only this workload.")) -> None:
     """List checkpoints with state (and why, when invalidated or failed), age and size."""
-    from ckptflow.fleet import load_fleet
     from ckptflow.store import open_store
 
-    try:
-        store = open_store(load_fleet(fleet_file).storage)
-        names = [workload] if workload else store.workloads()
-        table = Table(title=f"checkpoints in {getattr(store, 'root', store)}")
-        for col in ("workload", "checkpoint", "state", "age", "size", "reason"):
-            table.add_column(col)
-        now = datetime.now(timezone.utc)
-        for name in names:
-            for m in store.list(name):
-                age = now - m.created
-                table.add_row(m.workload, m.id, m.state.value, _age(age.total_seconds()),
-                              f"{m.bytes / 2**20:,.1f} MiB", m.state_reason or "")
-    except CkptflowError as e:
-        _fail(e)
+    fleet = _fleet(_fleet_path(fleet_file, legacy), [workload] if workload else None)
+    store = open_store(fleet.storage)
+    names = [workload] if workload else store.workloads()
+    table = Table(title=f"checkpoints in {getattr(store, 'root', store)}")
+    for col in ("workload", "checkpoint", "state", "age", "size", "reason"):
+        table.add_column(col)
+    now = datetime.now(timezone.utc)
+    for name in names:
+        for m in store.list(name):
+            age = now - m.created
+            table.add_row(m.workload, m.id, m.state.value, _age(age.total_seconds()),
+                          f"{m.bytes / 2**20:,.1f} MiB", m.state_reason or "")
     console.print(table)
 
 
@@ -91,16 +196,12 @@ def _age(s: float) -> str:
 
 
 @app.command()
-def status(fleet_file: Path = typer.Option(Path("deployments/local.yaml"), "--fleet", help="Fleet file.")) -> None:
+def status(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET) -> None:
     """Per workload: newest checkpoint, its state (and why), age, verification, bytes, restores."""
-    from ckptflow.fleet import load_fleet
     from ckptflow.report import fleet_status
 
-    try:
-        fleet = load_fleet(fleet_file)
-        rows = fleet_status(fleet)
-    except CkptflowError as e:
-        _fail(e)
+    fleet = _fleet(_fleet_path(fleet_file, legacy))
+    rows = fleet_status(fleet)
     table = Table(title=f"fleet {fleet.fleet}")
     for col in ("workload", "node", "traffic", "newest", "state", "valid age", "verified", "stored", "restores"):
         table.add_column(col)
@@ -117,7 +218,7 @@ def status(fleet_file: Path = typer.Option(Path("deployments/local.yaml"), "--fl
 
 
 @app.command()
-def exporter(fleet_file: Path = typer.Option(Path("deployments/local.yaml"), "--fleet", help="Fleet file."),
+def exporter(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET,
              port: int = typer.Option(9464, help="Port for /metrics."),
              host: str = typer.Option("127.0.0.1", help="Address to bind.")) -> None:
     """Serve Prometheus metrics about checkpoints: age, states, verification, bytes, restores."""
@@ -125,13 +226,9 @@ def exporter(fleet_file: Path = typer.Option(Path("deployments/local.yaml"), "--
 
     from prometheus_client import CollectorRegistry, start_http_server
 
-    from ckptflow.fleet import load_fleet
     from ckptflow.report import StoreCollector
 
-    try:
-        fleet = load_fleet(fleet_file)
-    except CkptflowError as e:
-        _fail(e)
+    fleet = _fleet(_fleet_path(fleet_file, legacy))
     reg = CollectorRegistry()
     reg.register(StoreCollector(fleet))
     start_http_server(port, addr=host, registry=reg)
@@ -140,32 +237,45 @@ def exporter(fleet_file: Path = typer.Option(Path("deployments/local.yaml"), "--
         time.sleep(3600)
 
 
+def _table(title: str, rows: list[dict], cols: tuple[str, ...]) -> None:
+    table = Table(title=title)
+    for col in cols:
+        table.add_column(col)
+    for r in rows:
+        table.add_row(*(str(r.get(c) if r.get(c) is not None else "-") for c in cols))
+    console.print(table)
+
+
 @app.command()
-def verify(fleet_file: Path, workload: list[str] = typer.Option(None)) -> None:
+def verify(fleet_file: Path = FLEET_ARG, workload: list[str] = typer.Option(None, help="Only these workloads.")) -> None:
     """Run the verify flow once: sandbox-restore the newest unverified checkpoints."""
-    from ckptflow.flows.verify import verify as flow
-
-    flow(str(fleet_file), workloads=workload or None)
+    _fleet(fleet_file, workload)
+    rows = _flow("ckptflow.flows.verify", "verify")(str(fleet_file), workloads=workload or None)
+    _table("verify", rows, ("workload", "checkpoint", "state", "reason"))
+    if any(r["state"] == "verify_failed" for r in rows):
+        raise typer.Exit(1)
 
 
 @app.command()
-def invalidate(fleet_file: Path, node: str = typer.Option(None)) -> None:
+def invalidate(fleet_file: Path = FLEET_ARG, node: str = typer.Option(None, help="This node's name.")) -> None:
     """Run the invalidate flow once: report this node's fingerprint, retire stale checkpoints."""
-    from ckptflow.flows.invalidate import invalidate as flow
-
-    flow(str(fleet_file), node=node)
+    _fleet(fleet_file, nodes=[node])
+    out = _flow("ckptflow.flows.invalidate", "invalidate")(str(fleet_file), node=node)
+    console.print(f"{len(out['invalidated'])} checkpoint(s) invalidated, {out['alerts']} alert(s), "
+                  f"{len(out['deleted'])} deleted by retention")
 
 
 @app.command()
-def deploy(fleet_file: Path, render_only: bool = typer.Option(False, "--render-only",
-                                                              help="Only write prefect.<fleet>.yaml for review.")) -> None:
+def deploy(fleet_file: Path = FLEET_ARG,
+           render_only: bool = typer.Option(False, "--render-only", help="Only write prefect.<fleet>.yaml for review."),
+           ephemeral: bool = typer.Option(False, "--ephemeral", help="Deploy without PREFECT_API_URL, into a "
+                                          "temporary local Prefect server that is gone when this command exits.")
+           ) -> None:
     """Render prefect.<fleet>.yaml beside the fleet file and deploy it to the Prefect server."""
     from ckptflow.deploy import deploy as run, render_prefect_yaml
 
-    try:
-        out = render_prefect_yaml(fleet_file) if render_only else run(fleet_file)
-    except CkptflowError as e:
-        _fail(e)
+    _fleet(fleet_file)
+    out = render_prefect_yaml(fleet_file) if render_only else run(fleet_file, ephemeral=ephemeral)
     console.print(f"{'rendered' if render_only else 'deployed'} {out}")
 
 
@@ -179,7 +289,7 @@ def simulate(seed: int = typer.Option(0, help="Trace seed."),
     from ckptflow.sim import TraceConfig, simulate as run
 
     if failures not in ("exponential", "weibull"):
-        _fail(ValueError(f"--failures must be exponential or weibull, not {failures!r}"))
+        raise typer.BadParameter(f"must be exponential or weibull, not {failures!r}", param_hint="--failures")
     out = run(seed, TraceConfig(failure_dist=failures))
     if as_json:
         print(json.dumps(out, indent=1))
@@ -194,43 +304,48 @@ def simulate(seed: int = typer.Option(0, help="Trace seed."),
 
 
 @app.command()
-def heartbeat(fleet_file: Path, node: str = typer.Option(None), workload: list[str] = typer.Option(None),
+def heartbeat(fleet_file: Path = FLEET_ARG, node: str = typer.Option(None, help="Only this node's workloads."),
+              workload: list[str] = typer.Option(None, help="Only these workloads."),
               force: bool = typer.Option(False, help="Checkpoint every selected workload, whatever the policy.")) -> None:
     """Run the heartbeat flow once: decide per workload, checkpoint those due (leave running)."""
-    from ckptflow.flows.heartbeat import heartbeat as flow
+    _fleet(fleet_file, workload, [node])
+    flow = _flow("ckptflow.flows.heartbeat", "heartbeat")
+    from ckptflow.flows.heartbeat import HeartbeatFailed
 
-    flow(str(fleet_file), node=node, workloads=workload or None, force=force)
+    try:
+        rows = flow(str(fleet_file), node=node, workloads=workload or None, force=force)
+    except HeartbeatFailed as e:
+        _table("heartbeat", e.rows, ("workload", "decision", "checkpoint", "reason", "error"))
+        _print_error(str(e), None)
+        raise typer.Exit(1)
+    _table("heartbeat", rows, ("workload", "decision", "checkpoint", "reason"))
 
 
 @app.command()
-def recover(fleet_file: Path, workload: str,
+def recover(fleet_file: Path = FLEET_ARG, workload: str = typer.Argument(..., help="Workload to bring back."),
             node: str = typer.Option(None, help="Restore on this node (default: the workload's own).")) -> None:
     """Run the recover flow for one lost workload (nearest valid copy: the node's, else S3)."""
-    from ckptflow.flows.recover import recover as flow
-
-    flow(str(fleet_file), workload, node=node)
+    _fleet(fleet_file, [workload], [node])
+    res = _flow("ckptflow.flows.recover", "recover")(str(fleet_file), workload, node=node)
+    if res.get("cold_start"):
+        console.print(f"cold started {workload} on {res['node']}: PID {res['pid']} in {res['cold_start_s']:.1f} s")
+    else:
+        console.print(f"restored {workload} on {res['node']} from {res['checkpoint']}: PID {res['pid']}")
 
 
 @app.command()
-def prune(fleet_file: Path) -> None:
+def prune(fleet_file: Path = FLEET_ARG) -> None:
     """Apply retention in the fleet's S3 bucket and delete chunks no manifest references."""
-    from ckptflow.flows.prune import prune as flow
-
-    console.print(flow(str(fleet_file)))
+    _fleet(fleet_file)
+    console.print(_flow("ckptflow.flows.prune", "prune")(str(fleet_file)))
 
 
 @app.command("recover-node")
-def recover_node(fleet_file: Path, node: str) -> None:
+def recover_node(fleet_file: Path = FLEET_ARG, node: str = typer.Argument(..., help="The lost node.")) -> None:
     """Bring every workload of a lost node back on other nodes (from S3, or a cold start)."""
-    from ckptflow.flows.recover import recover_node as flow
-
-    rows = flow(str(fleet_file), node)
-    table = Table(title=f"recovery of {node}")
-    for col in ("workload", "action", "target", "reason"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(r["workload"], r["action"], r["target"], r.get("reason", ""))
-    console.print(table)
+    _fleet(fleet_file, nodes=[node])
+    rows = _flow("ckptflow.flows.recover", "recover_node")(str(fleet_file), node)
+    _table(f"recovery of {node}", rows, ("workload", "action", "target", "reason"))
     if any(r["action"] in ("FAILED", "NOT RECOVERED") for r in rows):
         raise typer.Exit(1)
 

@@ -45,6 +45,14 @@ def save_results_block(fleet) -> str:
     return name
 
 
+def prefect_api_url() -> str | None:
+    """The Prefect API the deployments would go to: PREFECT_API_URL from the environment or the
+    active Prefect profile; None means Prefect would start a temporary server."""
+    from prefect.settings import get_current_settings
+
+    return get_current_settings().api.url
+
+
 def render_prefect_yaml(fleet_file: Path, workdir: str = "{{ $PWD }}") -> Path:
     """Write ``prefect.<fleet>.yaml`` beside the fleet file; return its path."""
     fleet = load_fleet(fleet_file)
@@ -60,8 +68,18 @@ def render_prefect_yaml(fleet_file: Path, workdir: str = "{{ $PWD }}") -> Path:
     return out
 
 
-def deploy(fleet_file: Path, *, create_pools: bool = True) -> Path:
-    """Render, create each node's process work pool if missing, run `prefect deploy --all`."""
+def deploy(fleet_file: Path, *, create_pools: bool = True, ephemeral: bool = False) -> Path:
+    """Render, create each node's process work pool if missing, run `prefect deploy --all`.
+
+    Raises:
+        ConfigError: no Prefect server is configured (PREFECT_API_URL) and ``ephemeral`` is not
+            set: the deployments would go into a temporary server that vanishes on exit.
+    """
+    if not ephemeral and not prefect_api_url():
+        raise ConfigError("PREFECT_API_URL is not set: the deployments would go into a temporary Prefect server "
+                          "that is gone when this command exits",
+                          fix="export PREFECT_API_URL=http://<prefect-server>:4200/api (or `prefect config set "
+                              "PREFECT_API_URL=...`), or pass --ephemeral to deploy into a throwaway server on purpose")
     out = render_prefect_yaml(fleet_file)
     fleet = load_fleet(fleet_file)
     prefect = [sys.executable, "-m", "prefect", "--no-prompt"]

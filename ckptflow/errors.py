@@ -17,6 +17,26 @@ class CkptflowError(Exception):
         self.fix = fix
         super().__init__(message if not fix else f"{message}\n  fix: {fix}")
 
+    @property
+    def message(self) -> str:
+        """What went wrong, without the fix (which ``str()`` appends)."""
+        text = str(self.args[0]) if self.args else ""
+        return text.removesuffix(f"\n  fix: {self.fix}") if self.fix else text
+
+    def __reduce__(self):
+        # A node step's error reaches the fleet flow pickled (Prefect's result storage). The
+        # default reduce calls cls(*args), which breaks for subclasses whose __init__ takes other
+        # arguments (CriuError, IncompatibleCheckpoint): the fleet flow then got a generic
+        # failure and lost the type, the CRIU log tail and the typed fallback. Rebuild without
+        # __init__ instead: the message as formatted, every attribute as it was.
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls: type, args: tuple, state: dict) -> CkptflowError:
+    e = cls.__new__(cls, *args)
+    e.__dict__.update(state)
+    return e
+
 
 # --- configuration and declared workloads -------------------------------------------------
 class ConfigError(CkptflowError):
@@ -62,6 +82,10 @@ class CriuTimeout(CriuError):
 
 class RestoreFailed(CkptflowError):
     """A restore did not produce a healthy process."""
+
+
+class WorkloadRunning(RestoreFailed):
+    """Recover was asked for a worker that is running: refused, and nothing is wrong with it."""
 
 
 class PidBusy(RestoreFailed):

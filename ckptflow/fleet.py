@@ -173,19 +173,9 @@ class Fleet(BaseModel):
 
     @model_validator(mode="after")
     def _references(self) -> "Fleet":
-        nodes = [n.name for n in self.nodes]
-        _unique(nodes, "nodes")
-        _unique([w.name for w in self.workloads], "workloads")
-        from ckptflow.policies.cadence import POLICIES
-
-        for i, r in enumerate(self.policies):
-            if r.policy not in POLICIES:
-                raise _PathError(("policies", i, "policy"),
-                                 f"unknown policy {r.policy!r} (known: {', '.join(sorted(POLICIES))})")
-        for i, w in enumerate(self.workloads):
-            if w.node not in nodes:
-                raise _PathError(("workloads", i, "node"),
-                                 f"node {w.node!r} is not declared in nodes (declared: {', '.join(nodes)})")
+        problems = cross_field_problems(self.model_dump(include=_CROSS_FIELDS))
+        if problems:
+            raise _PathErrors(problems)
         return self
 
     def workload(self, name: str) -> Workload:
@@ -193,30 +183,93 @@ class Fleet(BaseModel):
             if w.name == name:
                 return w
         raise ConfigError(f"fleet {self.fleet}: no workload named {name!r} "
-                          f"(declared: {', '.join(w.name for w in self.workloads) or 'none'})")
+                          f"(declared: {', '.join(w.name for w in self.workloads) or 'none'})",
+                          fix="name a declared workload, or declare it under workloads: in the fleet file")
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
             if n.name == name:
                 return n
-        raise ConfigError(f"fleet {self.fleet}: no node named {name!r}")
+        raise ConfigError(f"fleet {self.fleet}: no node named {name!r} "
+                          f"(declared: {', '.join(n.name for n in self.nodes)})",
+                          fix="name a declared node, or declare it under nodes: in the fleet file")
 
     def rule_for(self, w: Workload) -> PolicyRule | None:
         return next((r for r in self.policies if r.match.matches(w)), None)
 
 
-class _PathError(ValueError):
-    def __init__(self, path: tuple, msg: str):
-        self.path = path
-        super().__init__(msg)
+class _PathErrors(ValueError):
+    """Every cross-field problem of a fleet, each with its YAML path, raised at once."""
+
+    def __init__(self, problems: list[tuple[tuple, str]]):
+        self.problems = problems
+        super().__init__("; ".join(f"{format_path(p)}: {m}" for p, m in problems))
 
 
-def _unique(names: list[str], where: str) -> None:
-    seen = set()
-    for i, n in enumerate(names):
-        if n in seen:
-            raise _PathError((where, i, "name"), f"duplicate name {n!r}")
-        seen.add(n)
+# URL fields an engine client or the alerter will open: without a scheme and a host they only
+# fail later, at the first heartbeat, as an unreadable "no KV growing" or a silent probe error.
+_WORKLOAD_URLS = ("health_url", "metrics_url", "probe_url", "prepare_url")
+_CROSS_FIELDS = {"nodes": {"__all__": {"name"}}, "policies": {"__all__": {"policy"}},
+                 "workloads": {"__all__": {"name", "node", "golden", *_WORKLOAD_URLS}},
+                 "storage": {"endpoint_url"}, "slack": {"base_url"}, "prefect_ui_url": True}
+
+
+def _url_problem(value: object) -> str | None:
+    if not isinstance(value, str):
+        return None  # a wrong type is the schema's error, reported on its own
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(value)
+        host = u.hostname
+    except ValueError as e:
+        return f"{value!r} is not a URL ({e})"
+    if u.scheme not in ("http", "https") or not host:
+        return f"{value!r} is not an http(s) URL with a host (expected like http://127.0.0.1:8000/metrics)"
+    return None
+
+
+def cross_field_problems(data: dict) -> list[tuple[tuple, str]]:
+    """Problems no single field shows: duplicate names, unknown references, unusable URLs.
+
+    Works on the raw parsed YAML as well as on a dumped Fleet, so that a file with schema errors
+    still gets these reported in the same run; any shape it does not expect is skipped (the
+    schema reports that).
+    """
+    from ckptflow.policies.cadence import POLICIES
+
+    def items(key: str) -> list[tuple[int, dict]]:
+        v = data.get(key)
+        return [(i, x) for i, x in enumerate(v) if isinstance(x, dict)] if isinstance(v, list) else []
+
+    out: list[tuple[tuple, str]] = []
+    nodes = [n.get("name") for _, n in items("nodes")]
+    for where in ("nodes", "workloads"):
+        seen: set = set()
+        for i, x in items(where):
+            name = x.get("name")
+            if isinstance(name, str) and name in seen:
+                out.append(((where, i, "name"), f"duplicate name {name!r}"))
+            seen.add(name)
+    for i, r in items("policies"):
+        if isinstance(r.get("policy"), str) and r["policy"] not in POLICIES:
+            out.append((("policies", i, "policy"),
+                        f"unknown policy {r['policy']!r} (known: {', '.join(sorted(POLICIES))})"))
+    declared = ", ".join(str(n) for n in nodes if isinstance(n, str))
+    for i, w in items("workloads"):
+        node = w.get("node")
+        if isinstance(node, str) and node not in nodes:
+            out.append((("workloads", i, "node"), f"node {node!r} is not declared in nodes (declared: {declared})"))
+        urls = [((k,), w.get(k)) for k in _WORKLOAD_URLS]
+        if isinstance(w.get("golden"), dict):
+            urls.append((("golden", "url"), w["golden"].get("url")))
+        out += [(("workloads", i, *k), why) for k, v in urls if (why := _url_problem(v))]
+    for loc, section, key in ((("storage", "endpoint_url"), data.get("storage"), "endpoint_url"),
+                              (("slack", "base_url"), data.get("slack"), "base_url"),
+                              (("prefect_ui_url",), data, "prefect_ui_url")):
+        if isinstance(section, dict) and (why := _url_problem(section.get(key))):
+            out.append((loc, why))
+    return out
 
 
 def format_path(loc: tuple) -> str:
@@ -269,22 +322,40 @@ def _load(resolved: str, mtime_ns: int, size: int, shown: str) -> Fleet:
     try:
         data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raise ConfigError(f"{path}: {_yaml_problem(e, text)}",
+                          fix="fix the YAML at that line (indent with spaces, close brackets and quotes)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level (fleet:, nodes:, workloads:, ...)")
     try:
         return Fleet.model_validate(data)
     except ValidationError as e:
-        root = yaml.compose(text, Loader=_Loader)  # line numbers, only when there is an error
-        lines = []
+        problems: list[tuple[tuple, str]] = []
         for err in e.errors():
             loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-            msg = err["msg"]
             ctx_err = (err.get("ctx") or {}).get("error")
-            if isinstance(ctx_err, _PathError):
-                loc, msg = loc + ctx_err.path, str(ctx_err)
-            msg = msg.removeprefix("Value error, ")
-            line = _line_of(root, loc)
-            where = f"{format_path(loc)}" + (f" (line {line})" if line else "")
-            lines.append(f"{path}: {where}: {msg}")
+            if isinstance(ctx_err, _PathErrors):
+                problems += [(loc + p, m) for p, m in ctx_err.problems]
+            else:
+                problems.append((loc, err["msg"].removeprefix("Value error, ")))
+        # Schema errors stop pydantic before the cross-field checks: run them on the raw file,
+        # so that one run reports every mistake.
+        problems += [p for p in cross_field_problems(data) if p not in problems]
+        root = yaml.compose(text, Loader=_Loader)  # line numbers, only when there is an error
+        located = sorted(((_line_of(root, loc) or 0, loc, msg) for loc, msg in problems), key=lambda x: x[0])
+        lines = [f"{path}: {format_path(loc)}" + (f" (line {line})" if line else "") + f": {msg}"
+                 for line, loc, msg in located]
+        if len(lines) > 1:
+            lines.insert(0, f"{path}: {len(lines)} problems")
         raise ConfigError("\n".join(lines), fix="see deployments/example-h200-fleet.yaml for every field") from None
+
+
+def _yaml_problem(e: yaml.YAMLError, text: str) -> str:
+    """One line naming what is wrong and where; a tab in the indentation said plainly."""
+    mark = getattr(e, "problem_mark", None)
+    line = mark.line + 1 if mark is not None else None
+    if line is not None:
+        indent = text.splitlines()[line - 1:line] or [""]
+        if "\t" in indent[0][:len(indent[0]) - len(indent[0].lstrip(" \t"))] or "'\\t'" in str(e):
+            return f"tabs are not allowed for indentation, line {line}"
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"not valid YAML, line {line}: {problem}" if line else f"not valid YAML: {problem}"

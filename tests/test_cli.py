@@ -34,10 +34,10 @@ def test_doctor_names_a_missing_criu(tmp_path):
 def test_ls_on_a_bad_fleet_file_names_the_field(tmp_path):
     bad = tmp_path / "f.yaml"
     bad.write_text("fleet: x\nnodes: []\n")
-    out = subprocess.run([sys.executable, "-m", "ckptflow", "ls", "--fleet", str(bad)], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "ckptflow", "ls", str(bad)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, env={"COLUMNS": "200", "PATH": "/usr/bin"})
     assert out.returncode == 2
-    assert "nodes" in out.stdout and "line 2" in out.stdout
+    assert "nodes" in out.stderr and "line 2" in out.stderr
 
 
 def test_simulate_json_has_every_policy():
@@ -53,3 +53,114 @@ def test_simulate_json_has_every_policy():
     assert pol["ckptflow"]["cost"] <= 1.10 * pol["hindsight"]["cost"]
     assert pol["ckptflow"]["cost"] <= 0.70 * best_fixed
     assert pol["clairvoyant"]["cost"] <= pol["ckptflow"]["cost"]
+
+
+# --- the installed `ckptflow` command, as an operator runs it -----------------------------------
+CKPTFLOW = Path(sys.executable).with_name("ckptflow")   # the console script of this environment
+LOCAL = ROOT / "deployments" / "local.yaml"
+
+
+def _env(tmp_path, **extra):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DO_NOT_TRACK"))}
+    return {**env, "PREFECT_HOME": str(tmp_path / "prefect-home"), "COLUMNS": "200", **extra}
+
+
+def _cli(tmp_path, *args, env=None, timeout=180):
+    return subprocess.run([str(CKPTFLOW), *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env or _env(tmp_path))
+
+
+def _refused(out, *needles):
+    """Exit 2, `error: …` then `fix: …` on stderr, no traceback."""
+    assert out.returncode == 2, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
+    err = out.stderr
+    assert "Traceback" not in err and "Traceback" not in out.stdout, err[-3000:]
+    lines = err.strip().splitlines()
+    first = next(i for i, ln in enumerate(lines) if ln.startswith("error: "))
+    assert any(ln.startswith("fix: ") for ln in lines[first + 1:]), err
+    for n in needles:
+        assert n in err, (n, err)
+    return err
+
+
+@pytest.mark.parametrize("args", [("heartbeat", "{f}"), ("recover", "{f}", "demo-chat"), ("verify", "{f}"),
+                                  ("invalidate", "{f}"), ("prune", "{f}"), ("recover-node", "{f}", "local"),
+                                  ("deploy", "{f}"), ("ls", "{f}"), ("status", "{f}")],
+                         ids=lambda a: a[0])
+def test_bad_fleet_file_is_refused_before_any_prefect_server(tmp_path, args):
+    bad = tmp_path / "fleet.yaml"
+    bad.write_text("fleet: x\nnodes: []\n")
+    out = _cli(tmp_path, *(a.format(f=bad) for a in args))
+    err = _refused(out, f"{bad}: nodes (line 2)")
+    assert "temporary server" not in err and "Starting" not in err
+
+
+@pytest.mark.parametrize("args", [("heartbeat", LOCAL, "--workload", "nope"), ("recover", LOCAL, "nope"),
+                                  ("verify", LOCAL, "--workload", "nope"), ("ls", LOCAL, "--workload", "nope")],
+                         ids=lambda a: a[0])
+def test_unknown_workload_names_the_declared_ones(tmp_path, args):
+    err = _refused(_cli(tmp_path, *args), "no workload named 'nope' (declared: demo-chat)")
+    assert "temporary server" not in err
+
+
+def test_unknown_node_names_the_declared_ones(tmp_path):
+    _refused(_cli(tmp_path, "recover-node", LOCAL, "gpu-9"), "no node named 'gpu-9' (declared: local)")
+    _refused(_cli(tmp_path, "heartbeat", LOCAL, "--node", "gpu-9"), "(declared: local)")
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    bad = tmp_path / "fleet.yaml"
+    bad.write_text("fleet: x\nnodes: []\n")
+    out = _cli(tmp_path, "--debug", "heartbeat", bad)
+    assert out.returncode != 0 and "Traceback" in out.stderr and "ConfigError" in out.stderr
+
+
+def test_deploy_without_a_prefect_api_url_is_refused_with_the_fix(tmp_path):
+    fleet = tmp_path / "local.yaml"
+    fleet.write_text(LOCAL.read_text())
+    out = _cli(tmp_path, "deploy", fleet)
+    err = _refused(out, "PREFECT_API_URL", "--ephemeral")
+    assert err.strip().splitlines()[0].startswith("error: PREFECT_API_URL is not set")
+    assert [ln.split(":")[0] for ln in err.strip().splitlines()] == ["error", "fix"]  # one line each
+    assert not (tmp_path / "prefect.local.yaml").exists()
+    assert _cli(tmp_path, "deploy", fleet, "--render-only").returncode == 0  # reviewing needs no server
+
+
+def test_fleet_file_is_positional_for_ls_and_status_and_fleet_still_works(tmp_path):
+    fleet = tmp_path / "f.yaml"
+    fleet.write_text(LOCAL.read_text().replace(".ckptflow/store", str(tmp_path / "store")))
+    for cmd in ("ls", "status"):
+        out = _cli(tmp_path, cmd, fleet)
+        assert out.returncode == 0, out.stderr
+        old = _cli(tmp_path, cmd, "--fleet", fleet)
+        assert old.returncode == 0 and "deprecated" in old.stderr
+        assert old.stdout == out.stdout
+    assert "--fleet" not in _cli(tmp_path, "ls", "--help").stdout
+
+
+def test_prefect_telemetry_is_off_for_ckptflow_commands(tmp_path):
+    probe = ("import ckptflow.cli\n"
+             "from prefect._internal.analytics.enabled import is_telemetry_enabled\n"
+             "from prefect.settings import get_current_settings\n"
+             "print(is_telemetry_enabled(), get_current_settings().server.analytics_enabled)\n")
+    env = {k: v for k, v in _env(tmp_path).items() if k not in ("CI", "GITHUB_ACTIONS", "BUILDKITE", "GITLAB_CI")}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.split() == ["False", "False"], out.stderr[-2000:]
+
+
+def test_typed_error_inside_a_flow_is_two_lines_without_traceback(tmp_path, prefect_harness, demo_worker):
+    from prefect.settings import PREFECT_API_URL
+
+    from conftest import write_fleet
+
+    w = demo_worker("chat")
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store")
+    env = _env(tmp_path, PREFECT_API_URL=PREFECT_API_URL.value())
+    out = _cli(tmp_path, "recover", fleet, "chat", env=env)   # refused: the worker is running
+    err = _refused(out, "error: workload chat is running", "fix: stop it first")
+    assert "Task run" in err                                  # Prefect's own log lines stay, one line each
+    debug = _cli(tmp_path, "--debug", "recover", fleet, "chat", env=env)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+    assert w.proc.poll() is None

@@ -247,3 +247,74 @@ def test_restore_resumes_every_process_of_the_tree(tmp_path, store):
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_runner_leaves_no_temp_dir_and_removes_a_killed_runners(tmp_path, demo_worker):
+    import tempfile
+
+    def dirs():
+        return set(Path(tempfile.gettempdir()).glob("ckptflow-criu-*"))
+
+    # A runner killed mid-call (SIGKILL: no cleanup ran) left its directory behind.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = Path(tempfile.gettempdir()) / f"ckptflow-criu-{dead.pid}-x1y2z3"
+    (orphan / "no-plugins").mkdir(parents=True)
+    before = dirs() - {orphan}
+    w = demo_worker("w")
+    with CriuRunner() as r:
+        res = r.dump(w.workload, tmp_path / "img", leave_running=False)
+        w.proc.wait(timeout=10)
+        r.restore(tmp_path / "img", old_pid=res.pid)
+        assert r.log_dir.is_dir() and not orphan.exists()
+    assert dirs() <= before
+    r2 = CriuRunner()
+    r2.version()  # no CRIU call that needs its directory: none is made
+    del r2
+    assert dirs() <= before
+
+
+def test_restore_frees_time_wait_on_a_listening_port_of_the_image(tmp_path, criu):
+    """A worker killed and restored at once on the same node: its listening port still has
+    TIME_WAIT connections, so CRIU's bind fails ("Address already in use"). The runner finds the
+    port in CRIU's log, closes those orphaned connections, and the restore succeeds."""
+    pid_file, out = tmp_path / "t.pid", tmp_path / "count"
+    p = _spawn([HELPERS / "tw_listener.py", pid_file, out], pid_file)
+    w = Workload(name="tw", node="n", find=ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="tw_listener.py"))
+    try:
+        before, port = map(int, _read_counter_raw(p.pid, out).split())
+        tw = subprocess.run(["ss", "-Htan", "state", "time-wait", f"( sport = :{port} )"], capture_output=True,
+                            text=True).stdout
+        assert tw.strip(), "the helper should leave a TIME_WAIT connection on its listening port"
+        res = criu.dump(w, tmp_path / "img", leave_running=False)
+        p.wait(timeout=10)
+        pid = criu.restore(tmp_path / "img", old_pid=res.pid)
+        after, port2 = map(int, _read_counter_raw(pid, out).split())
+        assert port2 == port and after >= before
+        s = socket.socket()
+        with pytest.raises(OSError):  # the restored listener holds the port again
+            s.bind(("127.0.0.1", port))
+        s.close()
+    finally:
+        kill_pid_file(pid_file, "tw_listener.py")
+
+
+def test_busy_listen_ports_reads_the_port_from_criu_log(tmp_path):
+    from ckptflow.runners.criu import busy_listen_ports
+
+    log = tmp_path / "restore.log"
+    log.write_text(
+        "(00.174794)   2003: inet: \tRestore: family AF_INET    type SOCK_STREAM    proto IPPROTO_TCP      "
+        "port 51491 state TCP_LISTEN       src_addr 192.0.2.2\n"
+        "(00.178461)   2004: inet: \tRestore: family AF_INET    type SOCK_STREAM    proto IPPROTO_TCP      "
+        "port 34061 state TCP_LISTEN       src_addr 192.0.2.2\n"
+        "(00.174818)   2003: Error (criu/sk-inet.c:1059): inet: Can't bind inet socket (id 107): "
+        "Address already in use\n")
+    assert busy_listen_ports(log) == {51491}
+
+
+def _read_counter_raw(pid: int, out: Path) -> str:
+    out.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGUSR1)
+    _wait_file(out)
+    return out.read_text()

@@ -114,3 +114,47 @@ def test_any_malformed_fleet_gives_a_config_error(tmp_path, doc):
         load_fleet(f)
     except ConfigError as e:
         assert str(f) in str(e)
+
+
+@pytest.mark.parametrize("field", ["metrics_url", "health_url", "probe_url", "prepare_url"])
+@pytest.mark.parametrize("url", ["127.0.0.1:8000/metrics", "localhost:8000/metrics", "http:///metrics",
+                                 "ftp://127.0.0.1/metrics"])
+def test_url_without_scheme_or_host_is_refused_naming_field_and_line(tmp_path, field, url):
+    f = tmp_path / "fleet.yaml"
+    f.write_text(GOOD.replace("metrics_url: http://127.0.0.1:8000/metrics", f"{field}: {url}"))
+    with pytest.raises(ConfigError) as e:
+        load_fleet(f)
+    assert f"{f}: workloads[0].{field} (line 11): {url!r} is not an http(s) URL with a host" in str(e.value)
+
+
+def test_golden_url_is_checked_too(tmp_path):
+    f = tmp_path / "fleet.yaml"
+    f.write_text(GOOD.replace("    engine: vllm\n",
+                              "    engine: vllm\n    golden: {url: '127.0.0.1:8000/v1/completions', body: {}}\n"))
+    with pytest.raises(ConfigError, match=r"workloads\[0\]\.golden\.url \(line 11\)"):
+        load_fleet(f)
+
+
+def test_every_mistake_is_reported_in_one_run(tmp_path):
+    f = tmp_path / "fleet.yaml"
+    f.write_text(GOOD.replace("node: n1", "node: n9").replace("engine: vllm", "engine: tgi")
+                 .replace("http://127.0.0.1:8000/metrics", "127.0.0.1:8000/metrics").replace("cost-based", "yolo"))
+    with pytest.raises(ConfigError) as e:
+        load_fleet(f)
+    msg = str(e.value)
+    assert msg.splitlines()[0] == f"{f}: 4 problems"
+    for where, text in (("workloads[0].node (line 8)", "node 'n9' is not declared"),   # cross-field
+                        ("workloads[0].engine (line 10)", "'vllm', 'sglang' or 'other'"),   # schema
+                        ("workloads[0].metrics_url (line 11)", "is not an http(s) URL"),    # URL
+                        ("policies[0].policy (line 14)", "unknown policy 'yolo'")):
+        assert f"{f}: {where}: " in msg and text in msg, (where, msg)
+
+
+@pytest.mark.parametrize("where,text", [("line 4", GOOD.replace("    work_pool: n1", "\twork_pool: n1")),
+                                        ("line 10", GOOD.replace("    engine: vllm", "  \tengine: vllm"))])
+def test_a_tab_in_the_indentation_is_named(tmp_path, where, text):
+    f = tmp_path / "fleet.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_fleet(f)
+    assert str(e.value).splitlines()[0] == f"{f}: tabs are not allowed for indentation, {where}"

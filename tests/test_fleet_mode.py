@@ -144,24 +144,34 @@ def test_drain_deployment_empties_node_a(prefect_fleet, demo_worker, s3):
 def test_recover_node_deployment_brings_node_a_workloads_back_on_node_b(prefect_fleet, demo_worker, s3):
     import shutil
 
-    w, ref = demo_worker("chat"), demo_worker("ref")
+    w, ref, old = demo_worker("chat"), demo_worker("ref"), demo_worker("old")
     for x in (w, ref):
         x.complete("a session on a node that is about to fail " * 20, 16, "s")
-    _reap_in_background(w)
+    _reap_in_background(w, old)
     # The control flows run off node-a (the lost node): here on node-b's pool.
     # A second workload of node-a never had a checkpoint nor a start command: it cannot come back,
     # and the reason travels from node-b's step to the fleet flow as the typed error it was.
     ghost = w.workload.model_copy(update={"name": "ghost", "start_command": None, "find": w.workload.find.model_copy(
         update={"pid_file": str(prefect_fleet["tmp"] / "ghost.pid")})})
-    fleet = _fleet(prefect_fleet["tmp"], s3, [w.workload, ghost], "fleet-lost", control_pool="node-b")
-    out = subprocess.run([sys.executable, "-m", "ckptflow", "heartbeat", str(fleet), "--force", "--workload", "chat"],
+    # A third one has a checkpoint of an engine version it no longer runs: IncompatibleCheckpoint
+    # (which takes no plain message) must reach the fleet flow typed, with the differing field.
+    stale = old.workload.model_copy(update={"start_command": None})
+    fleet = _fleet(prefect_fleet["tmp"], s3, [w.workload, ghost, stale], "fleet-lost", control_pool="node-b")
+    out = subprocess.run([sys.executable, "-m", "ckptflow", "heartbeat", str(fleet), "--force", "--workload", "chat",
+                          "--workload", "old"],
                          env=prefect_fleet["env"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     os.kill(w.pid, signal.SIGKILL)                                     # node-a: process and disk gone
+    os.kill(old.pid, signal.SIGKILL)
     shutil.rmtree(prefect_fleet["tmp"] / "store" / "node-a")
+    fleet = _fleet(prefect_fleet["tmp"], s3, [w.workload, ghost, stale.model_copy(update={"engine_version": "v2"})],
+                   "fleet-lost", control_pool="node-b")
     rows = _deploy_and_run(prefect_fleet, fleet, "recover-node/fleet-lost", {"node": "node-a"})
     assert [(r["workload"], r["target"], r["action"].split()[0]) for r in rows] == [("chat", "node-b", "restored"),
-                                                                                     ("ghost", "node-b", "FAILED")]
+                                                                                     ("ghost", "node-b", "FAILED"),
+                                                                                     ("old", "node-b", "FAILED")]
     assert rows[1]["reason"].startswith("workload ghost has no valid checkpoint"), rows[1]
+    assert rows[2]["reason"].startswith("checkpoint "), rows[2]
+    assert "is incompatible with this node: engine_version: 'demo' -> 'v2'" in rows[2]["reason"], rows[2]
     assert w.digests() == ref.digests()
     assert w.complete("still there?", 24, "s") == ref.complete("still there?", 24, "s")

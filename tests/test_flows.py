@@ -86,3 +86,27 @@ def test_recover_refuses_to_restore_over_a_running_worker(tmp_path, prefect_harn
     with pytest.raises(RestoreFailed, match="is running"):
         recover(str(fleet), "chat")
     assert w.proc.poll() is None
+
+
+def _criu_tmp_dirs() -> set:
+    import tempfile
+    from pathlib import Path
+
+    return set(Path(tempfile.gettempdir()).glob("ckptflow-criu-*"))
+
+
+def test_heartbeat_and_recover_leave_no_criu_temp_dir(tmp_path, prefect_harness, demo_worker):
+    from ckptflow.errors import RestoreFailed
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.recover import recover
+
+    w = demo_worker("chat")
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store")
+    w.complete("hello", 8, "s")
+    before = _criu_tmp_dirs()
+    heartbeat(str(fleet), force=True)                    # a dump
+    with pytest.raises(RestoreFailed):                    # a refused restore (an error path)
+        recover(str(fleet), "chat")
+    os.kill(w.pid, signal.SIGKILL)
+    recover(str(fleet), "chat")                           # a restore
+    assert _criu_tmp_dirs() <= before

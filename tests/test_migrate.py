@@ -62,6 +62,27 @@ def test_drain_moves_long_sessions_and_stops_short_ones(tmp_path, prefect_harnes
     assert (tmp_path / "store" / "node-a" / ".nodes" / "node-a.drained").exists()
 
 
+def test_drain_skips_a_target_whose_own_maintenance_window_is_about_to_open(tmp_path, prefect_harness,
+                                                                            demo_worker, s3):
+    from datetime import datetime, timedelta, timezone
+
+    from ckptflow.flows.migrate import drain
+
+    w, ref = demo_worker("chat"), demo_worker("ref")
+    fleet = _two_node_fleet(tmp_path, s3, [w.workload], "ckpt-drain-mw")
+    data = yaml.safe_load(open(fleet).read())
+    soon = datetime.now(timezone.utc) + timedelta(minutes=10)
+    # node-b sorts first and is as empty as node-c, but its own window opens in 10 minutes.
+    data["nodes"][1]["maintenance"] = [{"start": soon.isoformat(), "end": (soon + timedelta(hours=2)).isoformat()}]
+    data["nodes"].append({"name": "node-c", "work_pool": "node-c", "gpu_class": "cpu"})
+    open(fleet, "w").write(yaml.safe_dump(data))
+    for x in (w, ref):
+        x.complete("a long session " * 30, 16, "s")
+    [row] = drain(fleet, "node-a", via_deployments=False)
+    assert (row["action"], row["target"]) == ("migrated", "node-c"), row
+    assert w.complete("go on", 24, "s") == ref.complete("go on", 24, "s")
+
+
 def test_scale_up_starts_a_warm_replica_beside_the_original(tmp_path, prefect_harness, demo_worker, s3):
     import subprocess
 

@@ -37,6 +37,14 @@ def test_protect_with_daly_interval_and_numbers():
     assert decide(facts(seconds_since_ckpt=d.interval_s + 1)).due is True
 
 
+@pytest.mark.parametrize("policy", ["cost-based", "fixed", "never"])
+def test_a_gone_worker_is_said_so_whatever_the_policy(policy):
+    # Metrics of a dead worker read as "nothing new"; the decision must not say that.
+    d = decide(facts(tokens_since_ckpt=0, live_tokens=0, gone="workload w: no live process found"), policy)
+    assert d.action == Action.skip and not d.due
+    assert d.reason == "worker gone: workload w: no live process found"
+
+
 def test_interval_clamped_by_rule_bounds():
     assert decide(facts(), params={"min_interval_s": 5000}).interval_s == 5000
     assert decide(facts(), params={"max_interval_s": 300}).interval_s == 300
@@ -187,6 +195,29 @@ def test_placement_filters_and_spreads():
     assert none.node is None
     assert "c: GPU class H100 != H200" in none.reason and "d: 50 GiB free < 82 GiB" in none.reason
     assert "e: in maintenance" in none.reason
+
+
+def test_spreader_leaves_out_nodes_in_or_about_to_enter_their_own_window():
+    from datetime import datetime, timezone
+
+    from ckptflow.fleet import Fleet
+    from ckptflow.flows.steps import spreader_off
+    from ckptflow.policies.placement import in_maintenance
+
+    assert in_maintenance([(1000.0, 2000.0)], now=1500.0)                      # in it
+    assert in_maintenance([(1000.0, 2000.0)], now=1000.0 - 3599)               # opens within the hour
+    assert not in_maintenance([(1000.0, 2000.0)], now=1000.0 - 3601)
+    assert not in_maintenance([(1000.0, 2000.0)], now=2000.0)                  # over
+    now = datetime(2026, 12, 1, 1, 30, tzinfo=timezone.utc).timestamp()
+    window = [{"start": "2026-12-01T02:00:00Z", "end": "2026-12-01T04:00:00Z"}]
+    fleet = Fleet.model_validate({"fleet": "f", "nodes": [
+        {"name": "a", "work_pool": "a"}, {"name": "b", "work_pool": "b", "maintenance": window},
+        {"name": "c", "work_pool": "c"}]})
+    assert spreader_off(fleet, "a", now=now).place(10).node == "c"
+    only_b = fleet.model_copy(update={"nodes": fleet.nodes[:2]})
+    p = spreader_off(only_b, "a", now=now).place(10)
+    assert p.node is None and "b: in maintenance" in p.reason
+    assert spreader_off(only_b, "a", now=now + 3 * 3600).place(10).node == "b"   # window over
 
 
 # --- retention --------------------------------------------------------------------------------

@@ -126,11 +126,15 @@ def test_recover_corrupt_newest_falls_back_and_alerts_once(tmp_path, prefect_har
     os.kill(w.pid, signal.SIGKILL)
     res = recover(str(fleet), "chat")
     assert res["checkpoint"] == old and not res["cold_start"]
+    # One message: the worker is back (from the older checkpoint), and what was passed over.
     assert len(slack.requests) == 1
     body = slack.requests[0]["body"]
-    assert body["text"].startswith(":rotating_light: Restore of chat on local failed")
+    assert body["text"] == f":white_check_mark: chat recovered on local: restored from older checkpoint {old} " \
+                           "(newer ones failed their checks)"
     fields = [f["text"] for f in body["blocks"][1]["fields"]]
-    assert f"*Checkpoint*\n{new}" in fields and f"*Fallback*\nolder checkpoint {old}" in fields
+    assert f"*Checkpoint*\n{old}" in fields
+    passed = [b["text"]["text"] for b in body["blocks"] if b.get("text", {}).get("text", "").startswith("*Passed")]
+    assert passed and passed[0].startswith(f"*Passed over*\n{new}: ")
 
 
 def test_recover_with_no_good_checkpoint_cold_starts_and_alerts_once(tmp_path, prefect_harness, demo_worker, slack):
@@ -180,7 +184,7 @@ def test_status_and_exporter_report_the_store(tmp_path, prefect_harness, demo_wo
     assert samples[("ckptflow_restore_duration_seconds_count", (("workload", "chat"),))] == 1.0
     assert 0 <= samples[("ckptflow_checkpoint_age_seconds", (("node", "local"), ("workload", "chat")))] < 120
     assert samples[("ckptflow_bytes_stored", (("workload", "chat"),))] > 1 << 20
-    out = subprocess.run([sys.executable, "-m", "ckptflow", "status", "--fleet", str(fleet)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "ckptflow", "status", str(fleet)], capture_output=True, text=True,
                          env={**os.environ, "COLUMNS": "250"}, timeout=60)
     assert out.returncode == 0 and "chat" in out.stdout and "verified" in out.stdout and "1 (last" in out.stdout
 
@@ -212,7 +216,7 @@ def test_artifacts_readable_from_the_prefect_api_and_exporter_serves(tmp_path, p
     assert len(table) == 1 and table[0].type == "table"
 
     port = free_port()
-    exp = subprocess.Popen([sys.executable, "-m", "ckptflow", "exporter", "--fleet", str(fleet), "--port", str(port)],
+    exp = subprocess.Popen([sys.executable, "-m", "ckptflow", "exporter", str(fleet), "--port", str(port)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 30
@@ -228,3 +232,126 @@ def test_artifacts_readable_from_the_prefect_api_and_exporter_serves(tmp_path, p
                 "ckptflow_restore_duration_seconds"} <= names
     finally:
         exp.kill()
+
+
+# --- alert lifecycle: open -> (repeat only on a new reason) -> resolved -------------------------
+def _texts(slack):
+    return [r["body"]["text"] for r in slack.requests]
+
+
+def test_dead_worker_alert_opens_once_and_recover_resolves_it(tmp_path, prefect_harness, demo_worker, slack):
+    from ckptflow.flows.heartbeat import HeartbeatFailed, heartbeat
+    from ckptflow.flows.recover import recover
+
+    w = demo_worker("chat")
+    w.complete("a long session " * 20, 16, "s")
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store", slack=True)
+    ckpt = heartbeat(str(fleet))[0]["checkpoint"]
+    os.kill(w.pid, signal.SIGKILL)
+    w.proc.wait()
+    # The worker is gone: not "skip (nothing new since the last checkpoint)", but a failure and an alert.
+    for _ in range(2):
+        with pytest.raises(HeartbeatFailed, match="chat: workload chat: no live process") as e:
+            heartbeat(str(fleet))
+        [row] = e.value.rows
+        assert row["ok"] is False and row["reason"].startswith("worker gone: workload chat: no live process")
+        assert row["checkpoint"] is None
+    assert _texts(slack) == [f":skull: Worker chat on local is gone: {row['error']}"]  # once, not per heartbeat
+    fields = [f["text"] for f in slack.requests[0]["body"]["blocks"][1]["fields"]]
+    assert f"*Newest valid checkpoint*\n{ckpt}" in fields
+    assert LocalStore(tmp_path / "store").get_alert("chat")["kind"] == "worker_gone"
+
+    recover(str(fleet), "chat")
+    assert _texts(slack)[1] == f":white_check_mark: chat recovered on local: restored from checkpoint {ckpt}"
+    resolves = [b["text"]["text"] for b in slack.requests[1]["body"]["blocks"]
+                if b.get("text", {}).get("text", "").startswith("*Resolves*")]
+    assert resolves == [f"*Resolves*\n{row['error']}"]
+    assert LocalStore(tmp_path / "store").get_alert("chat") is None
+    heartbeat(str(fleet))                     # running again: nothing to say
+    assert len(slack.requests) == 2
+    # The same failure again is a new incident, not a repeat: it alerts.
+    os.kill(w.pid, signal.SIGKILL)
+    with pytest.raises(HeartbeatFailed):
+        heartbeat(str(fleet))
+    assert len(slack.requests) == 3 and _texts(slack)[2].startswith(":skull: Worker chat on local is gone")
+
+
+def test_worker_restarted_by_hand_resolves_the_gone_alert(tmp_path, prefect_harness, demo_worker, slack):
+    from ckptflow.demo import launch
+    from ckptflow.flows.heartbeat import HeartbeatFailed, heartbeat
+
+    w = demo_worker("chat")
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store", slack=True)
+    heartbeat(str(fleet))
+    w.stop()
+    with pytest.raises(HeartbeatFailed):
+        heartbeat(str(fleet))
+    w.proc = launch.start_worker(w.port, w.pid_file)          # an operator starts it again
+    heartbeat(str(fleet))
+    assert [t.split(":")[1] for t in _texts(slack)] == ["skull", "white_check_mark"]
+    assert _texts(slack)[1] == ":white_check_mark: chat recovered on local: seen running again"
+
+
+def test_recover_refused_on_a_running_worker_alerts_nobody(tmp_path, prefect_harness, demo_worker, slack):
+    from ckptflow.errors import WorkloadRunning
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.recover import recover
+
+    w = demo_worker("chat")
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store", slack=True)
+    heartbeat(str(fleet))
+    with pytest.raises(WorkloadRunning):
+        recover(str(fleet), "chat")
+    assert slack.requests == []
+
+
+def test_slack_texts_are_cut_to_the_limit_with_a_pointer_to_the_flow_run(tmp_path, slack):
+    from ckptflow.alerts import Alerter
+    from ckptflow.fleet import Slack
+
+    a = Alerter(Slack(webhook_url_env="CKPTFLOW_TEST_SLACK_WEBHOOK"), state_dir=tmp_path,
+                prefect_ui_url="http://127.0.0.1:4200")
+    reason = "every valid checkpoint failed its checksums: " + "; ".join(f"ckpt-{i}: sha256 differs" for i in range(400))
+    assert a.send("restore_failed", workload="chat", key=reason, node="n" * 2500, checkpoint=None, reason=reason,
+                  fallback=None, log_tail="criu log line\n" * 400, flow_run_id="1234-abcd")
+    rows = [{"reason": f"driver changed on node {i}: 580.{i} -> 590.{i}"} for i in range(300)]
+    assert a.send("invalidated", workload="api", key="k", node="n", rows=rows, flow_run_id="1234-abcd")
+    assert len(slack.requests) == 2
+    pointer = "_(truncated: the full text is in <http://127.0.0.1:4200/runs/flow-run/1234-abcd|the flow run>)_"
+    cut = 0
+    for req in slack.requests:
+        for b in req["body"]["blocks"]:
+            texts = ([b["text"]["text"]] if b["type"] == "section" and "text" in b else []) + \
+                    [f["text"] for f in b.get("fields", [])]
+            for t in texts:
+                assert len(t) <= 3000
+                if pointer in t:
+                    assert t.endswith(pointer), t[-200:]
+                    cut += 1
+            if b["type"] == "section" and "fields" in b:
+                assert all(len(f["text"]) <= 2000 for f in b["fields"])
+    assert cut >= 3  # the reason, the node field, the invalidation reasons
+    log_block = [b["text"]["text"] for b in slack.requests[0]["body"]["blocks"]
+                 if b.get("text", {}).get("text", "").startswith("*CRIU log tail*")]
+    assert log_block and log_block[0].count("```") == 2
+
+
+def test_alert_state_lives_in_the_bucket_for_every_node(tmp_path, s3, slack):
+    from ckptflow.alerts import Alerter
+    from ckptflow.fleet import Slack
+    from ckptflow.store.s3 import S3Tier
+
+    cfg = Slack(webhook_url_env="CKPTFLOW_TEST_SLACK_WEBHOOK")
+    bucket = s3.bucket("alerts-shared")
+    node_a = Alerter(cfg, state=S3Tier(bucket, endpoint_url=s3.endpoint))
+    node_b = Alerter(cfg, state=S3Tier(bucket, endpoint_url=s3.endpoint))
+    ctx = dict(node="node-a", checkpoint=None, fallback=None, log_tail="", flow_run_id=None)
+    assert node_a.send("restore_failed", workload="chat", key="disk", reason="disk", **ctx)
+    assert not node_b.send("restore_failed", workload="chat", key="disk", reason="disk", **ctx)   # same reason
+    assert node_b.open_alerts()["chat"]["kind"] == "restore_failed"
+    assert node_b.send("restore_failed", workload="chat", key="pid", reason="pid busy", **ctx)  # a new reason
+    assert node_a.resolve("chat", node="node-b", how="restored from checkpoint x", checkpoint="x")
+    assert not node_b.resolve("chat", node="node-b", how="again", checkpoint="x")                # closed already
+    assert node_a.open_alerts() == {}
+    assert [t.split(":")[1] for t in _texts(slack)] == ["rotating_light", "rotating_light", "white_check_mark"]
+    assert not list(tmp_path.rglob(".alerts*"))

@@ -12,7 +12,11 @@ from ckptflow.tasks.node import checkpoint_batch
 
 
 class HeartbeatFailed(RuntimeError):
-    pass
+    """Some checkpoints failed; ``rows`` holds every workload's outcome (the failed ones too)."""
+
+    def __init__(self, message: str, rows: list[dict] | None = None):
+        super().__init__(message)
+        self.rows = rows or []
 
 
 @flow(name="heartbeat", log_prints=True)
@@ -39,5 +43,5 @@ def heartbeat(fleet_file: str, node: str | None = None, workloads: list[str] | N
     failed = [r for r in results if not r["ok"]]
     if failed:
         get_run_logger().error("%d of %d checkpoints failed", len(failed), len(results))
-        raise HeartbeatFailed("; ".join(f"{r['workload']}: {r['error']}" for r in failed))
+        raise HeartbeatFailed("; ".join(f"{r['workload']}: {r['error']}" for r in failed), results)
     return results

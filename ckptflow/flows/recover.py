@@ -6,12 +6,12 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from ckptflow.errors import CheckpointNotFound, ChecksumMismatch, IncompatibleCheckpoint
+from ckptflow.errors import CheckpointNotFound, ChecksumMismatch, IncompatibleCheckpoint, WorkloadRunning
 from ckptflow.flows.steps import run_step, spreader_off
 from ckptflow.render import render
 from ckptflow.tasks.common import open_fleet
 from ckptflow.tasks.common import tier as fleet_tier
-from ckptflow.tasks.verify import alert_restore_failed
+from ckptflow.tasks.verify import alert_recovered, alert_restore_failed
 
 # No checkpoint can come back: these never get better by retrying, so fall back to a cold start.
 _NO_CHECKPOINT = (CheckpointNotFound, ChecksumMismatch, IncompatibleCheckpoint)
@@ -24,8 +24,10 @@ def recover(fleet_file: str, workload: str, node: str | None = None, via_deploym
 
     The restore reads the nearest valid copy: the node's own store, else the S3 tier. A
     corrupt newest checkpoint is passed over for the next valid one; with none left (or an
-    incompatible one) the worker is cold started from its ``start_command``. Either way one
-    Slack alert goes out. Restored on another node, the workload's placement moves there.
+    incompatible one) the worker is cold started from its ``start_command`` and a restore-failed
+    alert opens. A restore posts one "recovered" message, which closes the workload's open alert;
+    a refusal because the worker is running posts nothing. Restored on another node, the
+    workload's placement moves there.
 
     Example:
         >>> recover("deployments/local.yaml", "demo-chat")   # doctest: +SKIP
@@ -48,6 +50,8 @@ def recover(fleet_file: str, workload: str, node: str | None = None, via_deploym
             raise
         _place(fleet, workload, w.node, target, None)
         return {"workload": workload, "node": target, "cold_start": True, **cold}
+    except WorkloadRunning:  # nothing is wrong: no alert, the refusal says why
+        raise
     except Exception as e:
         alert_restore_failed(fleet_file, workload, str(e).splitlines()[0], None, None,
                              getattr(e, "log_tail", ""))
@@ -55,11 +59,13 @@ def recover(fleet_file: str, workload: str, node: str | None = None, via_deploym
             "restore_report.md.j2", workload=workload, node=target, result=None,
             error=str(e).splitlines()[0], skipped=[]))
         raise
-    if res["skipped"]:
-        same = any(s["id"] == res["checkpoint"] for s in res["skipped"])  # a bad node copy, a good S3 one
-        alert_restore_failed(fleet_file, workload, "; ".join(s["reason"] for s in res["skipped"]),
-                             res["skipped"][0]["id"],
-                             f"{'the S3 copy of' if same else 'older'} checkpoint {res['checkpoint']}")
+    if any(s["id"] == res["checkpoint"] for s in res["skipped"]):  # a bad node copy, a good bucket one
+        how = f"restored from the bucket copy of checkpoint {res['checkpoint']} (this node's copy failed its checks)"
+    elif res["skipped"]:
+        how = f"restored from older checkpoint {res['checkpoint']} (newer ones failed their checks)"
+    else:
+        how = f"restored from checkpoint {res['checkpoint']}"
+    alert_recovered(fleet_file, workload, target, how, res["checkpoint"], res["skipped"])
     _place(fleet, workload, w.node, target, res["checkpoint"])
     create_markdown_artifact(key=f"restore-{workload}",
                              markdown=render("restore_report.md.j2", workload=workload, node=target,

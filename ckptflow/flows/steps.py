@@ -42,10 +42,16 @@ def run_step(node: str, action: str, fleet_file: str, workload: str, checkpoint:
                      + (f": {fr.state.message}" if fr.state and fr.state.message else ""))
 
 
-def spreader_off(fleet, node: str):
-    """Where the workloads of ``node`` may go: every other node of its GPU class (policies.placement)."""
-    from ckptflow.policies.placement import NodeState, Spreader
+def spreader_off(fleet, node: str, now: float | None = None):
+    """Where the workloads of ``node`` may go: every other node of its GPU class that is not in
+    (or about to enter) a maintenance window of its own (policies.placement)."""
+    import time
 
+    from ckptflow.policies.placement import NodeState, Spreader, in_maintenance
+
+    now = time.time() if now is None else now
     src = fleet.node(node)
-    return Spreader(src.gpu_class, [NodeState(n.name, n.gpu_class, free_gib=n.gpu_memory_gib or 1e9)
-                                    for n in fleet.nodes if n.name != node])
+    return Spreader(src.gpu_class, [
+        NodeState(n.name, n.gpu_class, free_gib=n.gpu_memory_gib or 1e9,
+                  in_maintenance=in_maintenance([(w.start.timestamp(), w.end.timestamp()) for w in n.maintenance], now))
+        for n in fleet.nodes if n.name != node])

@@ -67,6 +67,7 @@ class WorkloadFacts:
     now: float = 0.0
     maintenance: list[tuple[float, float]] = field(default_factory=list)
     unsupported: str | None = None             # why the worker, as started, cannot be checkpointed
+    gone: str | None = None                    # why its process cannot be found: the worker is lost
 
 
 def young_interval(c: float, m: float) -> float:
@@ -212,6 +213,8 @@ def decide(f: WorkloadFacts, policy: str = "cost-based", params: dict | None = N
         fn = POLICIES[policy]
     except KeyError:
         raise KeyError(f"unknown policy {policy!r}; known: {', '.join(sorted(POLICIES))}") from None
+    if f.gone:  # whatever the policy: nothing runs to checkpoint, and what ran is lost until recovered
+        return Decision(workload=f.name, action=Action.skip, reason=f"worker gone: {f.gone}")
     if f.unsupported:  # whatever the policy: a checkpoint it cannot take is no protection
         return Decision(workload=f.name, action=Action.skip, reason=f"cannot be checkpointed: {f.unsupported}")
     return fn(f, params or {}, cost or _DEFAULT_COST)

@@ -20,6 +20,23 @@ class NodeState:
     fingerprint_class: str | None = None
 
 
+# A node whose window opens within this long after a move would make the workload move again
+# right away: its own heartbeat decides "drain" from 15 min before the window (cadence's lead),
+# and a move plus the checks after it take minutes.
+MAINTENANCE_HORIZON_S = 3600.0
+
+
+def in_maintenance(windows: list[tuple[float, float]], now: float, horizon_s: float = MAINTENANCE_HORIZON_S) -> bool:
+    """Whether a node with these (start, end) windows (epoch seconds) is in one now, or one
+    starts within ``horizon_s``: no place to move work to.
+
+    Example:
+        >>> in_maintenance([(1000.0, 2000.0)], now=500.0, horizon_s=600)
+        True
+    """
+    return any(start - horizon_s <= now < end for start, end in windows)
+
+
 @dataclass(slots=True)
 class Placement:
     node: str | None
@@ -41,7 +58,8 @@ def place(footprint_gib: float, gpu_class: str, nodes: list[NodeState], *, exclu
         elif fingerprint_class and n.fingerprint_class and n.fingerprint_class != fingerprint_class:
             why.append(f"{n.name}: fingerprint class differs")
         elif n.in_maintenance:
-            why.append(f"{n.name}: in maintenance")
+            why.append(f"{n.name}: in maintenance, or a window of its own starts within "
+                       f"{MAINTENANCE_HORIZON_S / 3600:g} h")
         elif n.free_gib < need:
             why.append(f"{n.name}: {n.free_gib:.0f} GiB free < {need:.0f} GiB needed")
         else:

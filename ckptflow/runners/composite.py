@@ -25,9 +25,9 @@ from pathlib import Path
 
 import logging
 
-from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError, IncompatibleCheckpoint,
-                             RestoreFailed, StorageUnavailable, UndeclaredProcess, UnsupportedWorkload,
-                             WorkloadNotFound)
+from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError, CudaCheckpointError,
+                             IncompatibleCheckpoint, RestoreFailed, StorageUnavailable, UndeclaredProcess,
+                             UnsupportedWorkload, WorkloadBusy, WorkloadNotFound, WorkloadRunning)
 from ckptflow.fleet import Node
 from ckptflow.models import CheckpointState, Fingerprint, Manifest, Workload
 from ckptflow.policies.cadence import WorkloadFacts
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from ckptflow.runners.cuda import CudaRunner
 
 HEALTH_TIMEOUT_S = 60
+PREPARE_TIMEOUT_S = 60  # a quiesce waits for the request in flight (a long generation) to finish
 log = logging.getLogger("ckptflow")
 
 
@@ -130,6 +131,11 @@ def tp_unsupported(w: Workload, pids: list[int] | None = None) -> str | None:
 def collect_facts(w: Workload, node: Node, store: LocalStore, now: float | None = None) -> WorkloadFacts:
     """Everything the cadence policy may know about ``w`` right now (metrics, store, fleet file)."""
     now = time.time() if now is None else now
+    try:
+        process.resolve(w)
+        gone = None
+    except (WorkloadNotFound, UndeclaredProcess) as e:  # no metrics either: without this it read as "nothing new"
+        gone = e.message
     load = read_load(w)
     live = 0.0
     if load is not None:
@@ -163,7 +169,7 @@ def collect_facts(w: Workload, node: Node, store: LocalStore, now: float | None 
         newest_invalidated=bool(newest) and newest[0].state == CheckpointState.invalidated,
         mean_request_s=load.mean_request_s if load else None, now=now,
         maintenance=[(mw.start.timestamp(), mw.end.timestamp()) for mw in node.maintenance],
-        unsupported=tp_unsupported(w) if w.gpu else None)
+        unsupported=tp_unsupported(w) if w.gpu else None, gone=gone)
 
 
 def wait_url(url: str, timeout_s: float, proc=None) -> float:
@@ -214,9 +220,21 @@ class NodeRunner:
     def __init__(self, store: LocalStore, criu: CriuRunner | None = None, cuda: "CudaRunner | None" = None,
                  node_fp: Fingerprint | None = None):
         self.store = store
+        self._own_criu = criu is None  # a runner passed in belongs to the caller, who closes it
         self.criu = criu or CriuRunner()
         self._cuda = cuda
         self._node_fp = node_fp
+
+    def __enter__(self) -> "NodeRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove what this runner's CRIU calls left in its temporary directory (logs, pid files)."""
+        if self._own_criu:
+            self.criu.close()
 
     @property
     def node_fp(self) -> Fingerprint:
@@ -257,18 +275,15 @@ class NodeRunner:
         if why:  # before the prepare hook and any lock: nothing touched
             raise UnsupportedWorkload(f"workload {w.name} (tensor_parallel: {w.tensor_parallel}) cannot be "
                                       f"checkpointed: {why}", fix=TP_FIX)
-        if w.prepare_url:
-            t0 = time.perf_counter()
-            try:
-                req = urllib.request.Request(w.prepare_url, data=b"{}", headers={"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=30) as r:
-                    r.read()
-            except (urllib.error.URLError, OSError):
-                pass  # an optimisation only: the checkpoint is correct without it
-            t["prepare"] = time.perf_counter() - t0
+        quiesced = self._prepare(w, t, tp=len(pids) > 1)
         footprints = {pid: process_gpu_bytes([pid]) for pid in pids}
         t0 = time.perf_counter()
-        procs = self.cuda.lock(pids, footprints)
+        try:
+            procs = self.cuda.lock(pids, footprints)
+        except CudaCheckpointError as e:  # the lock undid itself; say what each rank was doing
+            ranks = _rank_states(quiesced.get("ranks_url"))
+            _resume(w)
+            raise CudaCheckpointError(f"{e}" + (f"\n  ranks: {ranks}" if ranks else ""), fix=e.fix) from e
         t["lock"] = time.perf_counter() - t0
         try:
             t0 = time.perf_counter()
@@ -283,17 +298,37 @@ class NodeRunner:
                 t0 = time.perf_counter()
                 self.cuda.unlock(procs)
                 t["unlock"] = time.perf_counter() - t0
+                _resume(w)
         except BaseException as e:
             if process.pid_alive(proc.pid):
                 stuck = self.cuda.unlock_all(procs)
+                _resume(w)
                 if stuck:
-                    from ckptflow.errors import CudaCheckpointError
-
                     raise CudaCheckpointError(f"{e}\n  and the worker could not be unlocked: {'; '.join(stuck)}",
                                               fix="see the stuck state above; the worker may need a restart") from e
             raise
         t["pause"] = sum(v for k, v in t.items() if k != "prepare")  # prepare runs while serving
         return res.pid, {k: round(v, 4) for k, v in t.items()}, sum(footprints.values()), pids
+
+    @staticmethod
+    def _prepare(w: Workload, t: dict, tp: bool) -> dict:
+        """POST the engine's prepare hook. For one GPU process it only frees cached memory and may
+        fail harmlessly; a tensor-parallel group must be quiesced (no collective in flight on
+        any rank) or its lock cannot succeed, so there a failure stops the checkpoint here."""
+        if not w.prepare_url:
+            return {}
+        t0 = time.perf_counter()
+        try:
+            req = urllib.request.Request(w.prepare_url, data=b"{}", headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=PREPARE_TIMEOUT_S) as r:
+                answer = json.loads(r.read() or b"{}")
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            if tp:
+                raise WorkloadBusy(f"workload {w.name}: its ranks could not be quiesced before the CUDA lock: "
+                                   f"{_http_reason(e)}", fix="retry later; the worker keeps serving") from e
+            answer = {}  # an optimisation only: the checkpoint is correct without it
+        t["prepare"] = time.perf_counter() - t0
+        return answer if isinstance(answer, dict) else {}
 
     def checkpoint(self, w: Workload, *, leave_running: bool = True, kind: str | None = None) -> Manifest:
         """Dump ``w`` into the store and commit its manifest.
@@ -328,7 +363,7 @@ class NodeRunner:
                                  gpu_footprint_bytes=footprint, gpu_pids=gpu_pids,
                                  fingerprint=workload_fingerprint(w, self.node_fp))
 
-    def _restore_gpu(self, pid: int, m: Manifest, gpu_pairs: list[tuple[str, str]] | None) -> dict:
+    def _restore_gpu(self, w: Workload, pid: int, m: Manifest, gpu_pairs: list[tuple[str, str]] | None) -> dict:
         """CUDA restore (optionally remapping GPU UUIDs) and unlock of a CRIU-restored worker."""
         from ckptflow.runners.cuda import CudaProcess, ProcessState, cuda_pids
 
@@ -339,7 +374,11 @@ class NodeRunner:
         self.cuda.restore(procs, footprint_bytes=m.gpu_footprint_bytes, gpu_pairs=gpu_pairs)
         t1 = time.perf_counter()
         self.cuda.unlock(procs)
-        return {"cuda_restore": round(t1 - t0, 4), "unlock": round(time.perf_counter() - t1, 4)}
+        t2 = time.perf_counter()
+        # The image was taken while the engine was quiesced: the restored copy is held too.
+        _resume(w)
+        return {"cuda_restore": round(t1 - t0, 4), "unlock": round(t2 - t1, 4),
+                "resume": round(time.perf_counter() - t2, 4)}
 
     def restore(self, w: Workload, *, manifest: Manifest | None = None, fallback: bool = True,
                 gpu_pairs: list[tuple[str, str]] | None = None,
@@ -403,7 +442,7 @@ class NodeRunner:
                 self.criu.wait_pid_free(p)
             live = None
         if live is not None:
-            raise RestoreFailed(f"workload {w.name} is running (PID {live.pid}); refusing to restore over it",
+            raise WorkloadRunning(f"workload {w.name} is running (PID {live.pid}); refusing to restore over it",
                                 fix="stop it first, or use a sandbox restore (verify) to test a checkpoint")
         skipped: list[dict] = []
         candidates = iter([(manifest, {}, 0)]) if manifest else self._candidates(w, tier, skipped, overrides)
@@ -424,7 +463,7 @@ class NodeRunner:
                     raise
                 continue
             if w.gpu:
-                timings.update(self._restore_gpu(pid, m, gpu_pairs))
+                timings.update(self._restore_gpu(w, pid, m, gpu_pairs))
             if w.find.pid_file:
                 _write_pid_file(Path(w.find.pid_file), pid)
             timings["health"] = round(wait_healthy(w), 4)
@@ -489,6 +528,37 @@ class NodeRunner:
             bad = sorted(k for k in set(want) | set(got or {}) if (got or {}).get(k) != want.get(k))
             raise RestoreFailed(f"workload {w.name}: restored from {m.id} but sessions differ from the "
                                 f"checkpoint: {', '.join(bad[:5])}", fix="mark the checkpoint bad and run verify")
+
+
+def _http_reason(e: Exception) -> str:
+    if isinstance(e, urllib.error.HTTPError):
+        try:
+            return f"HTTP {e.code}: {json.loads(e.read()).get('error', '')}"
+        except (ValueError, OSError, AttributeError):
+            return f"HTTP {e.code}"
+    return str(e)
+
+
+def _resume(w: Workload) -> None:
+    """Let a quiesced engine serve again (best effort: its own hold timeout is the backstop)."""
+    if not w.resume_url:
+        return
+    try:
+        req = urllib.request.Request(w.resume_url, data=b"{}", headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            r.read()
+    except (urllib.error.URLError, OSError) as e:
+        log.warning("workload %s: resume failed (%s); it serves again when its hold times out", w.name, e)
+
+
+def _rank_states(url: str | None) -> str:
+    """What each rank says it is doing (the engine's own view), for a lock that timed out."""
+    if not url:
+        return ""
+    try:
+        return "; ".join(r.get("describe", str(r)) for r in _get_json(url, timeout_s=5).get("ranks", []))
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return f"(rank states unavailable: {e})"
 
 
 def _write_pid_file(path: Path, pid: int) -> None:

@@ -19,6 +19,7 @@ Facts this module relies on (measured, see README "CRIU"):
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,13 +103,47 @@ class CriuRunner:
         self.criu_bin = criu_bin or os.environ.get("CKPTFLOW_CRIU") or "criu"
         self.timeout_s = timeout_s
         self.pid_free_timeout_s = pid_free_timeout_s
-        self._own_tmp = tempfile.mkdtemp(prefix="ckptflow-criu-")
-        self.plugin_dir = Path(self._own_tmp) / "no-plugins"
-        self.plugin_dir.mkdir(mode=0o700)
-        self.log_dir = Path(log_dir) if log_dir else Path(self._own_tmp)
+        self._log_dir = Path(log_dir) if log_dir else None
+        self._own_tmp: Path | None = None
+        self._finalizer: weakref.finalize | None = None
         # How CRIU keeps peers quiet around established TCP: nftables (default), iptables, or
         # skip — safe only when every peer is inside the dumped tree (a TP worker's ranks).
         self.network_lock = os.environ.get("CKPTFLOW_CRIU_NETWORK_LOCK", "nftables")
+        # Unlinked files still mapped go into the image ("ghost files"); CRIU refuses those over
+        # 1 MiB by default, and NCCL maps a deleted 33 MiB /dev/shm segment per rank (measured
+        # with NCCL_SHM_DISABLE=1 on two H200s), as does the TP worker's command ring (4 KiB).
+        self.ghost_limit = os.environ.get("CKPTFLOW_CRIU_GHOST_LIMIT", "256M")
+
+    def __enter__(self) -> "CriuRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _tmp(self) -> Path:
+        """This runner's private directory (CRIU logs, pid files, the empty plugin directory).
+
+        Made on first use, so that a runner built only to read CRIU's version leaves nothing;
+        removed by close(), or when the runner is collected or the interpreter exits; a
+        directory whose process was killed is removed by the next runner that makes its own.
+        """
+        if self._own_tmp is None or not self._own_tmp.is_dir():
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            _remove_orphans()
+            self._own_tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-"))
+            self._finalizer = weakref.finalize(self, _remove_tmp, str(self._own_tmp), os.getpid())
+        return self._own_tmp
+
+    @property
+    def log_dir(self) -> Path:
+        return self._log_dir or self._tmp()
+
+    @property
+    def plugin_dir(self) -> Path:
+        d = self._tmp() / "no-plugins"
+        d.mkdir(mode=0o700, exist_ok=True)
+        return d
 
     # --- prerequisites -----------------------------------------------------------------
     def version(self) -> tuple[int, ...]:
@@ -181,9 +217,13 @@ class CriuRunner:
         proc = recheck(workload, proc) if proc else resolve(workload)
         images_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         log = self.log_dir / f"dump-{workload.name}-{proc.pid}-{time.time_ns()}.log"
-        args = ["dump", "-t", str(proc.pid), *self._common(images_dir, log, workload.tcp_established)]
+        args = ["dump", "-t", str(proc.pid), *self._common(images_dir, log, workload.tcp_established),
+                "--ghost-limit", self.ghost_limit]
         if leave_running:
             args.append("--leave-running")
+        # Kept beside the image: a restore on this node frees these ports of the dead worker's
+        # orphaned connections first, instead of discovering them one failed attempt at a time.
+        (images_dir / LISTEN_PORTS_FILE).write_text(json.dumps({"listen_ports": sorted(listen_ports(proc.pid))}))
         seconds = self._run(args, log, timeout_s, "dump")
         return DumpResult(pid=proc.pid, seconds=seconds, log=log)
 
@@ -211,15 +251,46 @@ class CriuRunner:
         ``leave_stopped`` leaves the tree in SIGSTOP: nothing of it runs until the caller sends
         SIGCONT (after the image's checksums, verified in parallel, came out right).
         """
-        self.wait_pid_free(old_pid)
-        log = self.log_dir / f"restore-{old_pid}-{time.time_ns()}.log"
-        pidfile = self.log_dir / f"restore-{old_pid}-{time.time_ns()}.pid"
-        args = ["restore", "-d", "--pidfile", str(pidfile),
-                *self._common(images_dir, log, tcp_established)]
-        if leave_stopped:
-            args.append("--leave-stopped")
-        self._run(args, log, timeout_s, "restore")
-        return int(pidfile.read_text().strip())
+        freed: set[int] = set()
+        ss = self._ss()
+        try:
+            recorded = set(json.loads((images_dir / LISTEN_PORTS_FILE).read_text())["listen_ports"])
+        except (OSError, ValueError, KeyError):
+            recorded = set()
+        if recorded:
+            close_orphans(recorded, ss)
+        fork_wait_s = 0.0
+        while True:
+            self.wait_pid_free(old_pid)
+            log = self.log_dir / f"restore-{old_pid}-{time.time_ns()}.log"
+            pidfile = self.log_dir / f"restore-{old_pid}-{time.time_ns()}.pid"
+            args = ["restore", "-d", "--pidfile", str(pidfile),
+                    *self._common(images_dir, log, tcp_established)]
+            if leave_stopped:
+                args.append("--leave-stopped")
+            try:
+                self._run(args, log, timeout_s, "restore")
+                return int(pidfile.read_text().strip())
+            except CriuError:
+                # A listening port of the image still has TIME_WAIT connections of the dead
+                # worker (NCCL's bootstrap listeners, measured on two H200s): free them, retry.
+                ports = busy_listen_ports(log) - freed
+                if ports:
+                    release_time_wait(ports, ss=ss)
+                    freed |= ports
+                    continue
+                # The tasks our own failed attempt created are killed, but their PIDs can stay
+                # allocated a moment after /proc lets go of them (seen on the H200s).
+                if freed and fork_wait_s < 10 and "Can't fork for" in _read(log):
+                    time.sleep(0.25)
+                    fork_wait_s += 0.25
+                    continue
+                raise
+
+    def _ss(self) -> str | None:
+        """iproute2's ss: on PATH, or beside the criu binary (the relocatable bundle)."""
+        beside = Path(shutil.which(self.criu_bin) or self.criu_bin).parent / "ss"
+        return shutil.which("ss") or (str(beside) if beside.exists() else None)
 
     def restore_beside(self, images_dir: Path, *, netns: str | None = None,
                        timeout_s: float | None = None) -> SandboxCopy:
@@ -246,7 +317,26 @@ class CriuRunner:
         return SandboxCopy(pid=pid, init_pid=ppid, netns=netns)
 
     def close(self) -> None:
-        shutil.rmtree(self._own_tmp, ignore_errors=True)
+        """Remove this runner's private directory; the runner stays usable (it makes a new one)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._own_tmp = self._finalizer = None
+
+
+TMP_PREFIX = "ckptflow-criu-"  # + the owner's PID, so a killed owner's directory can be told apart
+
+
+def _remove_tmp(path: str, owner: int) -> None:
+    if os.getpid() == owner:  # a forked child must not remove its parent's directory
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_orphans() -> None:
+    """Remove the private directories of runners whose process is gone (killed mid-call)."""
+    for d in Path(tempfile.gettempdir()).glob(f"{TMP_PREFIX}*-*"):
+        pid = d.name[len(TMP_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)) and d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _fix_for(log_tail: str) -> str | None:
@@ -270,3 +360,113 @@ def _fix_for(log_tail: str) -> str | None:
         if needle in log_tail:
             return fix
     return None
+
+
+_RESTORE_SOCK = re.compile(r"^\(\S+\)\s+(\d+): inet: \s*Restore: .* port (\d+) state TCP_LISTEN")
+_BIND_BUSY = re.compile(r"^\(\S+\)\s+(\d+): Error .*Can't bind inet socket.*Address already in use")
+TIME_WAIT_S = 65  # Linux keeps TIME_WAIT for 60 s (TCP_TIMEWAIT_LEN)
+LISTEN_PORTS_FILE = "ckptflow-listen-ports.json"
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def busy_listen_ports(log: Path) -> set[int]:
+    """Listening ports a failed restore could not bind because they were in use."""
+    last: dict[str, int] = {}
+    busy = set()
+    for line in _read(log).splitlines():
+        m = _RESTORE_SOCK.match(line)
+        if m:
+            last[m.group(1)] = int(m.group(2))
+            continue
+        m = _BIND_BUSY.match(line)
+        if m and m.group(1) in last:
+            busy.add(last[m.group(1)])
+    return busy
+
+
+def _port_states(ports: set[int]) -> dict[int, set[str]]:
+    """TCP states (hex, /proc/net/tcp) of this host's sockets bound to ``ports``."""
+    out: dict[int, set[str]] = {p: set() for p in ports}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            port = int(f[1].rsplit(":", 1)[1], 16)
+            if port in out:
+                out[port].add(f[3])
+    return out
+
+
+def listen_ports(root_pid: int) -> set[int]:
+    """TCP ports the process tree of ``root_pid`` listens on (its own network namespace)."""
+    pids, todo = [], [root_pid]
+    while todo:
+        p = todo.pop()
+        pids.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    inodes = set()
+    for p in pids:
+        for fd in Path(f"/proc/{p}/fd").glob("*"):
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = Path(f"/proc/{root_pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if f[3] == "0A" and f[9] in inodes:
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+_ORPHAN_STATES = ("time-wait", "fin-wait-1", "fin-wait-2", "last-ack", "closing")
+
+
+def close_orphans(ports: set[int], ss: str | None) -> None:
+    """Close connections on ``ports`` that no process owns any more (a dead worker's), if ss can."""
+    if not ss or not ports:
+        return
+    flt = " or ".join(f"sport = :{p}" for p in sorted(ports))
+    for state in _ORPHAN_STATES:
+        subprocess.run([ss, "-K", "-tan", "state", state, f"( {flt} )"], capture_output=True, timeout=10)
+
+
+def release_time_wait(ports: set[int], ss: str | None, timeout_s: float = TIME_WAIT_S) -> None:
+    """Close the TIME_WAIT connections left on ``ports`` by a dead process (``ss -K``), or wait
+    for the kernel to expire them. A port held by a live socket is an error: not ours to free.
+
+    Raises:
+        CriuError: a port is in use by a live socket, or still busy after ``timeout_s``.
+    """
+    owned = {"01", "08", "0A"}  # ESTABLISHED, CLOSE_WAIT, LISTEN: a live process holds them
+    live = {p: st & owned for p, st in _port_states(ports).items() if st & owned}
+    if live:
+        raise CriuError(f"listening port(s) {sorted(live)} of the image are held by live sockets on this node",
+                        cmd=[], fix="stop the process holding them, or restore on another node")
+    close_orphans(ports, ss)
+    deadline = time.monotonic() + timeout_s
+    while any(_port_states(ports).values()):
+        if time.monotonic() > deadline:
+            raise CriuError(f"listening port(s) {sorted(ports)} still busy after {timeout_s:.0f} s", cmd=[],
+                            fix="retry the restore in a minute")
+        time.sleep(0.2)

@@ -288,6 +288,26 @@ class LocalStore:
     def drop_replica(self, workload: str, netns: str) -> None:
         (self.root / ".replicas" / _check_name(workload) / f"{_check_name(netns)}.json").unlink(missing_ok=True)
 
+    # --- open alerts, one per workload (ckptflow.alerts; an S3 fleet keeps them in the bucket) --
+    def put_alert(self, workload: str, alert: dict) -> None:
+        d = self.root / ".alerts"
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_json_atomic(d / f"{_check_name(workload)}.json", json.dumps(alert))
+
+    def get_alert(self, workload: str) -> dict | None:
+        try:
+            return json.loads((self.root / ".alerts" / f"{_check_name(workload)}.json").read_text())
+        except FileNotFoundError:
+            return None
+
+    def drop_alert(self, workload: str) -> None:
+        (self.root / ".alerts" / f"{_check_name(workload)}.json").unlink(missing_ok=True)
+
+    def alerts(self) -> dict[str, dict]:
+        """workload -> its open alert."""
+        d = self.root / ".alerts"
+        return {p.stem: json.loads(p.read_text()) for p in d.glob("*.json")} if d.exists() else {}
+
     def delete(self, m: Manifest) -> None:
         """Delete one checkpoint: manifest first, so a crash never leaves a listed checkpoint
         without its bytes."""

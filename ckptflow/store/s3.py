@@ -280,6 +280,35 @@ class S3Tier:
 
         return {w: json.loads(body)["node"] for w, body in self._bodies("placements").items()}
 
+    # --- open alerts, one per workload: every node sees (and resolves) the same state ---------
+    def put_alert(self, workload: str, alert: dict) -> None:
+        import json
+
+        self._call("put alert", self.s3.put_object, Bucket=self.bucket,
+                   Key=self._key("alerts", f"{_check_name(workload)}.json"), Body=json.dumps(alert).encode(),
+                   **self._put_kw())
+
+    def get_alert(self, workload: str) -> dict | None:
+        import json
+
+        from botocore.exceptions import ClientError
+
+        try:
+            body = self._call("get alert", self.s3.get_object, Bucket=self.bucket,
+                              Key=self._key("alerts", f"{_check_name(workload)}.json"))["Body"].read()
+        except ClientError:  # NoSuchKey: no alert open
+            return None
+        return json.loads(body)
+
+    def drop_alert(self, workload: str) -> None:
+        self._delete(self._key("alerts", f"{_check_name(workload)}.json"))
+
+    def alerts(self) -> dict[str, dict]:
+        """workload -> its open alert."""
+        import json
+
+        return {w: json.loads(body) for w, body in self._bodies("alerts").items()}
+
     # --- node fingerprints: every node reports here, invalidate reads them all --------------
     def put_node_fingerprint(self, node: str, fp) -> None:
         _check_name(node)

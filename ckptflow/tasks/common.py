@@ -80,8 +80,11 @@ def fingerprints(fleet: Fleet, s3=None):
     return s3 or tier(fleet) or open_store(fleet.storage)
 
 
-def alerter(fleet: Fleet) -> Alerter:
-    return Alerter(fleet.slack, state_dir=Path(fleet.storage.path), prefect_ui_url=fleet.prefect_ui_url)
+def alerter(fleet: Fleet, s3=None) -> Alerter:
+    """The fleet's alerter; open alerts live where every node sees them: the S3 tier of an S3
+    fleet (``s3`` if the caller opened it already), else the fleet's local store root."""
+    return Alerter(fleet.slack, state=s3 or tier(fleet) or open_store(fleet.storage),
+                   prefect_ui_url=fleet.prefect_ui_url)
 
 
 def retry_if_retryable(task, task_run, state) -> bool:

@@ -27,10 +27,10 @@ def migrate_out(fleet_file: str, workload: str) -> dict:
     fleet = open_fleet(fleet_file)
     tier = _tier(fleet)
     node = fleet.workload(workload).node
-    runner = node_runner(fleet, node)
-    with node_slot(node):
-        m = runner.checkpoint(fleet.workload(workload), leave_running=False)
-    pushed = tier.push(runner.store, m)
+    with node_runner(fleet, node) as runner:
+        with node_slot(node):
+            m = runner.checkpoint(fleet.workload(workload), leave_running=False)
+        pushed = tier.push(runner.store, m)
     return {"checkpoint": m.id, "bytes": m.bytes, "timings": m.timings, **pushed}
 
 
@@ -39,18 +39,17 @@ def migrate_in(fleet_file: str, workload: str, node: str, checkpoint: str) -> di
     fleet = open_fleet(fleet_file)
     fleet.node(node)
     w = fleet.workload(workload).model_copy(update={"node": node})
-    runner = node_runner(fleet, node)
-    m, pulled = _tier(fleet).pull(runner.store, workload, checkpoint, node)
-    with node_slot(node):
-        res = runner.restore(w, manifest=m, fallback=False)
+    with node_runner(fleet, node) as runner:
+        m, pulled = _tier(fleet).pull(runner.store, workload, checkpoint, node)
+        with node_slot(node):
+            res = runner.restore(w, manifest=m, fallback=False)
     return {"checkpoint": m.id, "pid": res.pid, "timings": res.timings, **pulled}
 
 
 @task(name="restore-local")
 def restore_local(fleet_file: str, workload: str, node: str, checkpoint: str) -> dict:
     fleet = open_fleet(fleet_file)
-    runner = node_runner(fleet, node)
-    with node_slot(node):
+    with node_runner(fleet, node) as runner, node_slot(node):
         res = runner.restore(fleet.workload(workload), manifest=runner.store.get(workload, checkpoint),
                              fallback=False)
     return {"checkpoint": checkpoint, "pid": res.pid, "timings": res.timings}
@@ -79,10 +78,10 @@ def take_template(fleet_file: str, workload: str) -> dict:
     replicas start from it with warm weights and graphs (scale_up)."""
     fleet = open_fleet(fleet_file)
     w = fleet.workload(workload)
-    runner = node_runner(fleet, w.node)
-    with node_slot(w.node):
-        m = runner.checkpoint(w, leave_running=True, kind="template")
-    pushed = _tier(fleet).push(runner.store, m)
+    with node_runner(fleet, w.node) as runner:
+        with node_slot(w.node):
+            m = runner.checkpoint(w, leave_running=True, kind="template")
+        pushed = _tier(fleet).push(runner.store, m)
     return {"checkpoint": m.id, "bytes": m.bytes, **pushed}
 
 
@@ -94,13 +93,13 @@ def scale_up_in(fleet_file: str, workload: str, node: str, checkpoint: str) -> d
 
     fleet = open_fleet(fleet_file)
     w = fleet.workload(workload).model_copy(update={"node": node})
-    runner = node_runner(fleet, node)
     t0 = time.perf_counter()
-    m, pulled = _tier(fleet).pull(runner.store, workload, checkpoint, node)
-    runner.gate(w, m)
-    runner.store.verify_bytes(m)
-    ns = new_netns(f"ckr-{workload[:6]}")
-    copy = runner.criu.restore_beside(runner.store.images_dir(m), netns=ns)
+    with node_runner(fleet, node) as runner:
+        m, pulled = _tier(fleet).pull(runner.store, workload, checkpoint, node)
+        runner.gate(w, m)
+        runner.store.verify_bytes(m)
+        ns = new_netns(f"ckr-{workload[:6]}")
+        copy = runner.criu.restore_beside(runner.store.images_dir(m), netns=ns)
     got = probe_in_netns(ns, w)
     if "error" in got:
         copy.stop()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from prefect import get_run_logger, task
+from prefect.runtime import flow_run
 
 from ckptflow.errors import CkptflowError
 from ckptflow.models import Action
 from ckptflow.policies.cadence import decide
 from ckptflow.runners.composite import collect_facts
-from ckptflow.tasks.common import fingerprints, node_runner, node_slot, open_fleet, retry_if_retryable
+from ckptflow.tasks.common import alerter, fingerprints, node_runner, node_slot, open_fleet, retry_if_retryable
 from ckptflow.tasks.common import tier as fleet_tier
 
 
@@ -22,40 +23,53 @@ def checkpoint_batch(fleet_file: str, node: str, workloads: list[str], force: bo
     """
     log = get_run_logger()
     fleet = open_fleet(fleet_file)
-    runner = node_runner(fleet, node)
-    node_cfg = fleet.node(node)
-    tier = fleet_tier(fleet)
-    fingerprints(fleet, tier).put_node_fingerprint(node, runner.node_fp)  # keeps what invalidate reads fresh
-    out = []
-    for name in workloads:
-        w = fleet.workload(name)
-        rule = fleet.rule_for(w)
-        d = decide(collect_facts(w, node_cfg, runner.store), rule.policy if rule else "cost-based",
-                   rule.params if rule else {})
-        row = {"workload": name, "node": node, "decision": d.action.value, "reason": d.reason}
-        if not (force or (d.due and d.action in (Action.protect, Action.checkpoint_now))):
-            log.info("%s: %s (%s)", name, d.action.value, d.reason)
-            out.append({**row, "ok": True, "checkpoint": None})
-            continue
-        if force:
-            row["reason"] = f"forced (policy said {d.action.value}: {d.reason})"
-        try:
-            with node_slot(node):
-                m = runner.checkpoint(w, leave_running=True)
-        except CkptflowError as e:
-            log.error("checkpoint of %s failed: %s", name, e)
-            out.append({**row, "ok": False, "error": str(e).splitlines()[0], "error_type": type(e).__name__})
-            continue
-        log.info("checkpoint %s of %s: %.1f MiB, dump %.2f s", m.id, name, m.bytes / 2**20, m.timings["dump"])
-        pushed = {}
-        if tier is not None:
+    with node_runner(fleet, node) as runner:
+        node_cfg = fleet.node(node)
+        tier = fleet_tier(fleet)
+        fingerprints(fleet, tier).put_node_fingerprint(node, runner.node_fp)  # keeps what invalidate reads fresh
+        alerts = alerter(fleet, tier)
+        gone_alerts = {k for k, a in alerts.open_alerts().items() if a.get("kind") == "worker_gone"}
+        out = []
+        for name in workloads:
+            w = fleet.workload(name)
+            rule = fleet.rule_for(w)
+            facts = collect_facts(w, node_cfg, runner.store)
+            d = decide(facts, rule.policy if rule else "cost-based", rule.params if rule else {})
+            row = {"workload": name, "node": node, "decision": d.action.value, "reason": d.reason}
+            if facts.gone:
+                log.error("%s: %s", name, d.reason)
+                newest = next(runner.store.valid(name), None)
+                alerts.send("worker_gone", workload=name, key=facts.gone, node=node, reason=facts.gone,
+                            checkpoint=newest.id if newest else None, flow_run_id=flow_run.get_id())
+                out.append({**row, "ok": False, "checkpoint": None, "error": facts.gone,
+                            "error_type": "WorkloadNotFound"})
+                continue
+            if name in gone_alerts:  # restarted by someone else: the worker-gone alert is over
+                alerts.resolve(name, kinds={"worker_gone"}, node=node, how="seen running again",
+                               flow_run_id=flow_run.get_id())
+            if not (force or (d.due and d.action in (Action.protect, Action.checkpoint_now))):
+                log.info("%s: %s (%s)", name, d.action.value, d.reason)
+                out.append({**row, "ok": True, "checkpoint": None})
+                continue
+            if force:
+                row["reason"] = f"forced (policy said {d.action.value}: {d.reason})"
             try:
-                pushed = tier.push(runner.store, m)
-            except CkptflowError as e:  # the local copy stands; the next heartbeat pushes again
-                log.error("upload of %s to S3 failed: %s", m.id, e)
-                pushed = {"upload_error": str(e).splitlines()[0]}
-        out.append({**row, "ok": True, "checkpoint": m.id, "bytes": m.bytes, **pushed,
-                    **{f"{k}_s": v for k, v in m.timings.items()}})
+                with node_slot(node):
+                    m = runner.checkpoint(w, leave_running=True)
+            except CkptflowError as e:
+                log.error("checkpoint of %s failed: %s", name, e)
+                out.append({**row, "ok": False, "error": str(e).splitlines()[0], "error_type": type(e).__name__})
+                continue
+            log.info("checkpoint %s of %s: %.1f MiB, dump %.2f s", m.id, name, m.bytes / 2**20, m.timings["dump"])
+            pushed = {}
+            if tier is not None:
+                try:
+                    pushed = tier.push(runner.store, m)
+                except CkptflowError as e:  # the local copy stands; the next heartbeat pushes again
+                    log.error("upload of %s to S3 failed: %s", m.id, e)
+                    pushed = {"upload_error": str(e).splitlines()[0]}
+            out.append({**row, "ok": True, "checkpoint": m.id, "bytes": m.bytes, **pushed,
+                        **{f"{k}_s": v for k, v in m.timings.items()}})
     return out
 
 
@@ -68,8 +82,8 @@ def restore_workload(fleet_file: str, workload: str, node: str | None = None) ->
     if node is not None and node != w.node:
         fleet.node(node)
         w = w.model_copy(update={"node": node})
-    with node_slot(w.node):
-        res = node_runner(fleet, w.node).restore(w, tier=fleet_tier(fleet))
+    with node_slot(w.node), node_runner(fleet, w.node) as runner:
+        res = runner.restore(w, tier=fleet_tier(fleet))
     return {"workload": workload, "node": w.node, "checkpoint": res.manifest.id, "pid": res.pid,
             "timings": res.timings, "bytes": res.manifest.bytes, "downloaded_bytes": res.downloaded_bytes,
             "copies": [f"{c.tier.value}:{c.location}" for c in res.manifest.copies], "skipped": res.skipped,

@@ -16,12 +16,12 @@ def verify_workload(fleet_file: str, workload: str) -> dict:
     """Verify the newest unverified valid checkpoint of one workload in a sandbox."""
     fleet = open_fleet(fleet_file)
     w = fleet.workload(workload)
-    node = node_runner(fleet, w.node)
-    m = next((x for x in node.store.valid(workload) if x.state == CheckpointState.complete), None)
-    if m is None:
-        return {"workload": workload, "state": "skipped", "reason": "no unverified valid checkpoint"}
-    with node_slot(w.node):
-        res = verify_checkpoint(node, w, m)
+    with node_runner(fleet, w.node) as node:
+        m = next((x for x in node.store.valid(workload) if x.state == CheckpointState.complete), None)
+        if m is None:
+            return {"workload": workload, "state": "skipped", "reason": "no unverified valid checkpoint"}
+        with node_slot(w.node):
+            res = verify_checkpoint(node, w, m)
     row = {"workload": workload, "node": w.node, "checkpoint": m.id, "state": res.state, "reason": res.reason,
            **{f"{k}_s": v for k, v in res.timings.items()}}
     if res.state == "skipped":
@@ -33,7 +33,8 @@ def verify_workload(fleet_file: str, workload: str) -> dict:
         a.send("verify_failed", workload=workload, key=m.id, node=w.node, checkpoint=m.id, reason=res.reason,
                log_tail=res.log_tail, flow_run_id=flow_run.get_id())
     else:
-        a.clear(workload)
+        a.resolve(workload, kinds={"verify_failed"}, node=w.node, how=f"checkpoint {m.id} verified",
+                  checkpoint=m.id, flow_run_id=flow_run.get_id())
     return row
 
 
@@ -53,4 +54,10 @@ def alert_restore_failed(fleet_file: str, workload: str, reason: str, checkpoint
                                flow_run_id=flow_run.get_id())
 
 
-
+@task(name="alert-recovered")
+def alert_recovered(fleet_file: str, workload: str, node: str, how: str, checkpoint: str | None,
+                    skipped: list[dict]) -> bool:
+    """One "recovered" message for a successful recover; it closes the workload's open alert."""
+    fleet = open_fleet(fleet_file)
+    return alerter(fleet).resolve(workload, always=True, node=node, how=how, checkpoint=checkpoint,
+                                  skipped=skipped, flow_run_id=flow_run.get_id())
