@@ -136,3 +136,120 @@ def test_command_ring_survives_kill_and_restore_as_a_ghost_file(tmp_path, criu):
         assert glob.glob("/dev/shm/ckptflow-ring-test-*") == []
     finally:
         kill_pid_file(pid_file, "ring_pair.py")
+
+
+def test_a_tp_checkpoint_is_refused_on_a_node_with_another_gpu_count_before_any_call(tmp_path):
+    """A TP=2 checkpoint taken on a 2-GPU node, restored on a 1-GPU node: the fingerprint gate
+    names gpu_count (2 -> 1) before CRIU or the driver is touched, and it is final (no retry)."""
+    from ckptflow.errors import IncompatibleCheckpoint
+    from ckptflow.models import Fingerprint, ProcessFinder, Workload
+    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.runners.fingerprint import workload_fingerprint
+    from ckptflow.store.local import LocalStore
+
+    two = Fingerprint(arch="x86_64", kernel="6.18.44", criu="4.2.1", gpu_model="NVIDIA H200", gpu_count=2,
+                      driver="580.159.04", cuda_driver="13.0", ckptflow="0.1.0")
+    one = two.model_copy(update={"gpu_count": 1})
+    w = Workload(name="tp", node="n", find=ProcessFinder(pid_file=str(tmp_path / "tp.pid")), gpu=True,
+                 tensor_parallel=2, engine="vllm", engine_version="0.11.0", model_id="m", model_revision="r")
+    store = LocalStore(tmp_path / "store")
+    pending = store.begin("tp", node="n")
+    (pending.images_dir / "core-1.img").write_bytes(b"x" * 1024)
+    m = store.commit(pending, fingerprint=workload_fingerprint(w, two), pid=1, gpu_pids=[1, 2])
+
+    class NoCriu:
+        def __getattr__(self, name):
+            raise AssertionError(f"CRIU {name} called")
+
+    node = NodeRunner(store, criu=NoCriu(), cuda=RecordingCuda(), node_fp=one)
+    with pytest.raises(IncompatibleCheckpoint) as e:
+        node.gate(w, m)
+    assert "gpu_count" in str(e.value) and "2" in str(e.value) and "1" in str(e.value)
+    assert not e.value.retryable
+    node.gate(w.model_copy(), m.model_copy(update={"fingerprint": workload_fingerprint(w, one)}))  # same count: ok
+
+
+class _TpEngine:
+    """The TP worker's quiesce protocol over HTTP (prepare answers its ranks URL, resume, ranks),
+    recording the calls, for the runner's side of a lock that times out."""
+
+    def __init__(self):
+        import http.server
+        import json
+        import threading
+
+        self.calls = []
+        eng = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _json(self, obj):
+                body = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                eng.calls.append(self.path)
+                self._json({"ranks": [{"describe": "rank 0 (PID 10): idle on the CPU ring after command 7"},
+                                      {"describe": "rank 1 (PID 11): running ALLREDUCE for 12.0 s"}]})
+
+            def do_POST(self):
+                eng.calls.append(self.path)
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self._json({"quiesced": True, "ranks_url": f"{eng.url}/v1/ckptflow/ranks"})
+
+        self.srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+
+
+def test_a_lock_timeout_names_each_rank_and_what_it_was_doing_and_resumes_the_engine(tmp_path, monkeypatch):
+    from ckptflow.errors import CudaCheckpointError
+    from ckptflow.models import ProcessFinder, Workload
+    from ckptflow.runners import composite
+    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.runners.cuda import CudaRunner
+    from ckptflow.store.local import LocalStore
+
+    class TimesOut:  # the driver, as it answered on two H200s for a rank spinning in NCCL
+        name = "driver"
+
+        def get_state(self, pid):
+            return 0, 0  # RUNNING
+
+        def lock(self, pid, timeout_ms):
+            return 600 if pid == 11 else 0
+
+        def unlock(self, pid):
+            return 0
+
+        def restore(self, pid, pairs):
+            return 0
+
+        def error_name(self, code):
+            return {600: "CUDA_ERROR_NOT_READY"}.get(code, str(code))
+
+    eng = _TpEngine()
+    w = Workload(name="tp", node="n", find=ProcessFinder(pid_file=str(tmp_path / "tp.pid")), gpu=True,
+                 tensor_parallel=2, prepare_url=f"{eng.url}/v1/ckptflow/prepare",
+                 resume_url=f"{eng.url}/v1/ckptflow/resume")
+    import ckptflow.runners.cuda as cuda_mod
+
+    monkeypatch.setattr(cuda_mod, "cuda_pids", lambda root: [10, 11])
+    monkeypatch.setattr(cuda_mod, "process_gpu_bytes", lambda pids: 0)
+    monkeypatch.setattr(composite, "tp_unsupported", lambda w, pids: None)
+    node = NodeRunner(LocalStore(tmp_path / "store"), cuda=CudaRunner(backend=TimesOut()))
+
+    class Proc:
+        pid = 10
+
+    with pytest.raises(CudaCheckpointError) as e:
+        node._dump_gpu(w, Proc(), tmp_path / "img", leave_running=True)
+    msg = str(e.value)
+    assert "PID 11: CUDA_ERROR_NOT_READY" in msg
+    assert "rank 1 (PID 11): running ALLREDUCE for 12.0 s" in msg
+    assert eng.calls == ["/v1/ckptflow/prepare", "/v1/ckptflow/ranks", "/v1/ckptflow/resume"]
