@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import BENCH, append_results, md_table  # noqa: E402
 
 from ckptflow.demo import launch  # noqa: E402
-from ckptflow.runners.composite import NodeRunner  # noqa: E402
+from ckptflow.runners.node import NodeRunner  # noqa: E402
 from ckptflow.runners.criu import CriuRunner  # noqa: E402
 from ckptflow.store.local import LocalStore  # noqa: E402
 

@@ -41,7 +41,7 @@ from _common import BENCH, append_results, md_table  # noqa: E402
 from ckptflow.demo import launch  # noqa: E402
 from ckptflow.errors import UnsupportedWorkload  # noqa: E402
 from ckptflow.policies.multigpu import NCCL_REQUIRED  # noqa: E402
-from ckptflow.runners.composite import NodeRunner  # noqa: E402
+from ckptflow.runners.node import NodeRunner  # noqa: E402
 from ckptflow.runners.criu import CriuRunner  # noqa: E402
 from ckptflow.runners.cuda import cuda_pids  # noqa: E402
 from ckptflow.runners.process import pid_alive  # noqa: E402

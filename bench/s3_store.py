@@ -31,7 +31,7 @@ from _common import BENCH, append_results, md_table  # noqa: E402
 from seaweed import SeaweedS3  # noqa: E402
 
 from ckptflow.demo import launch  # noqa: E402
-from ckptflow.runners.composite import NodeRunner  # noqa: E402
+from ckptflow.runners.node import NodeRunner  # noqa: E402
 from ckptflow.store.local import LocalStore  # noqa: E402
 from ckptflow.store.s3 import S3Tier  # noqa: E402
 

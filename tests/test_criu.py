@@ -171,7 +171,7 @@ def test_corrupt_image_gives_criu_error_with_log_tail(tmp_path, criu, demo_worke
 
 @pytest.mark.fault
 def test_full_disk_discards_the_partial_checkpoint(tmp_path, demo_worker):
-    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.runners.node import NodeRunner
     from ckptflow.store.local import LocalStore
 
     mnt = tmp_path / "small"
@@ -221,7 +221,7 @@ def test_restore_resumes_every_process_of_the_tree(tmp_path, store):
 
     from conftest import free_port
     from ckptflow.demo import launch
-    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.runners.node import NodeRunner
     from ckptflow.runners.process import pid_alive, pid_stopped, tree
 
     port, pid_file = free_port(), tmp_path / "tree.pid"

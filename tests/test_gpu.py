@@ -47,7 +47,7 @@ def gpu_worker(tmp_path):
 
 def test_gpu_heartbeat_then_restore_is_bit_exact(tmp_path, gpu_worker):
     from ckptflow.demo.launch import http_json, session_digests
-    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.runners.node import NodeRunner
     from ckptflow.store.local import LocalStore
 
     w, port = gpu_worker
@@ -71,7 +71,7 @@ def test_gpu_heartbeat_then_restore_is_bit_exact(tmp_path, gpu_worker):
 
 def test_restore_refused_without_enough_gpu_memory(tmp_path, gpu_worker):
     from ckptflow.errors import NotEnoughGpuMemory
-    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.runners.node import NodeRunner
     from ckptflow.store.local import LocalStore
 
     w, port = gpu_worker
@@ -91,7 +91,7 @@ def test_gpu_verify_checks_bytes_and_skips_the_sandbox_leaving_the_original_alon
     # (CUDA_ERROR_NOT_INITIALIZED), so a GPU checkpoint is verified by fingerprint and bytes only,
     # reported "skipped" (never "verify_failed": that would alert on a good checkpoint).
     from ckptflow.demo.launch import http_json, session_digests
-    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.runners.node import NodeRunner
     from ckptflow.runners.verify import verify_checkpoint
     from ckptflow.store.local import LocalStore
 

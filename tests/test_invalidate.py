@@ -126,7 +126,7 @@ def test_retry_rule_treats_incompatible_as_final():
 @pytest.mark.fault
 @pytest.mark.criu
 def test_restore_onto_incompatible_node_is_refused_before_criu(tmp_path, demo_worker, caplog):
-    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.runners.node import NodeRunner
     from ckptflow.runners.fingerprint import node_fingerprint
     from ckptflow.runners.process import pid_alive
 
@@ -160,7 +160,7 @@ def test_restore_onto_incompatible_node_is_refused_before_criu(tmp_path, demo_wo
 
 @pytest.mark.criu
 def test_manifest_without_fingerprint_is_checked_with_a_warning(tmp_path, demo_worker, caplog):
-    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.runners.node import NodeRunner
 
     w = demo_worker("old")
     store = LocalStore(tmp_path / "store")

@@ -100,7 +100,7 @@ def test_scale_up_starts_a_warm_replica_beside_the_original(tmp_path, prefect_ha
         # The original serves on, untouched, while the replica runs in its own namespaces.
         w.complete("a session on the original", 8, "s")
         assert set(w.digests()) == {"s"}
-        from ckptflow.runners.composite import golden_digest
+        from ckptflow.runners.engine import golden_digest
 
         g = w.workload.golden
         assert res["golden"] == golden_digest(http_json(g.url, g.body), g.field)   # computes like the original

@@ -51,7 +51,7 @@ class RecordingCuda:
 
 @pytest.mark.criu
 def test_runner_refuses_a_tp_worker_without_nccl_settings_before_any_lock(tmp_path, demo_worker):
-    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.runners.node import NodeRunner
     from ckptflow.store.local import LocalStore
 
     w = demo_worker("tp")
@@ -143,7 +143,7 @@ def test_a_tp_checkpoint_is_refused_on_a_node_with_another_gpu_count_before_any_
     names gpu_count (2 -> 1) before CRIU or the driver is touched, and it is final (no retry)."""
     from ckptflow.errors import IncompatibleCheckpoint
     from ckptflow.models import Fingerprint, ProcessFinder, Workload
-    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.runners.node import NodeRunner
     from ckptflow.runners.fingerprint import workload_fingerprint
     from ckptflow.store.local import LocalStore
 
@@ -210,8 +210,8 @@ class _TpEngine:
 def test_a_lock_timeout_names_each_rank_and_what_it_was_doing_and_resumes_the_engine(tmp_path, monkeypatch):
     from ckptflow.errors import CudaCheckpointError
     from ckptflow.models import ProcessFinder, Workload
-    from ckptflow.runners import composite
-    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.runners import node as node_mod
+    from ckptflow.runners.node import NodeRunner
     from ckptflow.runners.cuda import CudaRunner
     from ckptflow.store.local import LocalStore
 
@@ -241,7 +241,7 @@ def test_a_lock_timeout_names_each_rank_and_what_it_was_doing_and_resumes_the_en
 
     monkeypatch.setattr(cuda_mod, "cuda_pids", lambda root: [10, 11])
     monkeypatch.setattr(cuda_mod, "process_gpu_bytes", lambda pids: 0)
-    monkeypatch.setattr(composite, "tp_unsupported", lambda w, pids: None)
+    monkeypatch.setattr(node_mod, "tp_unsupported", lambda w, pids: None)
     node = NodeRunner(LocalStore(tmp_path / "store"), cuda=CudaRunner(backend=TimesOut()))
 
     class Proc:

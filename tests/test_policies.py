@@ -280,7 +280,7 @@ def test_demo_worker_metrics_parse(demo_worker):
 
     w = demo_worker("m")
     complete(w.port, "hello " * 20, 10, "s")
-    from ckptflow.runners.composite import read_load
+    from ckptflow.runners.engine import read_load
 
     load = read_load(w.workload)
     assert load.prompt_tokens_total == 120 and load.generation_tokens_total == 10

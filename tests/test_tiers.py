@@ -131,7 +131,7 @@ def test_checkpoint_ids_sort_by_creation_time_within_one_second():
 def test_a_bucket_copy_invalidated_there_is_never_pulled(tmp_path, s3):
     from ckptflow.errors import CheckpointNotFound
     from ckptflow.models import ProcessFinder, Workload
-    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.runners.node import NodeRunner
     from ckptflow.store.s3 import S3Tier
 
     tier = S3Tier(s3.bucket("ckpt-inv-pull"), endpoint_url=s3.endpoint)

@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 
 from ckptflow.models import GoldenRequest, ProcessFinder, TrafficClass, Workload
-from ckptflow.runners.composite import wait_url
+from ckptflow.runners.engine import wait_url
 
 # One BLAS thread: fewer threads for CRIU to freeze, and the 2-core CI stays responsive.
 _WORKER_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

@@ -28,7 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ckptflow.errors import CudaCheckpointError, NotEnoughGpuMemory, RunnerUnavailable
 
@@ -232,14 +232,20 @@ class CudaRunner:
             raise CudaCheckpointError(f"{step} failed: " + "; ".join(errors))
 
     # --- steps ---------------------------------------------------------------------------
-    def lock(self, pids: list[int], footprints: dict[int, int] | None = None) -> list[CudaProcess]:
+    def lock(self, pids: list[int], footprints: dict[int, int] | None = None,
+             explain: Callable[[], str] | None = None) -> list[CudaProcess]:
+        """Lock every process, or none. ``explain`` says what the engine's processes were doing,
+        for the error of a lock that timed out (e.g. a rank inside a collective)."""
         procs = [CudaProcess(pid, footprint=(footprints or {}).get(pid, 0)) for pid in pids]
         self._need()
         self._expect(procs, ProcessState.RUNNING, "lock")
         try:
             self._each(procs, "lock", lambda pid: self.backend.lock(pid, self.lock_timeout_ms))
-        except CudaCheckpointError:
+        except CudaCheckpointError as e:
             self.unlock_all(procs)
+            said = explain() if explain else ""
+            if said:
+                raise CudaCheckpointError(f"{e.message}\n  ranks: {said}", fix=e.fix) from e
             raise
         return procs
 
@@ -267,6 +273,8 @@ class CudaRunner:
         """Best effort after a failure: restore and unlock whatever can be; report the rest."""
         stuck = []
         for p in procs:
+            if not os.path.exists(f"/proc/{p.pid}"):
+                continue  # dumped for a migration (or died): nothing left to unlock
             try:
                 st = self.state(p.pid)
                 if st == ProcessState.CHECKPOINTED:
@@ -283,9 +291,10 @@ class CudaRunner:
         return stuck
 
     @contextmanager
-    def locked(self, pids: list[int], footprints: dict[int, int] | None = None) -> Iterator[list[CudaProcess]]:
+    def locked(self, pids: list[int], footprints: dict[int, int] | None = None,
+               explain: Callable[[], str] | None = None) -> Iterator[list[CudaProcess]]:
         """Lock on entry; on any exception inside, restore + unlock every PID, then re-raise."""
-        procs = self.lock(pids, footprints)
+        procs = self.lock(pids, footprints, explain)
         try:
             yield procs
         except BaseException as e:

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 from ckptflow.errors import CkptflowError, CriuError
 from ckptflow.models import Manifest, Workload
-from ckptflow.runners.composite import NodeRunner, golden_digest
+from ckptflow.runners.engine import golden_digest
+from ckptflow.runners.node import NodeRunner
 
 # Runs inside the sandbox's network namespace: poll health, then ask the golden request and
 # the probe, print one JSON line. One process, so namespace entry is paid once.

@@ -11,7 +11,7 @@ from typing import Iterator
 from ckptflow.alerts import Alerter
 from ckptflow.errors import CkptflowError
 from ckptflow.fleet import Fleet, load_fleet
-from ckptflow.runners.composite import NodeRunner
+from ckptflow.runners.node import NodeRunner
 from ckptflow.store import open_store, open_tier
 
 

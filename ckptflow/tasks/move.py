@@ -88,7 +88,7 @@ def take_template(fleet_file: str, workload: str) -> dict:
 @task(name="scale-up-in")
 def scale_up_in(fleet_file: str, workload: str, node: str, checkpoint: str) -> dict:
     """Start a replica from the template in its own PID and network namespace on this node."""
-    from ckptflow.runners.composite import golden_digest
+    from ckptflow.runners.engine import golden_digest
     from ckptflow.runners.verify import del_netns, new_netns, probe_in_netns
 
     fleet = open_fleet(fleet_file)

@@ -8,7 +8,7 @@ from prefect.runtime import flow_run
 from ckptflow.errors import CkptflowError
 from ckptflow.models import Action
 from ckptflow.policies.cadence import decide
-from ckptflow.runners.composite import collect_facts
+from ckptflow.runners.facts import collect_facts, node_mtbf_s
 from ckptflow.tasks.common import alerter, fingerprints, node_runner, node_slot, open_fleet, retry_if_retryable
 from ckptflow.tasks.common import tier as fleet_tier
 
@@ -33,7 +33,9 @@ def checkpoint_batch(fleet_file: str, node: str, workloads: list[str], force: bo
         for name in workloads:
             w = fleet.workload(name)
             rule = fleet.rule_for(w)
-            facts = collect_facts(w, node_cfg, runner.store)
+            facts = collect_facts(w, runner.store, mtbf_s=node_mtbf_s(node_cfg.mtbf_hours, node_cfg.failures),
+                                  maintenance=[(mw.start.timestamp(), mw.end.timestamp())
+                                               for mw in node_cfg.maintenance])
             d = decide(facts, rule.policy if rule else "cost-based", rule.params if rule else {})
             row = {"workload": name, "node": node, "decision": d.action.value, "reason": d.reason}
             if facts.gone:

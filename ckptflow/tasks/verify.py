@@ -6,7 +6,7 @@ from prefect import get_run_logger, task
 from prefect.runtime import flow_run
 
 from ckptflow.models import CheckpointState
-from ckptflow.runners.composite import cold_start
+from ckptflow.runners.coldstart import cold_start
 from ckptflow.runners.verify import verify_checkpoint
 from ckptflow.tasks.common import alerter, node_runner, node_slot, open_fleet
 

@@ -29,7 +29,7 @@ _CHECKPOINT_IN_CHILD = r"""
 import json, sys
 from pathlib import Path
 from ckptflow.models import Workload
-from ckptflow.runners.composite import NodeRunner
+from ckptflow.runners.node import NodeRunner
 from ckptflow.store.local import LocalStore
 w = Workload.model_validate_json(sys.argv[2])
 NodeRunner(LocalStore(sys.argv[1])).checkpoint(w, leave_running=True)
@@ -102,7 +102,7 @@ def test_fault_two_heartbeat_processes_race(tmp_path, demo_worker):
 @pytest.mark.criu
 def test_fault_pid_taken_at_restore(tmp_path, demo_worker):
     """Another process holds the PID the image needs: refused with PidBusy, checkpoint intact."""
-    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.runners.node import NodeRunner
     from ckptflow.runners.criu import CriuRunner
 
     w = demo_worker("pid")
@@ -178,7 +178,7 @@ def test_fault_clock_jump_around_a_maintenance_window():
 _RESTORE_IN_CHILD = r"""
 import sys
 from ckptflow.models import Workload
-from ckptflow.runners.composite import NodeRunner
+from ckptflow.runners.node import NodeRunner
 from ckptflow.store.local import LocalStore
 NodeRunner(LocalStore(sys.argv[1])).restore(Workload.model_validate_json(sys.argv[2]))
 """
@@ -188,7 +188,7 @@ NodeRunner(LocalStore(sys.argv[1])).restore(Workload.model_validate_json(sys.arg
 def test_fault_runner_killed_during_restore(tmp_path, demo_worker):
     """SIGKILL of the runner mid-restore: the checkpoint stays valid, whatever CRIU left (a
     stopped copy) is cleared by the next recover, which restores the session."""
-    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.runners.node import NodeRunner
 
     w = demo_worker("rk", ballast_mib=1024)
     w.complete("state before the crash " * 20, 8, "s")

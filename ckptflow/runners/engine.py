@@ -1,0 +1,159 @@
+"""The HTTP side of a worker, as ckptflow sees it: its state (probe, golden answer, metrics),
+its health, and the hooks around a checkpoint (quiesce before the lock, resume after).
+
+Example:
+    >>> from ckptflow.runners.engine import golden_digest
+    >>> golden_digest({"choices": [{"tokens": [1, 2]}]}, "choices.0.tokens")[:12]
+    'a3cbed3cf6b0'
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+
+from ckptflow.errors import RestoreFailed, WorkloadBusy
+from ckptflow.models import Workload
+from ckptflow.policies.load import WorkloadLoad, parse_metrics
+
+HEALTH_TIMEOUT_S = 60
+PREPARE_TIMEOUT_S = 60  # a quiesce waits for the request in flight (a long generation) to finish
+log = logging.getLogger("ckptflow")
+
+
+def _get_json(url: str, timeout_s: float = 10) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        return json.loads(r.read())
+
+
+def probe(w: Workload) -> dict:
+    """What the worker says about its own state: session digests and the golden answer's digest."""
+    out: dict = {}
+    if w.probe_url:
+        try:
+            out["sessions"] = _get_json(w.probe_url)["sessions"]
+        except (urllib.error.URLError, OSError, KeyError, ValueError) as e:
+            out["error"] = f"probe failed: {e}"
+    if w.golden:
+        try:
+            req = urllib.request.Request(w.golden.url, data=json.dumps(w.golden.body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                out["golden"] = golden_digest(json.loads(r.read()), w.golden.field)
+        except (urllib.error.URLError, OSError, KeyError, ValueError, IndexError) as e:
+            out["golden_error"] = f"golden request failed: {e}"
+    return out
+
+
+def golden_digest(answer: dict, field: str) -> str:
+    """sha256 of the answer's field at a dotted path (``choices.0.text``)."""
+    import hashlib
+
+    v: object = answer
+    for part in field.split("."):
+        v = v[int(part)] if isinstance(v, list) else v[part]  # type: ignore[index]
+    return hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()
+
+
+def read_load(w: Workload) -> WorkloadLoad | None:
+    """The engine's /metrics as a WorkloadLoad, or None when there is none or it cannot be read."""
+    if not w.metrics_url:
+        return None
+    try:
+        with urllib.request.urlopen(w.metrics_url, timeout=5) as r:
+            text = r.read().decode()
+        return parse_metrics(w.engine.value if w.engine.value != "other" else "vllm", text)
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def wait_url(url: str, timeout_s: float, proc=None) -> float:
+    """Poll ``url`` until it answers 200; return the seconds it took.
+
+    Raises:
+        TimeoutError: no 200 within ``timeout_s`` (with the last error).
+        RuntimeError: ``proc`` (a Popen) exited first.
+    """
+    t0 = time.perf_counter()
+    last = ""
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return time.perf_counter() - t0
+        except (urllib.error.URLError, OSError) as e:
+            last = str(e)
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"worker exited with {proc.returncode} before {url} answered")
+        if time.perf_counter() - t0 > timeout_s:
+            raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f} s ({last})")
+        time.sleep(0.05)
+
+
+def wait_healthy(w: Workload, timeout_s: float = HEALTH_TIMEOUT_S) -> float:
+    if not w.health_url:
+        return 0.0
+    try:
+        return wait_url(w.health_url, timeout_s)
+    except TimeoutError as e:
+        raise RestoreFailed(f"workload {w.name}: not healthy after restore: {e}",
+                            fix="see the restore log; the checkpoint may be broken (run verify)") from None
+
+
+def quiesce(w: Workload, tp: bool) -> tuple[dict, float | None]:
+    """POST the engine's prepare hook; its answer and the seconds it took (None: no hook).
+
+    For one GPU process it only frees cached memory and may fail harmlessly; a tensor-parallel
+    group must be quiesced (no collective in flight on any rank) or its lock cannot succeed,
+    so there a failure stops the checkpoint.
+
+    Raises:
+        WorkloadBusy: a TP engine could not be quiesced (retryable; it keeps serving).
+    """
+    if not w.prepare_url:
+        return {}, None
+    t0 = time.perf_counter()
+    try:
+        req = urllib.request.Request(w.prepare_url, data=b"{}", headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=PREPARE_TIMEOUT_S) as r:
+            answer = json.loads(r.read() or b"{}")
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        if tp:
+            raise WorkloadBusy(f"workload {w.name}: its ranks could not be quiesced before the CUDA lock: "
+                               f"{http_reason(e)}", fix="retry later; the worker keeps serving") from e
+        answer = {}  # an optimisation only: the checkpoint is correct without it
+    return (answer if isinstance(answer, dict) else {}), time.perf_counter() - t0
+
+
+def http_reason(e: Exception) -> str:
+    if isinstance(e, urllib.error.HTTPError):
+        try:
+            return f"HTTP {e.code}: {json.loads(e.read()).get('error', '')}"
+        except (ValueError, OSError, AttributeError):
+            return f"HTTP {e.code}"
+    return str(e)
+
+
+def resume(w: Workload) -> None:
+    """Let a quiesced engine serve again (best effort: its own hold timeout is the backstop)."""
+    if not w.resume_url:
+        return
+    try:
+        req = urllib.request.Request(w.resume_url, data=b"{}", headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            r.read()
+    except (urllib.error.URLError, OSError) as e:
+        log.warning("workload %s: resume failed (%s); it serves again when its hold times out", w.name, e)
+
+
+def rank_states(url: str | None) -> str:
+    """What each rank says it is doing (the engine's own view), for a lock that timed out."""
+    if not url:
+        return ""
+    try:
+        return "; ".join(r.get("describe", str(r)) for r in _get_json(url, timeout_s=5).get("ranks", []))
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return f"(rank states unavailable: {e})"

@@ -1,0 +1,84 @@
+"""The facts the cadence policy reads about one workload, gathered from the engine and the store.
+
+Plain values in (the node's MTBF and maintenance windows), a ``WorkloadFacts`` out; the policy
+decides from it without any I/O of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from datetime import datetime
+
+from ckptflow.errors import CheckpointNotFound, UndeclaredProcess, WorkloadNotFound
+from ckptflow.models import CheckpointState, Workload
+from ckptflow.policies.cadence import WorkloadFacts
+from ckptflow.policies.multigpu import tp_problems
+from ckptflow.runners import process
+from ckptflow.runners.engine import read_load
+from ckptflow.store.local import LocalStore
+
+
+def node_mtbf_s(mtbf_hours: float | None, failures: Sequence[datetime]) -> float | None:
+    """The node's mean time between failures: declared, else from its recorded failures, else
+    None (the policy's own default applies)."""
+    if mtbf_hours:
+        return mtbf_hours * 3600
+    if len(failures) >= 2:
+        ts = sorted(f.timestamp() for f in failures)
+        return (ts[-1] - ts[0]) / (len(ts) - 1)
+    return None
+
+
+def tp_unsupported(w: Workload, pids: list[int] | None = None) -> str | None:
+    """Why a tensor-parallel worker's ranks, as started, cannot be checkpointed (None: they can)."""
+    if w.tensor_parallel <= 1:
+        return None
+    from ckptflow.runners.cuda import cuda_pids
+
+    if pids is None:
+        try:
+            pids = cuda_pids(process.resolve(w).pid)
+        except (WorkloadNotFound, UndeclaredProcess):
+            return None  # not running: nothing to decide about yet
+    problems = tp_problems(w.tensor_parallel, [process.environ(p) for p in pids])
+    return "; ".join(problems) or None
+
+
+def collect_facts(w: Workload, store: LocalStore, *, mtbf_s: float | None = None,
+                  maintenance: Sequence[tuple[float, float]] = (), now: float | None = None) -> WorkloadFacts:
+    """Everything the cadence policy may know about ``w`` right now: its engine's metrics, its
+    checkpoints in ``store``, and the node's ``mtbf_s`` and ``maintenance`` windows (epoch s)."""
+    now = time.time() if now is None else now
+    try:
+        process.resolve(w)
+        gone = None
+    except (WorkloadNotFound, UndeclaredProcess) as e:  # no metrics either: without this it read as "nothing new"
+        gone = e.message
+    load = read_load(w)
+    live = 0.0
+    if load is not None:
+        live = load.used_tokens if load.used_tokens is not None else load.kv_cache_usage * (w.kv_capacity_tokens or 0)
+    newest = store.list(w.name)
+    try:
+        m = store.latest_valid(w.name)
+    except CheckpointNotFound:
+        m = None
+    since_s = since_tokens = None
+    growth = 0.0
+    if m is not None:
+        since_s = max(0.0, now - m.created.timestamp())
+        at_ckpt = m.probe.get("tokens_total")
+        since_tokens = (load.tokens_total - at_ckpt) if (load is not None and at_ckpt is not None) else live
+        growth = since_tokens / since_s if since_s > 0 else 0.0
+    footprint = w.gpu_footprint_gib or (m.bytes / 2**30 if m else 0.0)
+    pause = None
+    if m is not None:
+        pause = sum(v for k, v in m.timings.items() if k in ("lock", "cuda_checkpoint", "dump", "cuda_restore"))
+    return WorkloadFacts(
+        name=w.name, traffic=w.traffic.value, footprint_gib=footprint, measured_pause_s=pause,
+        live_tokens=live, growth_tokens_s=growth, tokens_since_ckpt=since_tokens, seconds_since_ckpt=since_s,
+        newest_invalidated=bool(newest) and newest[0].state == CheckpointState.invalidated,
+        mean_request_s=load.mean_request_s if load else None, now=now, maintenance=list(maintenance),
+        unsupported=tp_unsupported(w) if w.gpu else None, gone=gone,
+        **({"mtbf_s": mtbf_s} if mtbf_s else {}))
