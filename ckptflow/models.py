@@ -47,6 +47,7 @@ def utcnow() -> datetime:
 class Engine(str, Enum):
     vllm = "vllm"
     sglang = "sglang"
+    llamacpp = "llamacpp"
     other = "other"
 
 
@@ -139,6 +140,11 @@ class Workload(BaseModel):
         None, description="POSTed right before a GPU checkpoint so the engine can release cached "
         "but free allocator memory (e.g. torch.cuda.empty_cache()); the checkpoint then copies "
         "and dumps only memory in use.", examples=["http://127.0.0.1:18001/v1/ckptflow/prepare"])
+    resume_url: str | None = Field(
+        None, description="POSTed after a GPU checkpoint's unlock (and after a restore's): an engine "
+        "whose prepare quiesces it (tensor-parallel ranks idle on the CPU, new work held) serves "
+        "again. Without it, the engine's own hold timeout applies.",
+        examples=["http://127.0.0.1:18001/v1/ckptflow/resume"])
     tcp_established: bool = Field(
         False, description="Checkpoint established TCP connections too (CRIU --tcp-established).")
     labels: dict[str, str] = Field(default_factory=dict, description="Free labels for policy rules.")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One idempotent setup: .venv/ with ckptflow installed (editable, test + sim extras), and
-# CRIU >= 4.2 passing `criu check`. A second run with everything present is a no-op (<2 s).
+# One idempotent setup: .venv/ with ckptflow installed (editable, test + sim extras),
+# CRIU >= 4.2 passing `criu check`, and llama.cpp's llama-server (scripts/install-llamacpp.sh).
+# A second run with everything present is a no-op (<2 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,10 +48,18 @@ fi
 
 # The stamp ties the venv to this pyproject and interpreter; anything else changed -> reinstall.
 want="$(sha256sum pyproject.toml | cut -c1-16) $($PY -c 'import sys; print(sys.version.split()[0])')"
-if [ -x .venv/bin/python ] && [ "$(cat .venv/.ckptflow-stamp 2>/dev/null)" = "$want" ]; then
-  exit 0
+if ! { [ -x .venv/bin/python ] && [ "$(cat .venv/.ckptflow-stamp 2>/dev/null)" = "$want" ]; }; then
+  echo "setup: creating .venv and installing ckptflow (first run takes about a minute)" >&2
+  [ -x .venv/bin/python ] || $PY -m venv .venv
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,sim]'
+  echo "$want" > .venv/.ckptflow-stamp
 fi
-echo "setup: creating .venv and installing ckptflow (first run takes about a minute)" >&2
-[ -x .venv/bin/python ] || $PY -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,sim]'
-echo "$want" > .venv/.ckptflow-stamp
+
+# llama.cpp's llama-server (pinned, hash-checked source; CPU build, ~6 min once, then cached)
+# for the real-engine tests. CKPTFLOW_LLAMACPP_CUDA=1 builds the GPU flavour instead.
+if [ "$(id -u)" = 0 ] || { command -v cmake && command -v g++ && command -v make; } >/dev/null 2>&1; then
+  ./scripts/install-llamacpp.sh
+else
+  echo "setup: warning: cmake/g++/make are missing and installing them needs root; the llama.cpp" \
+       "tests will skip until 'sudo apt-get install cmake build-essential && ./scripts/install-llamacpp.sh'" >&2
+fi

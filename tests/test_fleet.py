@@ -50,7 +50,7 @@ MISTAKES = [
     ("two process finders", lambda d: d["workloads"][0]["find"].update(cmdline_match="vllm"),
      "workloads[0].find", "exactly one of"),
     ("unknown engine", lambda d: d["workloads"][0].update(engine="tgi"), "workloads[0].engine",
-     "'vllm', 'sglang' or 'other'"),
+     "'vllm', 'sglang', 'llamacpp' or 'other'"),
     ("metrics_url not a string", lambda d: d["workloads"][0].update(metrics_url=8000),
      "workloads[0].metrics_url", "valid string"),
     ("negative MTBF", lambda d: d["nodes"][0].update(mtbf_hours=-1), "nodes[0].mtbf_hours", "greater than 0"),
@@ -144,7 +144,7 @@ def test_every_mistake_is_reported_in_one_run(tmp_path):
     msg = str(e.value)
     assert msg.splitlines()[0] == f"{f}: 4 problems"
     for where, text in (("workloads[0].node (line 8)", "node 'n9' is not declared"),   # cross-field
-                        ("workloads[0].engine (line 10)", "'vllm', 'sglang' or 'other'"),   # schema
+                        ("workloads[0].engine (line 10)", "'vllm', 'sglang', 'llamacpp' or 'other'"),   # schema
                         ("workloads[0].metrics_url (line 11)", "is not an http(s) URL"),    # URL
                         ("policies[0].policy (line 14)", "unknown policy 'yolo'")):
         assert f"{f}: {where}: " in msg and text in msg, (where, msg)

@@ -4,7 +4,7 @@ import sys
 
 def test_pure_layers_load_no_prefect():
     code = ("import sys, importlib, pkgutil, ckptflow\n"
-            "for pkg in ('ckptflow.policies', 'ckptflow.runners', 'ckptflow.store'):\n"
+            "for pkg in ('ckptflow.policies', 'ckptflow.runners', 'ckptflow.store', 'ckptflow.engines'):\n"
             "    m = importlib.import_module(pkg)\n"
             "    for info in pkgutil.walk_packages(m.__path__, pkg + '.'):\n"
             "        importlib.import_module(info.name)\n"
