@@ -119,6 +119,15 @@ class CudaCheckpointError(CkptflowError):
     """A CUDA driver checkpoint call failed; carries the PID, the call and the driver state."""
 
 
+class EngineProtocolError(CkptflowError):
+    """The engine refused or failed a two-tier protocol call (export, import, template). A refusal
+    is final; an engine that did not answer (busy, restarting) may be retried."""
+
+    def __init__(self, message: str, *, fix: str | None = None, retryable: bool = False):
+        self.retryable = retryable
+        super().__init__(message, fix=fix)
+
+
 # --- store --------------------------------------------------------------------------------
 class StoreError(CkptflowError):
     """The checkpoint store failed."""

@@ -11,6 +11,13 @@ API (127.0.0.1 only):
     GET  /v1/sessions/{id}/digest  {"digest": sha256 of the session's KV, tokens and RNG}
     GET  /v1/ballast/digest     sha256 of the ballast memory (stands in for weights/KV bytes)
 
+Two-tier protocol (docs/engines/protocol.md):
+    GET  /v1/ckptflow/engine            protocol version, engine, model and template key
+    POST /v1/ckptflow/sessions/export   sessions' state as content-addressed chunks (new ones only)
+    POST /v1/ckptflow/sessions/import   sessions back from chunks (every chunk checked)
+    POST /v1/ckptflow/template/prepare  weights out as chunks; weights and sessions released
+    POST /v1/ckptflow/template/resume   weights back from chunks; serving again
+
 Single-threaded on purpose: requests are served one at a time, so the state a checkpoint
 captures is always between two requests.
 """
@@ -26,13 +33,18 @@ import signal
 import sys
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ckptflow.demo.model import ModelConfig, TinyTransformer, decode, encode
+from ckptflow.demo.model import ModelConfig, Session, TinyTransformer, decode, encode
+from ckptflow.demo.tiers import export_tensor, import_tensor
 
 KV_CAPACITY_TOKENS = 65536  # what "100 % KV cache usage" means for the demo
+PROTOCOL = 1
+SESSION_CHUNK = 64 << 10   # small sessions here; the GPU engines use 8 MiB
+WEIGHT_CHUNK = 1 << 20
 
 
 class Metrics:
@@ -97,10 +109,14 @@ class Worker:
         # Ballast stands in for weights and KV blocks: real, touched, non-zero pages.
         n = ballast_mib * (1 << 20) // 8
         self.ballast = np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) ^ np.uint64(seed)
+        self.ballast_bytes = self.ballast.nbytes
+        self.parked = False
         self.metrics = Metrics(model_name)
 
     def complete(self, body: dict) -> dict:
         prompt, max_tokens, sid = parse_completion(body)
+        if self.parked:
+            raise ValueError("engine is parked for a template checkpoint (weights released); retry shortly")
         t0 = time.perf_counter()
         self.metrics.running.labels(self.model_name).set(1)
         try:
@@ -125,7 +141,99 @@ class Worker:
         return {k: s.digest() for k, s in self.sessions.items()}
 
     def ballast_digest(self) -> dict:
+        if self.ballast is None:
+            raise ValueError("engine is parked for a template checkpoint (weights released)")
         return {"digest": hashlib.sha256(self.ballast.tobytes()).hexdigest(), "bytes": int(self.ballast.nbytes)}
+
+    # --- two-tier protocol ----------------------------------------------------------------
+    def _weights(self) -> dict[str, np.ndarray]:
+        m = self.model
+        out = {"emb": m.emb, "pos": m.pos, "out": m.out, "ballast": self.ballast}
+        for i, L in enumerate(m.layers):
+            out.update({f"layers.{i}.{k}": v for k, v in L.items()})
+        return out
+
+    def _set_weights(self, ws: dict[str, np.ndarray | None]) -> None:
+        m = self.model
+        m.emb, m.pos, m.out, self.ballast = ws["emb"], ws["pos"], ws["out"], ws["ballast"]
+        for i, L in enumerate(m.layers):
+            for k in list(L):
+                L[k] = ws[f"layers.{i}.{k}"]
+
+    def engine_info(self) -> dict:
+        cfg = self.model.cfg
+        key = hashlib.sha256(json.dumps([cfg.__dict__, self.model_name, int(self.ballast_bytes)],
+                                        sort_keys=True).encode()).hexdigest()[:16]
+        return {"protocol": PROTOCOL, "engine": "ckptflow-demo", "model": self.model_name,
+                "template_key": key, "parked": self.parked, "sessions": len(self.sessions)}
+
+    def sessions_export(self, body: dict) -> dict:
+        """Each session's tokens, KV (token-major, so growth changes only the tail) and RNG as
+        chunks into ``dir``; chunks the runner lists in ``known`` are not written again."""
+        out_dir = Path(body["dir"])
+        chunk = int(body.get("chunk_bytes", SESSION_CHUNK))
+        known = {sid: set(ds) for sid, ds in (body.get("known") or {}).items()}
+        only = body.get("sessions")
+        res = {}
+        for sid, s in self.sessions.items():
+            if only is not None and sid not in only:
+                continue
+            seen = known.get(sid, set())
+            tensors, written = [], 0
+            parts = [("tokens", np.asarray(s.tokens, dtype=np.int64))]
+            for i in range(len(s.k)):
+                parts += [(f"k{i}", s.k[i].transpose(1, 0, 2)), (f"v{i}", s.v[i].transpose(1, 0, 2))]
+            for name, a in parts:
+                rec, n = export_tensor(name, a, out_dir, chunk, seen)
+                tensors.append(rec)
+                written += n
+            res[sid] = {"tokens": len(s.tokens), "rng": s.rng.bit_generator.state, "tensors": tensors,
+                        "written_bytes": written, "total_bytes": sum(t["nbytes"] for t in tensors)}
+        return {"sessions": res}
+
+    def sessions_import(self, body: dict) -> dict:
+        """Rebuild sessions from their records; every chunk is checked before any is used."""
+        root = Path(body["dir"])
+        rebuilt = {}
+        for sid, rec in body["sessions"].items():
+            t = {r["name"]: import_tensor(r, root) for r in rec["tensors"]}
+            s = Session(id=sid, tokens=[int(x) for x in t["tokens"]])
+            n_layers = sum(1 for k in t if k.startswith("k"))
+            s.k = [np.ascontiguousarray(t[f"k{i}"].transpose(1, 0, 2)) for i in range(n_layers)]
+            s.v = [np.ascontiguousarray(t[f"v{i}"].transpose(1, 0, 2)) for i in range(n_layers)]
+            s.rng = np.random.default_rng()
+            s.rng.bit_generator.state = rec["rng"]
+            rebuilt[sid] = s
+        self.sessions.update(rebuilt)  # all or nothing: a torn chunk above changed nothing
+        return {"imported": sorted(rebuilt), "digests": {k: s.digest() for k, s in rebuilt.items()}}
+
+    def template_prepare(self, body: dict) -> dict:
+        """Weights out as chunks (those not ``known``), then release weights and sessions: what
+        CRIU dumps next is the initialised engine alone."""
+        out_dir = Path(body["dir"])
+        chunk = int(body.get("chunk_bytes", WEIGHT_CHUNK))
+        known = set(body.get("known") or [])
+        tensors, written = [], 0
+        for name, a in self._weights().items():
+            rec, n = export_tensor(name, a, out_dir, chunk, known)
+            tensors.append(rec)
+            written += n
+        if body.get("release", True):
+            self._set_weights({k: None for k in self._weights()})
+            self.sessions.clear()
+            self.parked = True
+            import gc
+
+            gc.collect()
+        return {"tensors": tensors, "written_bytes": written, "total_bytes": sum(t["nbytes"] for t in tensors)}
+
+    def template_resume(self, body: dict) -> dict:
+        t0 = time.perf_counter()
+        root = Path(body["dir"])
+        ws = {r["name"]: import_tensor(r, root) for r in body["tensors"]}
+        self._set_weights(ws)
+        self.parked = False
+        return {"loaded_bytes": sum(a.nbytes for a in ws.values()), "seconds": round(time.perf_counter() - t0, 4)}
 
 
 def make_handler(w):
@@ -157,6 +265,8 @@ def make_handler(w):
                 return self._json(200, {"sessions": w.session_digests()})
             if path == "/v1/ballast/digest":
                 return self._json(200, w.ballast_digest())
+            if path == "/v1/ckptflow/engine" and hasattr(w, "engine_info"):
+                return self._json(200, w.engine_info())
             if path == "/v1/ckptflow/ranks" and hasattr(w, "rank_states"):
                 return self._json(200, w.rank_states())
             m = re.fullmatch(r"/v1/sessions/([A-Za-z0-9._-]{1,64})/digest", path)
@@ -173,6 +283,10 @@ def make_handler(w):
             fn = {"/v1/completions": w.complete, "/v1/peek": getattr(w, "peek", None),
                   "/v1/ckptflow/prepare": getattr(w, "prepare", None),
                   "/v1/ckptflow/resume": getattr(w, "resume", None),
+                  "/v1/ckptflow/sessions/export": getattr(w, "sessions_export", None),
+                  "/v1/ckptflow/sessions/import": getattr(w, "sessions_import", None),
+                  "/v1/ckptflow/template/prepare": getattr(w, "template_prepare", None),
+                  "/v1/ckptflow/template/resume": getattr(w, "template_resume", None),
                   "/v1/allreduce": getattr(w, "allreduce_check", None)}.get(path)
             if fn is None:
                 return self._json(404, {"error": "not found"})
@@ -180,7 +294,7 @@ def make_handler(w):
                 n = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(n) or b"{}")
                 return self._json(200, fn(body))
-            except (ValueError, TypeError, TimeoutError) as e:
+            except (ValueError, TypeError, TimeoutError, KeyError, OSError) as e:
                 return self._json(400, {"error": str(e)})
 
     return Handler

@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 
-from ckptflow.errors import RestoreFailed, WorkloadBusy
+from ckptflow.errors import EngineProtocolError, RestoreFailed, WorkloadBusy
 from ckptflow.models import Workload
 from ckptflow.policies.load import WorkloadLoad, parse_metrics
 
@@ -157,3 +157,44 @@ def rank_states(url: str | None) -> str:
         return "; ".join(r.get("describe", str(r)) for r in _get_json(url, timeout_s=5).get("ranks", []))
     except (urllib.error.URLError, OSError, ValueError) as e:
         return f"(rank states unavailable: {e})"
+
+
+# --- the two-tier protocol (docs/engines/protocol.md) -----------------------------------------
+PROTOCOL = 1
+EXPORT_TIMEOUT_S = 600
+
+
+def _base(w: Workload) -> str:
+    if not w.health_url:
+        raise EngineProtocolError(f"workload {w.name}: no health_url, so no engine endpoint to talk to",
+                                  fix="declare health_url (the engine's base URL is taken from it)")
+    return w.health_url.rsplit("/", 1)[0]
+
+
+def call(w: Workload, path: str, body: dict | None = None, timeout_s: float = EXPORT_TIMEOUT_S) -> dict:
+    """One protocol call: GET without ``body``, POST with it; the engine's JSON answer.
+
+    Raises:
+        EngineProtocolError: the engine refused (its own reason), or does not speak the protocol.
+    """
+    url = _base(w) + path
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            raise EngineProtocolError(f"workload {w.name}: the engine does not serve {path}",
+                                      fix="use the whole-process checkpoint for engines without the protocol") from None
+        raise EngineProtocolError(f"workload {w.name}: {path} refused: {http_reason(e)}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise EngineProtocolError(f"workload {w.name}: {path} failed: {e}", retryable=True) from None
+
+
+def engine_info(w: Workload) -> dict:
+    info = call(w, "/v1/ckptflow/engine", timeout_s=10)
+    if info.get("protocol") != PROTOCOL:
+        raise EngineProtocolError(f"workload {w.name}: engine speaks protocol {info.get('protocol')!r}, "
+                                  f"ckptflow speaks {PROTOCOL}", fix="upgrade the engine plugin or ckptflow")
+    return info

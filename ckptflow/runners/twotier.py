@@ -1,0 +1,277 @@
+"""Two-tier checkpoints: the initialised engine as a shared *template*, each workload's
+*sessions* exported by the engine itself, bytes in proportion to what changed.
+
+- Template: CRIU (+ CUDA on a GPU) of the engine with its weights and sessions released; the
+  weights leave as content-addressed chunks through the engine's prepare hook and stream back
+  after the restore. One per (engine template key, engine version, model revision): stored as
+  the checkpoints of the pseudo-workload ``template-<key>``, shared by every workload of that
+  model on nodes with the same fingerprint.
+- Sessions: the engine writes each session's state as chunks, only those whose digest the
+  previous session checkpoint of that workload does not hold; the manifest (``kind:
+  sessions``) names its template and is written last.
+- Restore: the template's image, then the weights, then the workload's sessions; a session
+  checkpoint bound to a template that is gone, invalidated or of another model revision is
+  refused before any CRIU call.
+
+Example:
+    >>> tt = TwoTierRunner(NodeRunner(LocalStore(".ckptflow/store")))   # doctest: +SKIP
+    >>> m = tt.heartbeat(workload)        # first call captures the template too
+    >>> r = tt.restore(workload)          # after the worker died
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptflow.errors import (CheckpointNotFound, CkptflowError, IncompatibleCheckpoint, RestoreFailed,
+                             UndeclaredProcess, WorkloadNotFound, WorkloadRunning)
+from ckptflow.models import CheckpointState, Manifest, Workload
+from ckptflow.runners import engine, process
+from ckptflow.runners.fingerprint import workload_fingerprint
+from ckptflow.runners.node import NodeRunner, _write_pid_file
+from ckptflow.store.chunks import ChunkStore
+
+log = logging.getLogger("ckptflow")
+SESSIONS_FILE = "sessions.json"
+WEIGHTS_FILE = "weights.json"
+TEMPLATE_PREFIX = "template-"
+
+
+@dataclass
+class TwoTierResult:
+    manifest: Manifest                      # the workload's session checkpoint used
+    template: Manifest
+    pid: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _digests(recs: dict) -> dict[str, list[str]]:
+    return {sid: [d for t in r["tensors"] for d in t["chunks"]] for sid, r in recs.items()}
+
+
+class TwoTierRunner:
+    """Template + session checkpoints of one node's workloads (engines that speak the protocol)."""
+
+    def __init__(self, node: NodeRunner):
+        self.node = node
+        self.store = node.store
+        self.chunks = ChunkStore(node.store.root)
+
+    # --- names ------------------------------------------------------------------------------
+    @staticmethod
+    def template_name(w: Workload, info: dict) -> str:
+        import hashlib
+
+        key = f"{info['template_key']}|{w.engine_version}|{w.model_revision}"
+        return TEMPLATE_PREFIX + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def template_for(self, name: str) -> Manifest | None:
+        for m in self.store.list(name):
+            if m.state.restorable:
+                return m
+        return None
+
+    def _sessions_of(self, w: Workload) -> list[Manifest]:
+        return [m for m in self.store.list(w.name) if m.kind == "sessions"]
+
+    def _records(self, m: Manifest) -> dict:
+        return json.loads((self.store.images_dir(m) / SESSIONS_FILE).read_text())
+
+    # --- session tier -----------------------------------------------------------------------
+    def heartbeat(self, w: Workload) -> Manifest:
+        """A session checkpoint of ``w``; captures the template first when none is valid.
+
+        Raises:
+            EngineProtocolError: the engine refused (nothing written, the worker serves on).
+            CriuError: the template dump failed (the worker gets its weights and sessions back).
+        """
+        with self.store.lock(w.name):
+            info = engine.engine_info(w)
+            name = self.template_name(w, info)
+            tmpl = self.template_for(name)
+            if tmpl is not None:
+                try:
+                    self.node.gate(w, tmpl)
+                except IncompatibleCheckpoint as e:  # this node changed since: capture anew
+                    log.info("workload %s: template %s no longer fits: %s", w.name, tmpl.id, e.message)
+                    tmpl = None
+            if tmpl is None:
+                tmpl = self._capture_template(w, name)
+            return self._checkpoint_sessions(w, tmpl)
+
+    def _checkpoint_sessions(self, w: Workload, tmpl: Manifest, recs: dict | None = None,
+                             moved: int | None = None, export_s: float | None = None) -> Manifest:
+        prev = next((m for m in self._sessions_of(w)
+                     if m.state.restorable and m.probe.get("template") == tmpl.id), None)
+        old = self._records(prev)["sessions"] if prev else {}
+        t: dict[str, float] = {}
+        if recs is None:
+            stage = self.chunks.staging()
+            t0 = time.perf_counter()
+            try:
+                recs = engine.call(w, "/v1/ckptflow/sessions/export",
+                                   {"dir": str(stage), "known": _digests(old)})["sessions"]
+            except BaseException:
+                import shutil
+
+                shutil.rmtree(stage, ignore_errors=True)
+                raise
+            t["export"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            _, moved = self.chunks.adopt(stage)
+            t["adopt"] = time.perf_counter() - t0
+        else:
+            t["export"] = export_s or 0.0
+        probe = engine.probe(w)
+        pending = self.store.begin(w.name, node=w.node)
+        try:
+            for r in recs.values():
+                r.pop("written_bytes", None)
+            (pending.images_dir / SESSIONS_FILE).write_text(json.dumps(
+                {"template": tmpl.id, "template_workload": tmpl.workload, "sessions": recs}))
+            self.chunks.verify([d for ds in _digests(recs).values() for d in ds])  # no manifest without bytes
+        except BaseException:
+            self.store.abort(pending)
+            raise
+        total = sum(r["total_bytes"] for r in recs.values())
+        changed = sorted(sid for sid, ds in _digests(recs).items() if ds != _digests(old).get(sid))
+        return self.store.commit(
+            pending, kind="sessions", parent=prev.id if prev else None, pid=tmpl.pid,
+            fingerprint=workload_fingerprint(w, self.node.node_fp),
+            timings={k: round(v, 4) for k, v in t.items()} | {"pause": round(t["export"], 4)},
+            probe={**probe, "template": tmpl.id, "template_workload": tmpl.workload, "moved_bytes": moved or 0,
+                   "session_bytes": total, "changed_sessions": changed})
+
+    # --- template tier ----------------------------------------------------------------------
+    def _capture_template(self, w: Workload, name: str) -> Manifest:
+        """Park the engine (sessions out as chunks, weights out as chunks, both released), dump
+        it, and give it its weights and sessions back. Sessions already bound to an older
+        template of this workload are invalidated with the reason."""
+        proc = process.resolve(w)
+        t: dict[str, float] = {}
+        stage = self.chunks.staging()
+        t0 = time.perf_counter()
+        recs = engine.call(w, "/v1/ckptflow/sessions/export", {"dir": str(stage), "known": {}})["sessions"]
+        moved = self.chunks.adopt(stage)[1]
+        t["export"] = time.perf_counter() - t0
+        known = [d for m in self.store.list(name) for d in m.probe.get("weight_chunks", [])]
+        stage = self.chunks.staging()
+        t0 = time.perf_counter()
+        weights = engine.call(w, "/v1/ckptflow/template/prepare", {"dir": str(stage), "known": known})
+        t["prepare"] = time.perf_counter() - t0
+        pending = None
+        try:
+            self.chunks.adopt(stage)
+            pending = self.store.begin(name, node=w.node)
+            t0 = time.perf_counter()
+            if w.gpu:
+                pid, dump_t, footprint, gpu_pids = self.node._dump_gpu(w, proc, pending.images_dir, True)
+                t.update(dump_t)
+            else:
+                res = self.node.criu.dump(w, pending.images_dir, leave_running=True, proc=proc)
+                pid, footprint, gpu_pids = res.pid, 0, []
+                t["dump"] = res.seconds
+            (pending.images_dir / WEIGHTS_FILE).write_text(json.dumps(weights["tensors"]))
+        except BaseException:
+            if pending is not None:
+                self.store.abort(pending)
+            self._unpark(w, weights["tensors"], recs)  # never leave the worker without its state
+            raise
+        t0 = time.perf_counter()
+        self._unpark(w, weights["tensors"], recs)
+        t["unpark"] = time.perf_counter() - t0
+        digests = [d for r in weights["tensors"] for d in r["chunks"]]
+        tmpl = self.store.commit(pending, kind="template", pid=pid, gpu_footprint_bytes=footprint, gpu_pids=gpu_pids,
+                                 fingerprint=workload_fingerprint(w, self.node.node_fp),
+                                 timings={k: round(v, 4) for k, v in t.items()},
+                                 probe={"template_source": w.name, "weights_bytes": weights["total_bytes"],
+                                        "weight_chunks": digests})
+        for m in self._sessions_of(w):  # bound to a template this workload no longer uses
+            if m.state.restorable and m.probe.get("template") != tmpl.id:
+                self.store.set_state(m, CheckpointState.invalidated, f"its template {m.probe.get('template')} "
+                                     f"was replaced by {tmpl.id}")
+        self._checkpoint_sessions(w, tmpl, recs, moved, t["export"])
+        return tmpl
+
+    def _unpark(self, w: Workload, tensors: list[dict], recs: dict) -> None:
+        engine.call(w, "/v1/ckptflow/template/resume", {"dir": str(self.chunks.root), "tensors": tensors})
+        if recs:
+            engine.call(w, "/v1/ckptflow/sessions/import", {"dir": str(self.chunks.root), "sessions": recs})
+
+    # --- restore ----------------------------------------------------------------------------
+    def restore(self, w: Workload) -> TwoTierResult:
+        """Template image, then weights, then ``w``'s newest session checkpoint.
+
+        Raises:
+            IncompatibleCheckpoint: the session checkpoint's template is gone, invalidated or of
+                another fingerprint or model revision (before any CRIU call; final).
+            CheckpointNotFound: ``w`` has no session checkpoint.
+            ChecksumMismatch: a chunk is missing or torn (before any CRIU call).
+        """
+        with self.store.lock(w.name):
+            try:
+                live = process.resolve(w)
+            except (WorkloadNotFound, UndeclaredProcess):
+                live = None
+            if live is not None:
+                raise WorkloadRunning(f"workload {w.name} is running (PID {live.pid}); refusing to restore over it",
+                                      fix="stop it first")
+            m = next((m for m in self._sessions_of(w) if m.state.restorable), None)
+            if m is None:
+                raise CheckpointNotFound(f"workload {w.name} has no session checkpoint in {self.store.root}",
+                                         fix="run a two-tier heartbeat first, or cold start the worker")
+            tmpl = self._template_of(w, m)
+            recs = self._records(m)["sessions"]
+            weights = json.loads((self.store.images_dir(tmpl) / WEIGHTS_FILE).read_text())
+            t: dict[str, float] = {}
+            t0 = time.perf_counter()
+            self.chunks.verify([d for r in weights for d in r["chunks"]]
+                               + [d for ds in _digests(recs).values() for d in ds])
+            t["chunks_checked"] = time.perf_counter() - t0
+            if w.gpu and tmpl.gpu_footprint_bytes:
+                from ckptflow.runners.cuda import gate_gpu_memory
+
+                gate_gpu_memory(tmpl.gpu_footprint_bytes)
+            pid = self.node._restore_verified(w, tmpl, t)
+            if w.gpu:
+                t.update(self.node._restore_gpu(w, pid, tmpl, None))
+            if w.find.pid_file:
+                _write_pid_file(Path(w.find.pid_file), pid)
+            t0 = time.perf_counter()
+            try:
+                engine.call(w, "/v1/ckptflow/template/resume", {"dir": str(self.chunks.root), "tensors": weights})
+                t["weights"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                engine.call(w, "/v1/ckptflow/sessions/import", {"dir": str(self.chunks.root), "sessions": recs})
+                t["sessions"] = time.perf_counter() - t0
+            except CkptflowError:
+                # A template without its weights or sessions must not pass for the workload.
+                for p in process.tree(pid):
+                    os.kill(p, signal.SIGKILL)
+                raise
+            t["health"] = engine.wait_healthy(w)
+            want = m.probe.get("sessions") or {}
+            got = engine.probe(w).get("sessions") or {}
+            if got != want:
+                bad = sorted(k for k in set(want) | set(got) if got.get(k) != want.get(k))
+                raise RestoreFailed(f"workload {w.name}: restored from template {tmpl.id} + sessions {m.id} "
+                                    f"but sessions differ: {', '.join(bad[:5])}", fix="run verify")
+            return TwoTierResult(manifest=m, template=tmpl, pid=pid, timings={k: round(v, 4) for k, v in t.items()})
+
+    def _template_of(self, w: Workload, m: Manifest) -> Manifest:
+        tid, tname = m.probe.get("template"), m.probe.get("template_workload")
+        try:
+            tmpl = self.store.get(tname, tid)
+        except (CheckpointNotFound, TypeError, ValueError):
+            raise IncompatibleCheckpoint({"template": (tid, None)}, checkpoint=m.id) from None
+        if not tmpl.state.restorable:
+            raise IncompatibleCheckpoint({"template": (tid, f"{tmpl.state.value}: {tmpl.state_reason}")},
+                                         checkpoint=m.id)
+        self.node.gate(w, tmpl)  # another model revision, engine version or node: refused here
+        return tmpl

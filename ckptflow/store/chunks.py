@@ -1,0 +1,116 @@
+"""Content-addressed chunks on a node: the bytes of the two-tier checkpoints.
+
+An engine exports large tensors (template weights) and session state as files named by the
+sha256 of their content into a staging directory the runner made inside the store; the runner
+moves them here, checking each name against its bytes. Equal content is stored once (dedup
+across sessions, heartbeats and workloads of the same model), and a manifest that names a chunk
+is written only after the chunk is here: no manifest without its bytes.
+
+Layout: ``<store>/chunks/<first two hex>/<sha256>``, files 0600, directories 0700.
+
+Example:
+    >>> import tempfile, pathlib, hashlib
+    >>> cs = ChunkStore(pathlib.Path(tempfile.mkdtemp()))
+    >>> stage = cs.staging()
+    >>> d = hashlib.sha256(b"kv").hexdigest()
+    >>> _ = (stage / d).write_bytes(b"kv")
+    >>> cs.adopt(stage)
+    (1, 2)
+    >>> cs.read(d)
+    b'kv'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ckptflow.errors import ChecksumMismatch
+
+_HEX = set("0123456789abcdef")
+
+
+class ChunkStore:
+    def __init__(self, store_root: Path | str):
+        self.root = Path(store_root) / "chunks"
+
+    def path(self, digest: str) -> Path:
+        if len(digest) != 64 or not set(digest) <= _HEX:
+            raise ValueError(f"not a sha256 digest: {digest!r}")
+        return self.root / digest[:2] / digest
+
+    def has(self, digest: str) -> bool:
+        return self.path(digest).exists()
+
+    def staging(self) -> Path:
+        """A private directory on the same filesystem, for the engine to write chunks into."""
+        base = self.root / ".staging"
+        base.mkdir(parents=True, exist_ok=True, mode=0o700)
+        d = Path(tempfile.mkdtemp(dir=base))
+        # The engine process may not run as the runner's user; it only ever writes here.
+        os.chmod(d, 0o733)
+        return d
+
+    def adopt(self, staging: Path) -> tuple[int, int]:
+        """Move every chunk file of ``staging`` into the store after checking its name against
+        its bytes; remove ``staging``. Returns (chunks adopted, bytes adopted).
+
+        Raises:
+            ChecksumMismatch: a file's content does not hash to its name (nothing of it is kept).
+        """
+        n = size = 0
+        try:
+            for f in sorted(staging.iterdir()):
+                digest = f.name
+                dest = self.path(digest)
+                if dest.exists():
+                    continue  # dedup: the same bytes are already here
+                if _sha256(f) != digest:
+                    raise ChecksumMismatch(f"chunk {digest[:12]}… written by the engine does not match its name",
+                                           fix="the export was torn or the disk is failing; retry the heartbeat")
+                dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                os.chmod(f, 0o600)
+                os.replace(f, dest)
+                n += 1
+                size += dest.stat().st_size
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return n, size
+
+    def read(self, digest: str, verify: bool = True) -> bytes:
+        """The chunk's bytes, checked against its name.
+
+        Raises:
+            ChecksumMismatch: missing or torn chunk.
+        """
+        p = self.path(digest)
+        try:
+            data = p.read_bytes()
+        except FileNotFoundError:
+            raise ChecksumMismatch(f"chunk {digest[:12]}… is missing from {self.root}",
+                                   fix="the checkpoint that names it cannot be restored; use an older one") from None
+        if verify and hashlib.sha256(data).hexdigest() != digest:
+            raise ChecksumMismatch(f"chunk {digest[:12]}… is torn (its bytes no longer match its name)",
+                                   fix="the checkpoint that names it cannot be restored; use an older one")
+        return data
+
+    def verify(self, digests: list[str]) -> None:
+        """Check that every chunk is present and whole (before a restore touches anything)."""
+        for d in dict.fromkeys(digests):
+            p = self.path(d)
+            if not p.exists() or _sha256(p) != d:
+                self.read(d)  # raises with the reason
+
+    def size(self, digests: list[str]) -> int:
+        return sum(self.path(d).stat().st_size for d in dict.fromkeys(digests))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,155 @@
+"""Two-tier checkpoints on the CPU demo worker, through the engine protocol: a template (the
+engine with weights and sessions released, dumped by CRIU; weights as chunks) and session
+checkpoints whose bytes follow what changed. Every continuation is compared token for token with
+a reference worker that was never interrupted."""
+
+import json
+import os
+import signal
+
+import pytest
+
+from ckptflow.errors import ChecksumMismatch, EngineProtocolError, IncompatibleCheckpoint
+from ckptflow.models import CheckpointState
+from ckptflow.runners.node import NodeRunner
+from ckptflow.runners.twotier import SESSIONS_FILE, TwoTierRunner
+from ckptflow.store.local import LocalStore
+
+pytestmark = pytest.mark.criu
+BALLAST_MIB = 48  # stands in for weights: large next to the ~26 MB of the Python process itself
+
+
+class NoCriu:
+    """Stands in for CRIU where a refusal must come before any CRIU call."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"CRIU {name} called")
+
+
+def _talk(*workers, turns=(("a", "You are a careful agent. " * 8), ("b", "Summarise the log: " + "ok " * 30))):
+    outs = []
+    for w in workers:
+        outs.append([w.complete(p, 12, sid) for sid, p in turns])
+    return outs
+
+
+@pytest.fixture
+def pair(demo_worker):
+    live, ref = demo_worker("live", BALLAST_MIB), demo_worker("ref", BALLAST_MIB)
+    a, b = _talk(live, ref)
+    assert a == b
+    return live, ref
+
+
+def test_template_then_session_heartbeats_move_only_what_changed(tmp_path, pair):
+    live, ref = pair
+    store = LocalStore(tmp_path / "store")
+    with NodeRunner(store) as node:
+        tt = TwoTierRunner(node)
+        m1 = tt.heartbeat(live.workload)
+        tmpl = store.get(m1.probe["template_workload"], m1.probe["template"])
+        assert tmpl.kind == "template" and m1.kind == "sessions"
+        # The weights (ballast + model) left the image: it is smaller than the weights alone.
+        assert tmpl.probe["weights_bytes"] > BALLAST_MIB << 20 > tmpl.bytes
+        assert live.complete("go on", 8, "a") == ref.complete("go on", 8, "a")      # serves on, same tokens
+
+        m2 = tt.heartbeat(live.workload)                                              # only "a" changed
+        assert m2.probe["template"] == tmpl.id and m2.parent == m1.id
+        assert m2.probe["changed_sessions"] == ["a"]
+        recs1 = json.loads((store.images_dir(m1) / SESSIONS_FILE).read_text())["sessions"]
+        recs2 = json.loads((store.images_dir(m2) / SESSIONS_FILE).read_text())["sessions"]
+        assert recs1["b"] == recs2["b"]
+        new = {d for t in recs2["a"]["tensors"] for d in t["chunks"]} - \
+              {d for t in recs1["a"]["tensors"] for d in t["chunks"]}
+        changed_bytes = tt.chunks.size(sorted(new))
+        assert 0 < m2.probe["moved_bytes"] <= changed_bytes * 1.05
+        assert m2.probe["moved_bytes"] < recs2["a"]["total_bytes"] < m2.probe["session_bytes"]
+
+        m3 = tt.heartbeat(live.workload)                                              # nothing changed
+        assert m3.probe["changed_sessions"] == [] and m3.probe["moved_bytes"] == 0
+        assert len([m for m in store.list(tmpl.workload)]) == 1                       # the template is reused
+
+
+def test_kill_then_template_plus_sessions_continue_token_for_token(tmp_path, pair):
+    live, ref = pair
+    store = LocalStore(tmp_path / "store")
+    with NodeRunner(store) as node:
+        tt = TwoTierRunner(node)
+        tt.heartbeat(live.workload)
+        _talk(live, ref, turns=(("a", "next step"),))
+        m = tt.heartbeat(live.workload)
+        pid = live.pid
+        os.kill(pid, signal.SIGKILL)
+        live.proc.wait()
+        r = tt.restore(live.workload)
+        assert r.pid == r.template.pid and r.manifest.id == m.id
+        assert {"weights", "sessions", "restore"} <= set(r.timings)
+        assert live.digests() == ref.digests()
+        for sid in ("a", "b"):
+            assert live.complete("and then?", 16, sid) == ref.complete("and then?", 16, sid)
+
+
+def test_a_session_bound_to_another_model_revision_or_a_gone_template_is_refused_before_criu(tmp_path, pair):
+    live, _ = pair
+    store = LocalStore(tmp_path / "store")
+    with NodeRunner(store) as node:
+        m = TwoTierRunner(node).heartbeat(live.workload)
+        node_fp = node.node_fp
+    live.stop()
+    refuse = TwoTierRunner(NodeRunner(store, criu=NoCriu(), node_fp=node_fp))
+    other = live.workload.model_copy(update={"model_revision": "seed-9999"})
+    with pytest.raises(IncompatibleCheckpoint, match="model_revision"):
+        refuse.restore(other)
+    tmpl = store.get(m.probe["template_workload"], m.probe["template"])
+    store.set_state(tmpl, CheckpointState.invalidated, "engine version changed")
+    with pytest.raises(IncompatibleCheckpoint, match="template") as e:
+        refuse.restore(live.workload)
+    assert not e.value.retryable
+
+
+def test_a_torn_chunk_is_refused_before_criu_and_names_the_chunk(tmp_path, pair):
+    live, _ = pair
+    store = LocalStore(tmp_path / "store")
+    with NodeRunner(store) as node:
+        m = TwoTierRunner(node).heartbeat(live.workload)
+        node_fp = node.node_fp
+    live.stop()
+    recs = json.loads((store.images_dir(m) / SESSIONS_FILE).read_text())["sessions"]
+    victim = recs["a"]["tensors"][1]["chunks"][0]
+    path = TwoTierRunner(NodeRunner(store, criu=NoCriu(), node_fp=node_fp)).chunks.path(victim)
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumMismatch, match=victim[:12]):
+        TwoTierRunner(NodeRunner(store, criu=NoCriu(), node_fp=node_fp)).restore(live.workload)
+
+
+def test_a_failed_export_leaves_no_manifest_and_the_worker_serves_on(tmp_path, pair, monkeypatch):
+    live, ref = pair
+    store = LocalStore(tmp_path / "store")
+    with NodeRunner(store) as node:
+        tt = TwoTierRunner(node)
+        tt.heartbeat(live.workload)
+        before = [m.id for m in store.list(live.workload.name)]
+        _talk(live, ref, turns=(("b", "more"),))
+        gone = tmp_path / "no-such-dir"
+        monkeypatch.setattr(tt.chunks, "staging", lambda: gone)     # the engine cannot write there
+        with pytest.raises(EngineProtocolError, match="sessions/export refused"):
+            tt.heartbeat(live.workload)
+        assert [m.id for m in store.list(live.workload.name)] == before
+        assert live.complete("still there?", 8, "b") == ref.complete("still there?", 8, "b")
+
+
+def test_a_replaced_template_invalidates_its_sessions_and_a_new_one_is_captured(tmp_path, pair):
+    live, ref = pair
+    store = LocalStore(tmp_path / "store")
+    with NodeRunner(store) as node:
+        tt = TwoTierRunner(node)
+        m1 = tt.heartbeat(live.workload)
+        old = store.get(m1.probe["template_workload"], m1.probe["template"])
+        store.set_state(old, CheckpointState.invalidated, "driver changed")       # what invalidate does
+        m2 = tt.heartbeat(live.workload)
+        assert m2.probe["template"] != old.id
+        assert store.get(live.workload.name, m1.id).state == CheckpointState.invalidated
+        assert "replaced" in store.get(live.workload.name, m1.id).state_reason
+        assert live.complete("after", 8, "a") == ref.complete("after", 8, "a")
