@@ -153,3 +153,26 @@ def test_a_replaced_template_invalidates_its_sessions_and_a_new_one_is_captured(
         assert store.get(live.workload.name, m1.id).state == CheckpointState.invalidated
         assert "replaced" in store.get(live.workload.name, m1.id).state_reason
         assert live.complete("after", 8, "a") == ref.complete("after", 8, "a")
+
+
+def test_a_torn_weight_chunk_fails_the_restore_and_leaves_no_half_worker(tmp_path, pair):
+    """Weights are hashed by the engine while they stream: a torn one stops the restore after
+    CRIU, and the restored template is killed (no worker without its weights passes for one)."""
+    live, _ = pair
+    store = LocalStore(tmp_path / "store")
+    with NodeRunner(store) as node:
+        tt = TwoTierRunner(node)
+        m = tt.heartbeat(live.workload)
+        tmpl = store.get(m.probe["template_workload"], m.probe["template"])
+        victim = tmpl.probe["weight_chunks"][-1]
+        path = tt.chunks.path(victim)
+        data = bytearray(path.read_bytes())
+        data[7] ^= 0xFF
+        path.write_bytes(bytes(data))
+        live.stop()
+        with pytest.raises(EngineProtocolError, match="torn"):
+            tt.restore(live.workload)
+        from ckptflow.runners.process import pid_alive
+
+        node.criu.wait_pid_free(tmpl.pid)
+        assert not pid_alive(tmpl.pid)

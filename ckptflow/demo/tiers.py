@@ -23,27 +23,39 @@ from __future__ import annotations
 
 import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 
-def export_tensor(name: str, a: np.ndarray, out_dir: Path, chunk_bytes: int, known: set[str]) -> tuple[dict, int]:
-    """Write ``a``'s chunks that are not ``known`` into ``out_dir``; its record and bytes written."""
+def export_tensor(name: str, a: np.ndarray, out_dir: Path, chunk_bytes: int, known: set[str],
+                  threads: int = 1) -> tuple[dict, int]:
+    """Write ``a``'s chunks that are not ``known`` into ``out_dir``; its record and bytes written.
+    ``threads`` hash and write chunks in parallel (hashlib and file writes release the GIL)."""
     data = memoryview(np.ascontiguousarray(a)).cast("B")
-    chunks, written = [], 0
-    for off in range(0, len(data), chunk_bytes):
+    offsets = list(range(0, len(data), chunk_bytes))
+
+    def digest(off: int) -> str:
+        return hashlib.sha256(data[off:off + chunk_bytes]).hexdigest()
+
+    def write(item: tuple[int, str]) -> int:
+        off, d = item
         piece = data[off:off + chunk_bytes]
-        digest = hashlib.sha256(piece).hexdigest()
-        chunks.append(digest)
-        if digest in known:
-            continue
-        known.add(digest)  # the same piece twice in one export is written once
-        tmp = out_dir / f".{digest}.tmp"
+        tmp = out_dir / f".{d}.tmp"
         with open(tmp, "wb") as f:
             f.write(piece)
-        os.replace(tmp, out_dir / digest)
-        written += len(piece)
+        os.replace(tmp, out_dir / d)
+        return len(piece)
+
+    with ThreadPoolExecutor(max(1, threads)) as ex:
+        chunks = list(ex.map(digest, offsets))
+        todo = {}
+        for off, d in zip(offsets, chunks):
+            if d not in known and d not in todo.values():  # the same piece twice is written once
+                todo[off] = d
+        known.update(todo.values())
+        written = sum(ex.map(write, todo.items()))
     return {"name": name, "dtype": str(a.dtype), "shape": list(a.shape), "nbytes": int(a.nbytes),
             "chunks": chunks}, written
 
@@ -54,23 +66,35 @@ def chunk_path(root: Path, digest: str) -> Path:
     return nested if nested.exists() else root / digest
 
 
-def import_tensor(rec: dict, root: Path) -> np.ndarray:
+def import_tensor(rec: dict, root: Path, threads: int = 1) -> np.ndarray:
     """Rebuild a tensor from its chunks, checking every chunk against its name.
 
     Raises:
         ValueError: a chunk is missing or torn (names the tensor and the chunk).
     """
-    buf = bytearray(rec["nbytes"])
-    off = 0
+    buf = np.empty(rec["nbytes"], dtype=np.uint8)
+    starts, off = [], 0
+    sizes = []
     for digest in rec["chunks"]:
+        p = chunk_path(root, digest)
         try:
-            piece = chunk_path(root, digest).read_bytes()
+            n = p.stat().st_size
         except FileNotFoundError:
             raise ValueError(f"tensor {rec['name']}: chunk {digest[:12]}… is missing") from None
-        if hashlib.sha256(piece).hexdigest() != digest:
-            raise ValueError(f"tensor {rec['name']}: chunk {digest[:12]}… is torn")
-        buf[off:off + len(piece)] = piece
-        off += len(piece)
+        starts.append(off)
+        sizes.append(n)
+        off += n
     if off != rec["nbytes"]:
         raise ValueError(f"tensor {rec['name']}: chunks hold {off} bytes, expected {rec['nbytes']}")
-    return np.frombuffer(bytes(buf), dtype=rec["dtype"]).reshape(rec["shape"]).copy()
+
+    def load(i: int) -> None:
+        digest = rec["chunks"][i]
+        view = memoryview(buf)[starts[i]:starts[i] + sizes[i]]
+        with open(chunk_path(root, digest), "rb") as f:
+            f.readinto(view)
+        if hashlib.sha256(view).hexdigest() != digest:
+            raise ValueError(f"tensor {rec['name']}: chunk {digest[:12]}… is torn")
+
+    with ThreadPoolExecutor(max(1, threads)) as ex:
+        list(ex.map(load, range(len(rec["chunks"]))))
+    return buf.view(rec["dtype"]).reshape(rec["shape"])

@@ -104,6 +104,16 @@ class ChunkStore:
             if not p.exists() or _sha256(p) != d:
                 self.read(d)  # raises with the reason
 
+    def present(self, digests: list[str]) -> None:
+        """Check that every chunk is here (no hashing: for bytes the engine hashes as it loads).
+
+        Raises:
+            ChecksumMismatch: a chunk is missing.
+        """
+        for d in dict.fromkeys(digests):
+            if not self.path(d).exists():
+                self.read(d)  # raises with the reason
+
     def size(self, digests: list[str]) -> int:
         return sum(self.path(d).stat().st_size for d in dict.fromkeys(digests))
 
