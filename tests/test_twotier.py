@@ -41,62 +41,70 @@ def pair(demo_worker):
     return live, ref
 
 
-def test_template_then_session_heartbeats_move_only_what_changed(tmp_path, pair):
+@pytest.fixture
+def tt(tmp_path):
+    with NodeRunner(LocalStore(tmp_path / "store")) as node:
+        yield TwoTierRunner(node)
+
+
+def _template(tt, m):
+    return tt.store.get(m.probe["template_workload"], m.probe["template"])
+
+
+def test_template_then_session_heartbeats_move_only_what_changed(pair, tt):
     live, ref = pair
-    store = LocalStore(tmp_path / "store")
-    with NodeRunner(store) as node:
-        tt = TwoTierRunner(node)
-        m1 = tt.heartbeat(live.workload)
-        tmpl = store.get(m1.probe["template_workload"], m1.probe["template"])
-        assert tmpl.kind == "template" and m1.kind == "sessions"
-        # The weights (ballast + model) left the image: it is smaller than the weights alone.
-        assert tmpl.probe["weights_bytes"] > BALLAST_MIB << 20 > tmpl.bytes
-        assert live.complete("go on", 8, "a") == ref.complete("go on", 8, "a")      # serves on, same tokens
+    store = tt.store
+    m1 = tt.heartbeat(live.workload)
+    tmpl = _template(tt, m1)
+    assert tmpl.kind == "template" and m1.kind == "sessions"
+    # The weights (ballast + model) left the image: it is smaller than the weights alone.
+    assert tmpl.probe["weights_bytes"] > BALLAST_MIB << 20 > tmpl.bytes
+    assert live.complete("go on", 8, "a") == ref.complete("go on", 8, "a")      # serves on, same tokens
 
-        m2 = tt.heartbeat(live.workload)                                              # only "a" changed
-        assert m2.probe["template"] == tmpl.id and m2.parent == m1.id
-        assert m2.probe["changed_sessions"] == ["a"]
-        recs1 = json.loads((store.images_dir(m1) / SESSIONS_FILE).read_text())["sessions"]
-        recs2 = json.loads((store.images_dir(m2) / SESSIONS_FILE).read_text())["sessions"]
-        assert recs1["b"] == recs2["b"]
-        new = {d for t in recs2["a"]["tensors"] for d in t["chunks"]} - \
-              {d for t in recs1["a"]["tensors"] for d in t["chunks"]}
-        changed_bytes = tt.chunks.size(sorted(new))
-        assert 0 < m2.probe["moved_bytes"] <= changed_bytes * 1.05
-        assert m2.probe["moved_bytes"] < recs2["a"]["total_bytes"] < m2.probe["session_bytes"]
+    m2 = tt.heartbeat(live.workload)                                              # only "a" changed
+    assert m2.probe["template"] == tmpl.id and m2.parent == m1.id
+    assert m2.probe["changed_sessions"] == ["a"]
+    recs1 = json.loads((store.images_dir(m1) / SESSIONS_FILE).read_text())["sessions"]
+    recs2 = json.loads((store.images_dir(m2) / SESSIONS_FILE).read_text())["sessions"]
+    assert recs1["b"] == recs2["b"]
+    new = {d for t in recs2["a"]["tensors"] for d in t["chunks"]} - \
+          {d for t in recs1["a"]["tensors"] for d in t["chunks"]}
+    changed_bytes = tt.chunks.size(sorted(new))
+    assert 0 < m2.probe["moved_bytes"] <= changed_bytes * 1.05
+    assert m2.probe["moved_bytes"] < recs2["a"]["total_bytes"] < m2.probe["session_bytes"]
 
-        m3 = tt.heartbeat(live.workload)                                              # nothing changed
-        assert m3.probe["changed_sessions"] == [] and m3.probe["moved_bytes"] == 0
-        assert len([m for m in store.list(tmpl.workload)]) == 1                       # the template is reused
+    m3 = tt.heartbeat(live.workload)                                              # nothing changed
+    assert m3.probe["changed_sessions"] == [] and m3.probe["moved_bytes"] == 0
+    assert len([m for m in store.list(tmpl.workload)]) == 1                       # the template is reused
 
 
-def test_kill_then_template_plus_sessions_continue_token_for_token(tmp_path, pair):
+def test_kill_then_template_plus_sessions_continue_token_for_token(pair, tt):
     live, ref = pair
-    store = LocalStore(tmp_path / "store")
-    with NodeRunner(store) as node:
-        tt = TwoTierRunner(node)
-        tt.heartbeat(live.workload)
-        _talk(live, ref, turns=(("a", "next step"),))
-        m = tt.heartbeat(live.workload)
-        pid = live.pid
-        os.kill(pid, signal.SIGKILL)
-        live.proc.wait()
-        r = tt.restore(live.workload)
-        assert r.pid == r.template.pid and r.manifest.id == m.id
-        assert {"weights", "sessions", "restore"} <= set(r.timings)
-        assert live.digests() == ref.digests()
-        for sid in ("a", "b"):
-            assert live.complete("and then?", 16, sid) == ref.complete("and then?", 16, sid)
+    tt.heartbeat(live.workload)
+    _talk(live, ref, turns=(("a", "next step"),))
+    m = tt.heartbeat(live.workload)
+    pid = live.pid
+    os.kill(pid, signal.SIGKILL)
+    live.proc.wait()
+    r = tt.restore(live.workload)
+    assert r.pid == r.template.pid and r.manifest.id == m.id
+    assert {"weights", "sessions", "restore"} <= set(r.timings)
+    assert live.digests() == ref.digests()
+    for sid in ("a", "b"):
+        assert live.complete("and then?", 16, sid) == ref.complete("and then?", 16, sid)
 
 
-def test_a_session_bound_to_another_model_revision_or_a_gone_template_is_refused_before_criu(tmp_path, pair):
-    live, _ = pair
-    store = LocalStore(tmp_path / "store")
-    with NodeRunner(store) as node:
-        m = TwoTierRunner(node).heartbeat(live.workload)
-        node_fp = node.node_fp
+def _stopped_after_a_heartbeat(live, tt):
+    """(its session checkpoint, a two-tier runner on the same store whose CRIU must not be called)"""
+    m = tt.heartbeat(live.workload)
     live.stop()
-    refuse = TwoTierRunner(NodeRunner(store, criu=NoCriu(), node_fp=node_fp))
+    return m, TwoTierRunner(NodeRunner(tt.store, criu=NoCriu(), node_fp=tt.node.node_fp))
+
+
+def test_a_session_bound_to_another_model_revision_or_a_gone_template_is_refused_before_criu(pair, tt):
+    live, _ = pair
+    store = tt.store
+    m, refuse = _stopped_after_a_heartbeat(live, tt)
     other = live.workload.model_copy(update={"model_revision": "seed-9999"})
     with pytest.raises(IncompatibleCheckpoint, match="model_revision"):
         refuse.restore(other)
@@ -107,72 +115,61 @@ def test_a_session_bound_to_another_model_revision_or_a_gone_template_is_refused
     assert not e.value.retryable
 
 
-def test_a_torn_chunk_is_refused_before_criu_and_names_the_chunk(tmp_path, pair):
+def test_a_torn_chunk_is_refused_before_criu_and_names_the_chunk(pair, tt):
     live, _ = pair
-    store = LocalStore(tmp_path / "store")
-    with NodeRunner(store) as node:
-        m = TwoTierRunner(node).heartbeat(live.workload)
-        node_fp = node.node_fp
-    live.stop()
-    recs = json.loads((store.images_dir(m) / SESSIONS_FILE).read_text())["sessions"]
+    m, refuse = _stopped_after_a_heartbeat(live, tt)
+    recs = json.loads((tt.store.images_dir(m) / SESSIONS_FILE).read_text())["sessions"]
     victim = recs["a"]["tensors"][1]["chunks"][0]
-    path = TwoTierRunner(NodeRunner(store, criu=NoCriu(), node_fp=node_fp)).chunks.path(victim)
+    path = refuse.chunks.path(victim)
     data = bytearray(path.read_bytes())
     data[100] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(ChecksumMismatch, match=victim[:12]):
-        TwoTierRunner(NodeRunner(store, criu=NoCriu(), node_fp=node_fp)).restore(live.workload)
+        refuse.restore(live.workload)
 
 
-def test_a_failed_export_leaves_no_manifest_and_the_worker_serves_on(tmp_path, pair, monkeypatch):
+def test_a_failed_export_leaves_no_manifest_and_the_worker_serves_on(tmp_path, pair, tt, monkeypatch):
     live, ref = pair
-    store = LocalStore(tmp_path / "store")
-    with NodeRunner(store) as node:
-        tt = TwoTierRunner(node)
+    store = tt.store
+    tt.heartbeat(live.workload)
+    before = [m.id for m in store.list(live.workload.name)]
+    _talk(live, ref, turns=(("b", "more"),))
+    gone = tmp_path / "no-such-dir"
+    monkeypatch.setattr(tt.chunks, "staging", lambda: gone)     # the engine cannot write there
+    with pytest.raises(EngineProtocolError, match="sessions/export refused"):
         tt.heartbeat(live.workload)
-        before = [m.id for m in store.list(live.workload.name)]
-        _talk(live, ref, turns=(("b", "more"),))
-        gone = tmp_path / "no-such-dir"
-        monkeypatch.setattr(tt.chunks, "staging", lambda: gone)     # the engine cannot write there
-        with pytest.raises(EngineProtocolError, match="sessions/export refused"):
-            tt.heartbeat(live.workload)
-        assert [m.id for m in store.list(live.workload.name)] == before
-        assert live.complete("still there?", 8, "b") == ref.complete("still there?", 8, "b")
+    assert [m.id for m in store.list(live.workload.name)] == before
+    assert live.complete("still there?", 8, "b") == ref.complete("still there?", 8, "b")
 
 
-def test_a_replaced_template_invalidates_its_sessions_and_a_new_one_is_captured(tmp_path, pair):
+def test_a_replaced_template_invalidates_its_sessions_and_a_new_one_is_captured(pair, tt):
     live, ref = pair
-    store = LocalStore(tmp_path / "store")
-    with NodeRunner(store) as node:
-        tt = TwoTierRunner(node)
-        m1 = tt.heartbeat(live.workload)
-        old = store.get(m1.probe["template_workload"], m1.probe["template"])
-        store.set_state(old, CheckpointState.invalidated, "driver changed")       # what invalidate does
-        m2 = tt.heartbeat(live.workload)
-        assert m2.probe["template"] != old.id
-        assert store.get(live.workload.name, m1.id).state == CheckpointState.invalidated
-        assert "replaced" in store.get(live.workload.name, m1.id).state_reason
-        assert live.complete("after", 8, "a") == ref.complete("after", 8, "a")
+    store = tt.store
+    m1 = tt.heartbeat(live.workload)
+    old = _template(tt, m1)
+    store.set_state(old, CheckpointState.invalidated, "driver changed")       # what invalidate does
+    m2 = tt.heartbeat(live.workload)
+    assert m2.probe["template"] != old.id
+    assert store.get(live.workload.name, m1.id).state == CheckpointState.invalidated
+    assert "replaced" in store.get(live.workload.name, m1.id).state_reason
+    assert live.complete("after", 8, "a") == ref.complete("after", 8, "a")
 
 
-def test_a_torn_weight_chunk_fails_the_restore_and_leaves_no_half_worker(tmp_path, pair):
+def test_a_torn_weight_chunk_fails_the_restore_and_leaves_no_half_worker(pair, tt):
     """Weights are hashed by the engine while they stream: a torn one stops the restore after
     CRIU, and the restored template is killed (no worker without its weights passes for one)."""
     live, _ = pair
-    store = LocalStore(tmp_path / "store")
-    with NodeRunner(store) as node:
-        tt = TwoTierRunner(node)
-        m = tt.heartbeat(live.workload)
-        tmpl = store.get(m.probe["template_workload"], m.probe["template"])
-        victim = tmpl.probe["weight_chunks"][-1]
-        path = tt.chunks.path(victim)
-        data = bytearray(path.read_bytes())
-        data[7] ^= 0xFF
-        path.write_bytes(bytes(data))
-        live.stop()
-        with pytest.raises(EngineProtocolError, match="torn"):
-            tt.restore(live.workload)
-        from ckptflow.runners.process import pid_alive
+    m = tt.heartbeat(live.workload)
+    tmpl = _template(tt, m)
+    victim = tmpl.probe["weight_chunks"][-1]
+    path = tt.chunks.path(victim)
+    data = bytearray(path.read_bytes())
+    data[7] ^= 0xFF
+    path.write_bytes(bytes(data))
+    live.stop()
+    with pytest.raises(EngineProtocolError, match="torn"):
+        tt.restore(live.workload)
+    from ckptflow.runners.process import pid_alive
 
-        node.criu.wait_pid_free(tmpl.pid)
-        assert not pid_alive(tmpl.pid)
+    tt.node.criu.wait_pid_free(tmpl.pid)
+    assert not pid_alive(tmpl.pid)

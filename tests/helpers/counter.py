@@ -4,21 +4,19 @@ import signal
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(__file__))
+from pidio import write_atomic, write_pid_file  # noqa: E402
+
 pid_file, out = sys.argv[1], sys.argv[2]
 count = 0
 
 
 def report(*_):
-    tmp = out + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(str(count))
-    os.replace(tmp, out)
+    write_atomic(out, str(count))
 
 
 signal.signal(signal.SIGUSR1, report)
-with open(pid_file + ".tmp", "w") as f:
-    f.write(str(os.getpid()))
-os.replace(pid_file + ".tmp", pid_file)
+write_pid_file(pid_file)
 while True:
     count += 1
     time.sleep(0.001)

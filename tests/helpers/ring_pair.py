@@ -12,7 +12,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 from ckptflow.demo.shm_ring import Ring  # noqa: E402
+from pidio import write_atomic, write_pid_file  # noqa: E402
 
 ADD = 1
 
@@ -36,16 +38,11 @@ sent = 0
 
 def report(*_):
     ring.wait_idle(timeout_s=10)
-    tmp = out + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{sent} {int(ring.states()[1].value)}")
-    os.replace(tmp, out)
+    write_atomic(out, f"{sent} {int(ring.states()[1].value)}")
 
 
 signal.signal(signal.SIGUSR1, report)
-with open(pid_file + ".tmp", "w") as f:
-    f.write(str(os.getpid()))
-os.replace(pid_file + ".tmp", pid_file)
+write_pid_file(pid_file)
 while True:
     sent += 1
     ring.send(ADD, sent)

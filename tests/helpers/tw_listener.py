@@ -6,6 +6,9 @@ import socket
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(__file__))
+from pidio import write_atomic, write_pid_file  # noqa: E402
+
 pid_file, out = sys.argv[1], sys.argv[2]
 srv = socket.socket()
 srv.bind(("127.0.0.1", 0))
@@ -19,15 +22,11 @@ count = 0
 
 
 def report(*_):
-    with open(out + ".tmp", "w") as f:
-        f.write(f"{count} {srv.getsockname()[1]}")
-    os.replace(out + ".tmp", out)
+    write_atomic(out, f"{count} {srv.getsockname()[1]}")
 
 
 signal.signal(signal.SIGUSR1, report)
-with open(pid_file + ".tmp", "w") as f:
-    f.write(str(os.getpid()))
-os.replace(pid_file + ".tmp", pid_file)
+write_pid_file(pid_file)
 while True:
     count += 1
     time.sleep(0.001)
