@@ -173,3 +173,39 @@ def test_a_torn_weight_chunk_fails_the_restore_and_leaves_no_half_worker(pair, t
 
     tt.node.criu.wait_pid_free(tmpl.pid)
     assert not pid_alive(tmpl.pid)
+
+
+def test_one_template_starts_replicas_of_two_workloads_that_continue_exactly(demo_worker, tt):
+    """Two workers of the same model; the template taken from the first starts two copies (own
+    PID and network namespaces), one given each workload's sessions: each continues exactly
+    like the workload it copies. The weights' chunks are stored once for both workloads."""
+    from ckptflow.runners.verify import del_netns, new_netns
+
+    one, two = demo_worker("one", BALLAST_MIB), demo_worker("two", BALLAST_MIB)
+    _talk(one, turns=(("a", "first workload " * 10),))
+    _talk(two, turns=(("c", "second workload " * 12), ("d", "another")))
+    m1, m2 = tt.heartbeat(one.workload), tt.heartbeat(two.workload)
+    t1, t2 = _template(tt, m1), _template(tt, m2)
+    assert t1.workload == t2.workload and t1.probe["weight_chunks"] == t2.probe["weight_chunks"]
+    chunks_on_disk = sum(1 for p in tt.chunks.root.glob("??/*"))
+    assert chunks_on_disk < len(t1.probe["weight_chunks"]) * 2                 # dedup'd, not stored twice
+    copies, nss = [], []
+    try:
+        for w in (one, two):
+            ns = new_netns("cktt")
+            nss.append(ns)
+            copy, info = tt.start_replica(w.workload, ns, template_source="one")
+            copies.append((copy, info, ns, w))
+            assert info["template"] == t1.id
+        from ckptflow.runners import engine
+
+        for copy, info, ns, w in copies:
+            for sid in w.digests():
+                got = engine.call(w.workload, "/v1/completions", {"prompt": "next?", "max_tokens": 12,
+                                                                   "session_id": sid}, base=info["base_url"], netns=ns)
+                assert got["choices"][0]["tokens"] == w.complete("next?", 12, sid)
+    finally:
+        for copy, *_ in copies:
+            copy.stop()
+        for ns in nss:
+            del_netns(ns)

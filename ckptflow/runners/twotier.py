@@ -27,15 +27,20 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from pathlib import Path
 
-from ckptflow.errors import (CheckpointNotFound, CkptflowError, IncompatibleCheckpoint, RestoreFailed,
-                             UndeclaredProcess, WorkloadNotFound, WorkloadRunning)
+from ckptflow.errors import (CheckpointNotFound, CkptflowError, EngineProtocolError, IncompatibleCheckpoint,
+                             RestoreFailed, UndeclaredProcess, UnsupportedWorkload, WorkloadNotFound,
+                             WorkloadRunning)
 from ckptflow.models import CheckpointState, Manifest, Workload
 from ckptflow.runners import engine, process
 from ckptflow.runners.fingerprint import workload_fingerprint
 from ckptflow.runners.node import NodeRunner, _write_pid_file
 from ckptflow.store.chunks import ChunkStore
+
+if TYPE_CHECKING:
+    from ckptflow.runners.criu import SandboxCopy
 
 log = logging.getLogger("ckptflow")
 SESSIONS_FILE = "sessions.json"
@@ -71,9 +76,15 @@ class TwoTierRunner:
         key = f"{info['template_key']}|{w.engine_version}|{w.model_revision}"
         return TEMPLATE_PREFIX + hashlib.sha256(key.encode()).hexdigest()[:16]
 
-    def template_for(self, name: str) -> Manifest | None:
+    def template_for(self, name: str, source: str | None = None) -> Manifest | None:
+        """The newest valid template under ``name`` (taken from workload ``source``, if given).
+
+        A template comes back with the PID and address of the worker it was taken from, so a
+        workload recovers in place from its own; any template of the same key serves replicas
+        of any workload of the model in namespaces (``start_replica``), and the weights' chunks
+        are shared by all of them."""
         for m in self.store.list(name):
-            if m.state.restorable:
+            if m.state.restorable and (source is None or m.probe.get("template_source") == source):
                 return m
         return None
 
@@ -94,7 +105,7 @@ class TwoTierRunner:
         with self.store.lock(w.name):
             info = engine.engine_info(w)
             name = self.template_name(w, info)
-            tmpl = self.template_for(name)
+            tmpl = self.template_for(name, source=w.name)
             if tmpl is not None:
                 try:
                     self.node.gate(w, tmpl)
@@ -193,7 +204,7 @@ class TwoTierRunner:
                                  fingerprint=workload_fingerprint(w, self.node.node_fp),
                                  timings={k: round(v, 4) for k, v in t.items()},
                                  probe={"template_source": w.name, "weights_bytes": weights["total_bytes"],
-                                        "weight_chunks": digests})
+                                        "weight_chunks": digests, "base_url": engine.base_url(w)})
         for m in self._sessions_of(w):  # bound to a template this workload no longer uses
             if m.state.restorable and m.probe.get("template") != tmpl.id:
                 self.store.set_state(m, CheckpointState.invalidated, f"its template {m.probe.get('template')} "
@@ -268,6 +279,63 @@ class TwoTierRunner:
                 raise RestoreFailed(f"workload {w.name}: restored from template {tmpl.id} + sessions {m.id} "
                                     f"but sessions differ: {', '.join(bad[:5])}", fix="run verify")
             return TwoTierResult(manifest=m, template=tmpl, pid=pid, timings={k: round(v, 4) for k, v in t.items()})
+
+    def start_replica(self, w: Workload, netns: str, timeout_s: float = 60,
+                      template_source: str | None = None) -> tuple["SandboxCopy", dict]:
+        """A copy of ``w``'s template, in its own PID namespace and network namespace ``netns``,
+        given the weights and then ``w``'s newest sessions: any workload of the model can start
+        from the one template. The copy answers on the template source's address inside
+        ``netns``; stopping it (``SandboxCopy.stop``) and deleting ``netns`` is the caller's.
+
+        Raises:
+            UnsupportedWorkload: a GPU workload (the driver restores CUDA state only into the PID
+                that took it: measured on the H200, see runners/verify.py).
+            IncompatibleCheckpoint, CheckpointNotFound, ChecksumMismatch: as ``restore``.
+        """
+        if w.gpu:
+            raise UnsupportedWorkload(f"workload {w.name}: a GPU template cannot be restored beside its source yet",
+                                      fix="restore in place (recover) or on another node")
+        m = next((m for m in self._sessions_of(w) if m.state.restorable), None)
+        if m is None:
+            raise CheckpointNotFound(f"workload {w.name} has no session checkpoint in {self.store.root}",
+                                     fix="run a two-tier heartbeat first")
+        tmpl = self._template_of(w, m)
+        if template_source and template_source != tmpl.probe.get("template_source"):
+            other = self.template_for(tmpl.workload, source=template_source)  # same key: same engine and weights
+            if other is None:
+                raise CheckpointNotFound(f"no valid template of {tmpl.workload} taken from {template_source}",
+                                         fix="run a two-tier heartbeat of that workload first")
+            self.node.gate(w, other)
+            tmpl = other
+        recs = self._records(m)["sessions"]
+        weights = json.loads((self.store.images_dir(tmpl) / WEIGHTS_FILE).read_text())
+        self.chunks.present([d for r in weights for d in r["chunks"]])
+        self.chunks.verify([d for ds in _digests(recs).values() for d in ds])
+        t: dict[str, float] = {}
+        t0 = time.perf_counter()
+        copy = self.node.criu.restore_beside(self.store.images_dir(tmpl), netns=netns)
+        t["restore"] = time.perf_counter() - t0
+        base = tmpl.probe.get("base_url") or engine.base_url(w)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:  # the copy's server may take a moment to accept in its namespace
+                try:
+                    engine.call(w, "/v1/ckptflow/engine", base=base, netns=netns, timeout_s=5)
+                    break
+                except EngineProtocolError as e:
+                    if not e.retryable or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+            t0 = time.perf_counter()
+            root = str(self.chunks.root)
+            engine.call(w, "/v1/ckptflow/template/resume", {"dir": root, "tensors": weights}, base=base, netns=netns)
+            engine.call(w, "/v1/ckptflow/sessions/import", {"dir": root, "sessions": recs}, base=base, netns=netns)
+            t["weights_and_sessions"] = time.perf_counter() - t0
+        except BaseException:
+            copy.stop()
+            raise
+        return copy, {k: round(v, 4) for k, v in t.items()} | {"template": tmpl.id, "sessions": m.id,
+                                                                "base_url": base}
 
     def _template_of(self, w: Workload, m: Manifest) -> Manifest:
         tid, tname = m.probe.get("template"), m.probe.get("template_workload")
