@@ -1,7 +1,9 @@
 """ckptflow: scheduled checkpoint policies for GPU inference workers.
 
-The package is layered (see docs/design/layers.md): ``policies``, ``runners`` and
-``store`` never import Prefect; only ``tasks`` and ``flows`` do.
+The package is layered, imports pointing only down (README.md, "What is where"):
+``cli``/``demo`` → ``flows`` → ``tasks`` → ``runners``, ``store``, ``fleet`` → ``policies`` →
+``models``, ``errors`` and ``settings``. ``policies``, ``runners``, ``store`` and ``engines``
+never import Prefect; only ``tasks`` and ``flows`` do (tests/test_layering.py checks it).
 """
 
 __version__ = "0.1.0"

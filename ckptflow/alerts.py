@@ -11,7 +11,7 @@ bodies come from jinja2 templates in templates/slack/.
 
 Example:
     >>> a = Alerter(fleet.slack, state=LocalStore(".ckptflow/store"))               # doctest: +SKIP
-    >>> a.send("worker_gone", workload="chat", key="no live process", node="n1", reason="...",
+    >>> a.send(AlertKind.worker_gone, workload="chat", key="no live process", node="n1", reason="...",
     ...        checkpoint=None, flow_run_id=None)                                     # posts, opens
     >>> a.resolve("chat", node="n1", how="restored from checkpoint ...", checkpoint="...")  # posts, closes
 """
@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import time
+from enum import StrEnum
 from pathlib import Path
 
 from ckptflow.errors import CkptflowError
@@ -30,7 +31,16 @@ from ckptflow.render import render
 
 log = logging.getLogger("ckptflow")
 
-KINDS = {"restore_failed", "verify_failed", "invalidated", "worker_gone"}
+
+
+class AlertKind(StrEnum):
+    """What an open alert is about: one Slack template each (``templates/slack/<kind>.json.j2``).
+    The open alert kept in the store records the value."""
+
+    restore_failed = "restore_failed"   # recover could not bring the worker back from a checkpoint
+    verify_failed = "verify_failed"     # a sandbox restore did not answer like the original
+    invalidated = "invalidated"         # a version change retired checkpoints no node can restore
+    worker_gone = "worker_gone"         # a heartbeat found no live process for the workload
 
 # Block Kit limits: Slack rejects the whole message when one text is longer.
 SECTION_MAX = 3000
@@ -73,26 +83,32 @@ class Alerter:
         """workload -> its open alert (kind, reason, node, opened)."""
         return self._state("list alerts", lambda: self.state.alerts()) or {}
 
-    def send(self, kind: str, *, workload: str, key: str = "", **ctx) -> bool:
+    def send(self, kind: AlertKind | str, *, workload: str, key: str = "", **ctx) -> bool:
         """Open the workload's alert, or post again when ``(kind, key)`` differs from the open
-        one's; True if posted. Slack errors are logged, never raised."""
-        if kind not in KINDS:
-            raise ValueError(f"unknown alert kind {kind!r}")
+        one's; True if posted. Slack errors are logged, never raised.
+
+        Raises:
+            ValueError: ``kind`` is no AlertKind.
+        """
+        try:
+            kind = AlertKind(kind)
+        except ValueError:
+            raise ValueError(f"unknown alert kind {kind!r} (known: {', '.join(AlertKind)})") from None
         cur = self._state("read alert", lambda: self.state.get_alert(workload))
-        token = hashlib.sha256(f"{kind}|{key}".encode()).hexdigest()[:16]
+        token = hashlib.sha256(f"{kind.value}|{key}".encode()).hexdigest()[:16]  # open alerts still match
         if cur and cur.get("token") == token:
             log.info("alert %s for %s suppressed (already open for this reason)", kind, workload)
             return False
-        body = json.loads(render(f"slack/{kind}.json.j2", workload=workload, ui=self.ui, **ctx))
+        body = json.loads(render(f"slack/{kind.value}.json.j2", workload=workload, ui=self.ui, **ctx))
         if not self._post(body, ctx.get("flow_run_id")):
             return False
         self._state("save alert", lambda: self.state.put_alert(workload, {
-            "kind": kind, "token": token, "reason": str(ctx.get("reason") or key)[:FIELD_MAX],
+            "kind": kind.value, "token": token, "reason": str(ctx.get("reason") or key)[:FIELD_MAX],
             "node": ctx.get("node"), "opened": cur["opened"] if cur else time.time(),
             "flow_run_id": str(ctx.get("flow_run_id") or "")}))
         return True
 
-    def resolve(self, workload: str, *, kinds: set[str] | None = None, always: bool = False, node: str = "",
+    def resolve(self, workload: str, *, kinds: set[AlertKind] | None = None, always: bool = False, node: str = "",
                 how: str = "", checkpoint: str | None = None, skipped: list[dict] | None = None,
                 flow_run_id=None) -> bool:
         """Post one "recovered" message closing the workload's open alert (only one of ``kinds``,

@@ -16,10 +16,11 @@ Example (``deployments/local.yaml``)::
       - {match: {traffic: long_sessions}, policy: cost-based, params: {min_interval_s: 60}}
 
 Errors name the file, the YAML path (``workloads[3].metrics_url``), its line, and what was
-expected:
+expected; every problem of the file in one report. A misspelt policy parameter, say::
 
-    >>> load_fleet(Path("deployments/broken.yaml"))   # doctest: +SKIP
-    ConfigError: deployments/broken.yaml: workloads[0].node (line 12): node 'gpu-9' is not declared in nodes
+    ConfigError: deployments/local.yaml: policies[0].params.min_intervl_s (line 35): policy cost-based
+    has no parameter 'min_intervl_s' (its parameters: min_interval_s, max_interval_s, short_request_s,
+    burst_factor, maintenance_lead_s)
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ from typing import Any, Literal
 from functools import lru_cache
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
 
 from ckptflow.errors import ConfigError
 from ckptflow.models import Engine, Name, TrafficClass, Workload
+from ckptflow.policies.cadence import POLICIES, PolicyParams
 from ckptflow.policies.retention import Retention
 
 
@@ -121,13 +123,45 @@ class PolicyMatch(BaseModel):
 
 
 class PolicyRule(BaseModel):
-    """First matching rule wins; the policy is chosen by name (see ckptflow.policies)."""
+    """First matching rule wins; the policy is chosen by name (see ckptflow.policies).
+
+    ``params`` are validated against the named policy's own model (``POLICIES[name].params``):
+    an unknown key or a bad value is reported at ``policies[i].params.<key>`` with its line.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     match: PolicyMatch = Field(default_factory=PolicyMatch)
     policy: str = Field(..., description="Registered policy name.", examples=["cost-based", "never", "fixed"])
-    params: dict[str, Any] = Field(default_factory=dict, description="Parameters of the policy.")
+    params: SerializeAsAny[PolicyParams] = Field(
+        default_factory=PolicyParams, description="Parameters of the policy, checked against its model "
+        "(CostBasedParams, FixedParams, NeverParams).", examples=[{"min_interval_s": 300}])
+
+    @model_validator(mode="before")
+    @classmethod
+    def _typed_params(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("policy"), str):
+            return data  # the schema reports a missing or non-string policy
+        name = data["policy"]
+        if name not in POLICIES:
+            raise _PathErrors([(("policy",), _unknown_policy(name))])
+        chosen = POLICIES[name]
+        try:
+            params = chosen.parse(data.get("params", {}))
+        except ValidationError as e:
+            raise _PathErrors([(("params", *err["loc"]), _param_problem(chosen, err)) for err in e.errors()]) from None
+        return {**data, "params": params}
+
+
+def _unknown_policy(name: str) -> str:
+    return f"unknown policy {name!r} (known: {', '.join(sorted(POLICIES))})"
+
+
+def _param_problem(chosen, err: dict) -> str:
+    if err["type"] == "extra_forbidden":
+        known = ", ".join(chosen.params.model_fields) or "none"
+        return f"policy {chosen.name} has no parameter {err['loc'][-1]!r} (its parameters: {known})"
+    return err["msg"].removeprefix("Value error, ")
 
 
 class Schedule(BaseModel):
@@ -197,6 +231,46 @@ class Fleet(BaseModel):
     def rule_for(self, w: Workload) -> PolicyRule | None:
         return next((r for r in self.policies if r.match.matches(w)), None)
 
+    def policy_choice(self, w: Workload) -> "PolicyChoice":
+        """``w`` with the policy its first matching rule names (cost-based with its defaults when
+        no rule matches)."""
+        rule = self.rule_for(w)
+        if rule is None:
+            return PolicyChoice(workload=w, policy=DEFAULT_POLICY, params=POLICIES[DEFAULT_POLICY].defaults)
+        return PolicyChoice(workload=w, policy=rule.policy, params=rule.params)
+
+    def scope(self) -> "FleetScope":
+        """The fleet-wide part a node step needs, without the node and workload lists."""
+        return FleetScope(fleet=self.fleet, storage=self.storage, slack=self.slack, retention=self.retention,
+                          prefect_ui_url=self.prefect_ui_url)
+
+
+DEFAULT_POLICY = "cost-based"  # for a workload no rule matches
+
+
+class FleetScope(BaseModel):
+    """Where a fleet's checkpoints live and where its alerts go: what a task needs of the fleet
+    besides its own node and workloads. A flow resolves the fleet file once (placements
+    included) and passes tasks this small value instead of the file's path."""
+
+    model_config = ConfigDict(frozen=True)
+
+    fleet: Name = Field(..., description="Fleet name.")
+    storage: Storage = Field(default_factory=Storage)
+    slack: Slack | None = None
+    retention: Retention = Field(default_factory=Retention)
+    prefect_ui_url: str | None = None
+
+
+class PolicyChoice(BaseModel):
+    """One workload, on the node it runs on now, with the policy its fleet rule chose."""
+
+    model_config = ConfigDict(frozen=True)
+
+    workload: Workload
+    policy: str = Field(DEFAULT_POLICY, description="Registered policy name.")
+    params: SerializeAsAny[PolicyParams] = Field(default_factory=PolicyParams)
+
 
 class _PathErrors(ValueError):
     """Every cross-field problem of a fleet, each with its YAML path, raised at once."""
@@ -209,7 +283,7 @@ class _PathErrors(ValueError):
 # URL fields an engine client or the alerter will open: without a scheme and a host they only
 # fail later, at the first heartbeat, as an unreadable "no KV growing" or a silent probe error.
 _WORKLOAD_URLS = ("health_url", "metrics_url", "probe_url", "prepare_url")
-_CROSS_FIELDS = {"nodes": {"__all__": {"name"}}, "policies": {"__all__": {"policy"}},
+_CROSS_FIELDS = {"nodes": {"__all__": {"name"}},
                  "workloads": {"__all__": {"name", "node", "golden", *_WORKLOAD_URLS}},
                  "storage": {"endpoint_url"}, "slack": {"base_url"}, "prefect_ui_url": True}
 
@@ -236,8 +310,6 @@ def cross_field_problems(data: dict) -> list[tuple[tuple, str]]:
     still gets these reported in the same run; any shape it does not expect is skipped (the
     schema reports that).
     """
-    from ckptflow.policies.cadence import POLICIES
-
     def items(key: str) -> list[tuple[int, dict]]:
         v = data.get(key)
         return [(i, x) for i, x in enumerate(v) if isinstance(x, dict)] if isinstance(v, list) else []
@@ -251,10 +323,6 @@ def cross_field_problems(data: dict) -> list[tuple[tuple, str]]:
             if isinstance(name, str) and name in seen:
                 out.append(((where, i, "name"), f"duplicate name {name!r}"))
             seen.add(name)
-    for i, r in items("policies"):
-        if isinstance(r.get("policy"), str) and r["policy"] not in POLICIES:
-            out.append((("policies", i, "policy"),
-                        f"unknown policy {r['policy']!r} (known: {', '.join(sorted(POLICIES))})"))
     declared = ", ".join(str(n) for n in nodes if isinstance(n, str))
     for i, w in items("workloads"):
         node = w.get("node")

@@ -2,15 +2,28 @@
 
 Example:
     >>> w = Workload(name="chat-a", node="local", find=ProcessFinder(pid_file="w.pid"))
-    >>> w.name
-    'chat-a'
+    >>> w.name, w.engine.value, w.traffic.value
+    ('chat-a', 'other', 'mixed')
+    >>> m = Manifest(id="20261129T081500Z-1a2b3c4d", workload="chat-a", node="local")
+    >>> m.kind.value, m.state.value, m.state.restorable
+    ('heartbeat', 'complete', True)
+    >>> [f"{c.tier.value}:{c.location}" for c in m.with_copy(CopyTier.s3, "s3://ckpt/prefix").copies]
+    ['s3:s3://ckpt/prefix']
+
+Names end up in paths and object keys, so a hostile one is refused:
+
+    >>> try:
+    ...     Workload(name="../../etc", node="local", find=ProcessFinder(pid_file="w.pid"))
+    ... except ValueError as e:                          # pydantic.ValidationError
+    ...     print(e.errors()[0]["loc"], e.errors()[0]["msg"].split(":")[0])
+    ('name',) Value error, '../../etc' is not a valid name
 """
 
 from __future__ import annotations
 
 import re
 from datetime import datetime, timezone
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -161,6 +174,24 @@ class CheckpointState(str, Enum):
         return self in (CheckpointState.complete, CheckpointState.verified)
 
 
+class CheckpointKind(StrEnum):
+    """What a checkpoint holds. Manifests on disk and in S3 carry these exact strings."""
+
+    heartbeat = "heartbeat"   # the whole worker, left running
+    migrate = "migrate"       # the whole worker, which exited (it moves to another node)
+    template = "template"     # the initialised worker before traffic: replicas start from it
+    sessions = "sessions"     # two-tier: a workload's session KV over a shared template (runners.twotier)
+    session = "session"       # one llama.cpp slot saved by the server (engines.llamacpp)
+
+
+class VerifyOutcome(StrEnum):
+    """How a sandbox verification of one checkpoint ended."""
+
+    verified = "verified"             # the copy answered like the original: the checkpoint is proven
+    verify_failed = "verify_failed"   # it restored but answered otherwise, or did not restore
+    skipped = "skipped"               # not run (a GPU checkpoint's copy cannot be restored beside it)
+
+
 class CopyTier(str, Enum):
     node = "node"    # the local store of one node (tmpfs or local disk): a restore there reads it in place
     s3 = "s3"        # the fleet's bucket: any node can pull it
@@ -215,7 +246,8 @@ class Manifest(BaseModel):
     workload: Name
     node: Name
     created: datetime = Field(default_factory=utcnow)
-    kind: str = Field("heartbeat", description="heartbeat (leave running) or migrate (exited).")
+    kind: CheckpointKind = Field(CheckpointKind.heartbeat, description="What the checkpoint holds: heartbeat "
+                                 "(worker left running), migrate (worker exited), template, sessions, session.")
     files: list[FileEntry] = Field(default_factory=list)
     bytes: int = Field(0, ge=0, description="Total image bytes.")
     timings: dict[str, float] = Field(default_factory=dict, description="Phase -> seconds.")

@@ -12,12 +12,14 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from ckptflow.models import Action
-from ckptflow.policies.cadence import CostModel, WorkloadFacts, decide, young_interval
+from ckptflow.policies.cadence import CostBasedParams, CostModel, WorkloadFacts, decide, get_policy, young_interval
 
 DAY = 86400.0
 HOUR = 3600.0
@@ -185,10 +187,11 @@ HINDSIGHT_GRID = [math.inf, 900, 1800, 3600, 2 * 3600, 4 * 3600, 8 * 3600, 12 * 
 FIXED_INTERVALS = [900, 3600, 4 * 3600, DAY, 7 * DAY]
 
 
-def ckptflow_schedule(tr: Trace, w: Workload, params: dict, tick_s: float = 300, decide_every: int = 12
-                      ) -> np.ndarray:
+def ckptflow_schedule(tr: Trace, w: Workload, params: Mapping[str, Any] | CostBasedParams, tick_s: float = 300,
+                      decide_every: int = 12) -> np.ndarray:
     """Replay the online policy: it sees only what it could observe at each tick."""
     cfg = tr.cfg
+    params = get_policy("cost-based").parse(params)  # validated once, not at every decision
     T = cfg.days * DAY
     declared = tr.node_mtbf_s[w.node]
     fails = tr.failures[w.node]
@@ -223,12 +226,16 @@ def ckptflow_schedule(tr: Trace, w: Workload, params: dict, tick_s: float = 300,
     return np.array(ckpts)
 
 
-def simulate(seed: int = 0, cfg: TraceConfig | None = None, params: dict | None = None,
-             with_curve: bool = False) -> dict:
-    """Replay one seeded trace under every policy; return per-policy totals."""
+def simulate(seed: int = 0, cfg: TraceConfig | None = None,
+             params: Mapping[str, Any] | CostBasedParams | None = None, with_curve: bool = False) -> dict:
+    """Replay one seeded trace under every policy; return per-policy totals.
+
+    Raises:
+        pydantic.ValidationError: ``params`` are not valid cost-based parameters.
+    """
     tr = make_trace(seed, cfg)
     cfg = tr.cfg
-    params = params or {"min_interval_s": 300, "max_interval_s": 7 * DAY}
+    params = get_policy("cost-based").parse(params or {"min_interval_s": 300, "max_interval_s": 7 * DAY})
     r = np.random.default_rng(seed + 10_000)
     phases = r.random(len(tr.workloads))
     pol: dict[str, dict] = {}

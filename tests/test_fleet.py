@@ -68,6 +68,15 @@ MISTAKES = [
      "heartbeat"),
     ("footprint negative", lambda d: d["workloads"][0].update(gpu_footprint_gib=-5),
      "workloads[0].gpu_footprint_gib", "greater than or equal to 0"),
+    ("misspelt policy parameter", lambda d: d["policies"][0].update(params={"min_intervl_s": 60}),
+     "policies[0].params.min_intervl_s", "policy cost-based has no parameter 'min_intervl_s' (its parameters: "
+     "min_interval_s, max_interval_s"),
+    ("parameter of another policy", lambda d: d["policies"][0].update(policy="never", params={"interval_s": 60}),
+     "policies[0].params.interval_s", "policy never has no parameter 'interval_s' (its parameters: none)"),
+    ("policy parameter not a number", lambda d: d["policies"][0].update(params={"max_interval_s": "daily"}),
+     "policies[0].params.max_interval_s", "valid number"),
+    ("policy bounds crossed", lambda d: d["policies"][0].update(params={"min_interval_s": 600, "max_interval_s": 60}),
+     "policies[0].params", "min_interval_s 600 is above max_interval_s 60"),
 ]
 
 
@@ -158,3 +167,23 @@ def test_a_tab_in_the_indentation_is_named(tmp_path, where, text):
     with pytest.raises(ConfigError) as e:
         load_fleet(f)
     assert str(e.value).splitlines()[0] == f"{f}: tabs are not allowed for indentation, {where}"
+
+
+def test_policy_params_are_typed_per_policy(tmp_path):
+    from ckptflow.policies.cadence import CostBasedParams, FixedParams, NeverParams
+
+    f = tmp_path / "fleet.yaml"
+    f.write_text(GOOD + "    params: {min_interval_s: '300', burst_factor: 2}\n"
+                 "  - match: {labels: {tier: batch}}\n    policy: never\n"
+                 "  - policy: fixed\n    params: {interval_s: 1800}\n")
+    fleet = load_fleet(f)
+    cost, never, fixed = (r.params for r in fleet.policies)
+    assert isinstance(cost, CostBasedParams) and cost.min_interval_s == 300.0 and cost.burst_factor == 2.0
+    assert cost.max_interval_s == 7 * 86400  # defaults kept for what the rule does not give
+    assert isinstance(never, NeverParams) and isinstance(fixed, FixedParams) and fixed.interval_s == 1800
+    w = fleet.workloads[0].model_copy(update={"traffic": "short_requests"})
+    assert fleet.policy_choice(w).policy == "fixed"        # the catch-all rule
+    f.write_text(GOOD)
+    fleet = load_fleet(f)
+    assert fleet.policy_choice(w).policy == "cost-based"   # no rule matches: the default policy
+    assert fleet.policy_choice(w).params == CostBasedParams()

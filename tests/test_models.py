@@ -22,3 +22,26 @@ def test_finder_needs_exactly_one_way():
 def test_checkpoint_ids_are_validated(bad):
     with pytest.raises(ValidationError, match="not a checkpoint id"):
         Manifest(id=bad, workload="w", node="n")
+
+
+def test_enums_keep_the_strings_stored_manifests_and_alerts_hold():
+    """Manifests on disk and in S3 are JSON written before these fields were enums: they load,
+    and they are written back with the same strings."""
+    import json
+
+    from ckptflow.alerts import AlertKind
+    from ckptflow.models import CheckpointKind, CheckpointState, CopyTier, VerifyOutcome
+
+    assert [k.value for k in CheckpointKind] == ["heartbeat", "migrate", "template", "sessions", "session"]
+    assert [k.value for k in AlertKind] == ["restore_failed", "verify_failed", "invalidated", "worker_gone"]
+    assert [k.value for k in VerifyOutcome] == ["verified", "verify_failed", "skipped"]
+    assert {v.value for v in VerifyOutcome} - {"skipped"} <= {s.value for s in CheckpointState}
+    old = {"id": "20261129T081500Z-1a2b3c4d", "workload": "w", "node": "n", "kind": "migrate",
+           "state": "verify_failed", "copies": [{"tier": "s3", "location": "s3://b/p", "at": "2026-11-29T08:15:00Z"}]}
+    m = Manifest.model_validate_json(json.dumps(old))
+    assert m.kind is CheckpointKind.migrate and m.copies[0].tier is CopyTier.s3
+    again = json.loads(m.model_dump_json())
+    assert (again["kind"], again["state"], again["copies"][0]["tier"]) == ("migrate", "verify_failed", "s3")
+    assert m.kind == "migrate" and f"{m.kind}" == "migrate"   # still compares and formats as the string
+    with pytest.raises(ValidationError):
+        Manifest.model_validate({**old, "kind": "snapshot"})

@@ -285,3 +285,36 @@ def test_demo_worker_metrics_parse(demo_worker):
     load = read_load(w.workload)
     assert load.prompt_tokens_total == 120 and load.generation_tokens_total == 10
     assert load.kv_cache_usage == pytest.approx(130 / 65536)
+
+
+# --- typed parameters and the registry --------------------------------------------------------
+def test_a_misspelt_parameter_is_refused_not_ignored():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="min_intervl_s"):
+        decide(facts(), params={"min_intervl_s": 5000})
+    with pytest.raises(KeyError, match="unknown policy 'yolo'"):
+        decide(facts(), "yolo")
+
+
+def test_a_registered_policy_is_chosen_by_name_from_the_fleet_file(tmp_path, monkeypatch):
+    import ckptflow.fleet
+    from ckptflow.fleet import load_fleet
+    from ckptflow.models import Decision
+    from ckptflow.policies import cadence
+
+    class EveryParams(cadence.PolicyParams):
+        every_s: float = 60.0
+
+    monkeypatch.setattr(cadence, "POLICIES", dict(cadence.POLICIES))  # the registry as it was, after the test
+    monkeypatch.setattr(ckptflow.fleet, "POLICIES", cadence.POLICIES)
+
+    @cadence.register("every", EveryParams)
+    def decide_every(f, params, cost):
+        return Decision(workload=f.name, action=Action.protect, interval_s=params.every_s, due=True, reason="every")
+
+    f = tmp_path / "fleet.yaml"
+    f.write_text("fleet: t\nnodes: [{name: n1, work_pool: n1}]\n"
+                 "policies: [{policy: every, params: {every_s: 5}}]\n")
+    rule = load_fleet(f).policies[0]
+    assert isinstance(rule.params, EveryParams) and decide(facts(), rule.policy, rule.params).interval_s == 5

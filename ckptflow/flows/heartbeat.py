@@ -6,7 +6,9 @@ from collections import defaultdict
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
+from prefect.utilities.annotations import quote
 
+from ckptflow.fleet import PolicyChoice
 from ckptflow.tasks.common import open_fleet
 from ckptflow.tasks.node import checkpoint_batch
 
@@ -30,13 +32,15 @@ def heartbeat(fleet_file: str, node: str | None = None, workloads: list[str] | N
     Example:
         >>> heartbeat("deployments/local.yaml")   # doctest: +SKIP
     """
-    fleet = open_fleet(fleet_file)
-    selected = [w for w in fleet.workloads
-                if (node is None or w.node == node) and (workloads is None or w.name in workloads)]
-    by_node: dict[str, list[str]] = defaultdict(list)
-    for w in selected:
-        by_node[w.node].append(w.name)
-    futures = [checkpoint_batch.submit(fleet_file, n, names, force) for n, names in sorted(by_node.items())]
+    fleet = open_fleet(fleet_file)  # once per run: tasks get plain values, not the file to read again
+    wanted = None if workloads is None else set(workloads)
+    by_node: dict[str, list[PolicyChoice]] = defaultdict(list)
+    for w in fleet.workloads:
+        if (node is None or w.node == node) and (wanted is None or w.name in wanted):
+            by_node[w.node].append(fleet.policy_choice(w))
+    nodes, scope = {n.name: n for n in fleet.nodes}, fleet.scope()
+    # quote(): Prefect would otherwise walk every field of every workload to find upstream futures
+    futures = [checkpoint_batch.submit(scope, nodes[n], quote(batch), force) for n, batch in sorted(by_node.items())]
     results = [r for f in futures for r in f.result()]
     create_table_artifact(key=f"heartbeat-{fleet.fleet}", table=results or [{"note": "nothing selected"}],
                           description=f"Heartbeat of fleet {fleet.fleet}")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from prefect import flow
 from prefect.artifacts import create_table_artifact
+from prefect.utilities.annotations import quote
 
+from ckptflow.tasks.common import open_fleet, this_node
 from ckptflow.tasks.fleet import alert_invalidations, apply_retention, invalidate_stale, report_node_fingerprint
 
 
@@ -19,10 +21,13 @@ def invalidate(fleet_file: str, node: str | None = None) -> dict:
     Example:
         >>> invalidate("deployments/local.yaml")   # doctest: +SKIP
     """
-    report_node_fingerprint(fleet_file, node)
-    rows = invalidate_stale(fleet_file, node)
+    fleet = open_fleet(fleet_file)  # once per run: the tasks get plain values
+    scope, node = fleet.scope(), node or this_node(fleet)
+    report_node_fingerprint(scope, node)
+    rows = invalidate_stale(scope, node, quote(fleet.workloads), fleet.nodes)
     create_table_artifact(key="invalidate", table=rows or [{"note": "every checkpoint still restorable"}],
                           description="Checkpoints invalidated by this run, with the reason")
-    alerts = alert_invalidations(fleet_file, rows) if rows else 0
-    deleted = apply_retention(fleet_file, node)
+    placed = {w.name: w.node for w in fleet.workloads}
+    alerts = alert_invalidations(scope, rows, {r["workload"]: placed[r["workload"]] for r in rows}) if rows else 0
+    deleted = apply_retention(scope, node, [w.name for w in fleet.workloads])
     return {"invalidated": rows, "alerts": alerts, "deleted": deleted}

@@ -8,7 +8,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
-from ckptflow.models import TrafficClass
+from ckptflow.models import CheckpointKind, TrafficClass
 from ckptflow.render import render
 from ckptflow.store import open_store
 from ckptflow.policies.cadence import CostModel
@@ -87,7 +87,7 @@ def scale_up(fleet_file: str, workload: str, target_node: str, via_deployments: 
     fleet = open_fleet(fleet_file)
     w = fleet.workload(workload)
     tier = fleet_tier(fleet)
-    templates = [i for i in (tier.list(workload) if tier else []) if tier.manifest(workload, i).kind == "template"]
+    templates = [i for i in (tier.list(workload) if tier else []) if tier.manifest(workload, i).kind == CheckpointKind.template]
     ckpt = templates[0] if templates else run_step(w.node, "take_template", fleet_file, workload, None,
                                                  via_deployments)["checkpoint"]
     res = run_step(target_node, "scale_up_in", fleet_file, workload, ckpt, via_deployments)

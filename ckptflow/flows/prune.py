@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
+from ckptflow.tasks.common import open_fleet
 from ckptflow.tasks.fleet import prune_bucket
 
 
@@ -15,9 +16,9 @@ def prune(fleet_file: str) -> dict:
     while a heartbeat is uploading it skips this run, and uploads back off while it runs.
 
     Example:
-        >>> prune("deployments/fleet.yaml")   # doctest: +SKIP
+        >>> prune("deployments/example-h200-fleet.yaml")   # doctest: +SKIP
     """
-    res = prune_bucket(fleet_file)
+    res = prune_bucket(open_fleet(fleet_file).scope())
     if "skipped" in res:
         get_run_logger().warning("prune skipped: %s", res["skipped"])
         return res

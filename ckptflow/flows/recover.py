@@ -41,7 +41,7 @@ def recover(fleet_file: str, workload: str, node: str | None = None, via_deploym
     except _NO_CHECKPOINT as e:
         reason = str(e).splitlines()[0]
         cold = run_step(target, "cold_start", fleet_file, workload, None, via_deployments) if w.start_command else None
-        alert_restore_failed(fleet_file, workload, reason, None,
+        alert_restore_failed(fleet.scope(), workload, w.node, reason, None,
                              f"cold start on {target} ({cold['cold_start_s']:.1f} s)" if cold else None)
         create_markdown_artifact(key=f"restore-{workload}", markdown=render(
             "restore_report.md.j2", workload=workload, node=target, result=None, skipped=[],
@@ -53,7 +53,7 @@ def recover(fleet_file: str, workload: str, node: str | None = None, via_deploym
     except WorkloadRunning:  # nothing is wrong: no alert, the refusal says why
         raise
     except Exception as e:
-        alert_restore_failed(fleet_file, workload, str(e).splitlines()[0], None, None,
+        alert_restore_failed(fleet.scope(), workload, w.node, str(e).splitlines()[0], None, None,
                              getattr(e, "log_tail", ""))
         create_markdown_artifact(key=f"restore-{workload}", markdown=render(
             "restore_report.md.j2", workload=workload, node=target, result=None,
@@ -65,7 +65,7 @@ def recover(fleet_file: str, workload: str, node: str | None = None, via_deploym
         how = f"restored from older checkpoint {res['checkpoint']} (newer ones failed their checks)"
     else:
         how = f"restored from checkpoint {res['checkpoint']}"
-    alert_recovered(fleet_file, workload, target, how, res["checkpoint"], res["skipped"])
+    alert_recovered(fleet.scope(), workload, target, how, res["checkpoint"], res["skipped"])
     _place(fleet, workload, w.node, target, res["checkpoint"])
     create_markdown_artifact(key=f"restore-{workload}",
                              markdown=render("restore_report.md.j2", workload=workload, node=target,
@@ -85,7 +85,7 @@ def recover_node(fleet_file: str, node: str, via_deployments: bool = False) -> l
     start where there is none — and report what came back where.
 
     Example:
-        >>> recover_node("deployments/fleet.yaml", "gpu-07")   # doctest: +SKIP
+        >>> recover_node("deployments/example-h200-fleet.yaml", "h200-07")   # doctest: +SKIP
     """
     fleet = open_fleet(fleet_file)
     targets = spreader_off(fleet, node)

@@ -18,10 +18,10 @@ def verify(fleet_file: str, workloads: list[str] | None = None) -> list[dict]:
     Example:
         >>> verify("deployments/local.yaml")   # doctest: +SKIP
     """
-    fleet = open_fleet(fleet_file)
-    names = [w.name for w in fleet.workloads
-             if (workloads is None or w.name in workloads) and w.traffic != TrafficClass.short_requests]
-    rows = [verify_workload(fleet_file, n) for n in names]
+    fleet = open_fleet(fleet_file)  # once per run: each task gets its workload, not the file
+    scope = fleet.scope()
+    rows = [verify_workload(scope, w) for w in fleet.workloads
+            if (workloads is None or w.name in workloads) and w.traffic != TrafficClass.short_requests]
     create_table_artifact(key="verify", table=rows or [{"note": "nothing to verify"}],
                           description="Sandbox verification of the newest checkpoints")
     return rows

@@ -1,6 +1,8 @@
 """Pure decisions: cadence, skip/protect, placement, retention. No I/O, no Prefect.
 
-Policies are chosen by name in the fleet file (first matching rule wins)::
+Policies are chosen by name in the fleet file (first matching rule wins); each one's
+``params`` are checked against its model (``CostBasedParams``, ``FixedParams``, ``NeverParams``
+in cadence.py), so an unknown key fails the load with its line::
 
     policies:
       - match: {traffic: long_sessions}
@@ -13,8 +15,11 @@ Policies are chosen by name in the fleet file (first matching rule wins)::
         params: {interval_s: 1800}
 """
 
-from ckptflow.policies.cadence import POLICIES, CostModel, WorkloadFacts, daly_interval, decide, young_interval
+from ckptflow.policies.cadence import (POLICIES, CostBasedParams, CostModel, FixedParams, NeverParams, Policy,
+                                       PolicyParams, WorkloadFacts, daly_interval, decide, get_policy, register,
+                                       young_interval)
 from ckptflow.policies.load import WorkloadLoad, parse_metrics
 
-__all__ = ["POLICIES", "CostModel", "WorkloadFacts", "WorkloadLoad", "daly_interval", "decide",
-           "parse_metrics", "young_interval"]
+__all__ = ["POLICIES", "CostBasedParams", "CostModel", "FixedParams", "NeverParams", "Policy", "PolicyParams",
+           "WorkloadFacts", "WorkloadLoad", "daly_interval", "decide", "get_policy", "parse_metrics", "register",
+           "young_interval"]

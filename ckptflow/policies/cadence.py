@@ -1,10 +1,27 @@
 """Checkpoint cadence per workload: skip, protect(interval), checkpoint_now, drain.
 
+A fleet file picks a policy per workload by name, first matching rule wins, and gives it
+parameters; each policy's parameters are a pydantic model, so a misspelt key is an error
+that names its line instead of a default silently used::
+
+    policies:
+      - match: {traffic: long_sessions}
+        policy: cost-based                 # CostBasedParams
+        params: {min_interval_s: 300, max_interval_s: 86400}
+      - match: {labels: {tier: batch}}
+        policy: never                      # NeverParams: no parameters
+      - match: {}
+        policy: fixed                      # FixedParams
+        params: {interval_s: 1800}
+
+Policies are registered by name (``@register("fixed", FixedParams)``) in ``POLICIES``, which
+the fleet loader checks rules against.
+
 Pure: facts in, a Decision out (with a one-line reason that shows the numbers).
 
 The cost model, in GPU-seconds of one worker:
 - a checkpoint pauses the worker for C seconds (measured pause, else footprint x 1.3 s/GiB,
-  the H200 heartbeat pause in notes/gpu.md);
+  the H200 heartbeat pause of bench/gpu_checkpoint.py in bench/RESULTS.md);
 - a failure costs a restore R plus re-prefilling every KV token not in the checkpoint
   (at ``prefill_tokens_s``); with no checkpoint at all, a cold start instead of R.
 If the KV at risk grows at g GPU-s per second (new tokens / prefill rate), the loss since
@@ -14,19 +31,26 @@ than the re-prefill it saves: C/tau + lambda*min(g*tau/2, A) < lambda*A, A = liv
 GPU-s. Short-request traffic never pays: what is at risk is a retry of a few seconds.
 
 Example:
-    >>> facts = WorkloadFacts(name="chat", traffic="long_sessions", footprint_gib=80,
-    ...                       mtbf_s=24 * 3600, live_tokens=2e6, growth_tokens_s=300)
-    >>> decide(facts).action.value
-    'protect'
+    >>> facts = WorkloadFacts(name="chat", traffic="long_sessions", footprint_gib=20, mtbf_s=24 * 3600,
+    ...                       live_tokens=2e7, growth_tokens_s=2000, tokens_since_ckpt=1e6,
+    ...                       seconds_since_ckpt=600.0)
+    >>> d = decide(facts)
+    >>> d.action.value, round(d.interval_s), d.due
+    ('protect', 4653, False)
+    >>> d.reason
+    'Daly interval 1.3 h saves 43.8 GPU-s/h (C=26s, M=24.0 h, KV at risk 2000 GPU-s growing 720/h)'
+    >>> decide(facts, "cost-based", {"max_interval_s": 1800}).interval_s
+    1800.0
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ckptflow.models import Action, Decision
 
@@ -34,7 +58,7 @@ INF = math.inf
 
 
 class CostModel(BaseModel):
-    """Measured and assumed costs; defaults from the H200 measurements in notes/gpu.md."""
+    """Measured and assumed costs; defaults from the H200 measurements in bench/RESULTS.md."""
 
     pause_s_per_gib: float = Field(1.3, gt=0, description="Heartbeat pause per GiB of GPU footprint.")
     restore_gib_s: float = Field(1.25, gt=0, description="Restore throughput (CRIU + CUDA), GiB/s.")
@@ -135,13 +159,101 @@ def cost_based_interval(f: WorkloadFacts, cost: CostModel, min_s: float = 0.0, m
     return tau, f"Daly interval {_fmt(tau)} saves {(without - with_ckpt) * 3600:.1f} GPU-s/h ({numbers})"
 
 
-def decide_cost_based(f: WorkloadFacts, params: dict, cost: CostModel) -> Decision:
-    min_s = float(params.get("min_interval_s", 60))
-    max_s = float(params.get("max_interval_s", 7 * 86400))
-    short_request_s = float(params.get("short_request_s", 60))
-    burst_factor = float(params.get("burst_factor", 3))
+class PolicyParams(BaseModel):
+    """Parameters of one policy (a rule's ``params:``). Unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CostBasedParams(PolicyParams):
+    """``cost-based``: Daly's interval for the KV growth rate, only where it pays (see above)."""
+
+    min_interval_s: float = Field(60.0, ge=0, description="Never protect more often than this.", examples=[300])
+    max_interval_s: float = Field(7 * 86400.0, ge=0, description="Protect at least this often once checkpoints "
+                                  "pay off at all (it never turns protection on).", examples=[86400])
+    short_request_s: float = Field(60.0, ge=0, description="Mixed traffic whose mean request is shorter than "
+                                   "this and holds no KV is treated as short requests (skip).")
+    burst_factor: float = Field(3.0, ge=0, description="Checkpoint now when the new KV since the last checkpoint "
+                                "exceeds this many intervals' worth (or pauses' worth).")
+    maintenance_lead_s: float | None = Field(None, ge=0, description="How long before a maintenance window to "
+                                             "checkpoint or drain; default max(900 s, 3 x the pause).")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "CostBasedParams":
+        if self.min_interval_s > self.max_interval_s:
+            raise ValueError(f"min_interval_s {self.min_interval_s:g} is above max_interval_s {self.max_interval_s:g}")
+        return self
+
+
+class FixedParams(PolicyParams):
+    """``fixed``: protect at one interval, whatever the costs."""
+
+    interval_s: float = Field(3600.0, ge=0, description="Checkpoint interval.", examples=[1800])
+
+
+class NeverParams(PolicyParams):
+    """``never``: no checkpoints (no parameters)."""
+
+
+P = TypeVar("P", bound=PolicyParams)
+DecideFn = Callable[[WorkloadFacts, Any, CostModel], Decision]
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A registered policy: its name in fleet files, its parameters' model, its decision."""
+
+    name: str
+    params: type[PolicyParams]
+    decide: DecideFn
+    defaults: PolicyParams          # what a rule without ``params:`` gets
+
+    def parse(self, params: Mapping[str, Any] | PolicyParams | None) -> PolicyParams:
+        """``params`` as this policy's model.
+
+        Raises:
+            pydantic.ValidationError: an unknown key, or a value of the wrong type or range.
+        """
+        if params is None:
+            return self.defaults
+        if isinstance(params, self.params):
+            return params
+        if isinstance(params, PolicyParams):
+            params = params.model_dump(exclude_unset=True)
+        return self.params.model_validate(params)
+
+
+POLICIES: dict[str, Policy] = {}
+
+
+def register(name: str, params: type[P]) -> Callable[[DecideFn], DecideFn]:
+    """Register a decision function under ``name`` with its parameters' model."""
+    def add(fn: DecideFn) -> DecideFn:
+        POLICIES[name] = Policy(name, params, fn, params())
+        return fn
+    return add
+
+
+def get_policy(name: str) -> Policy:
+    """The registered policy called ``name``.
+
+    Raises:
+        KeyError: no policy of that name (the fleet file loader checks names first).
+    """
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise KeyError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+
+
+@register("cost-based", CostBasedParams)
+def decide_cost_based(f: WorkloadFacts, params: CostBasedParams, cost: CostModel) -> Decision:
+    min_s = params.min_interval_s
+    max_s = params.max_interval_s
+    short_request_s = params.short_request_s
+    burst_factor = params.burst_factor
     c = cost.pause_s(f.footprint_gib, f.measured_pause_s)
-    lead_s = float(params.get("maintenance_lead_s", max(900.0, 3 * c)))
+    lead_s = params.maintenance_lead_s if params.maintenance_lead_s is not None else max(900.0, 3 * c)
     at_risk_tokens = f.live_tokens if f.tokens_since_ckpt is None else f.tokens_since_ckpt
     at_risk_s = at_risk_tokens / cost.prefill_tokens_s
     short = _is_short(f, short_request_s)
@@ -184,40 +296,45 @@ def decide_cost_based(f: WorkloadFacts, params: dict, cost: CostModel) -> Decisi
     return Decision(workload=f.name, action=Action.protect, interval_s=tau, due=due, reason=why)
 
 
-def decide_fixed(f: WorkloadFacts, params: dict, cost: CostModel) -> Decision:
-    tau = float(params.get("interval_s", 3600))
+@register("fixed", FixedParams)
+def decide_fixed(f: WorkloadFacts, params: FixedParams, cost: CostModel) -> Decision:
+    tau = params.interval_s
     due = f.seconds_since_ckpt is None or f.seconds_since_ckpt >= tau
     return Decision(workload=f.name, action=Action.protect, interval_s=tau, due=due,
                     reason=f"fixed interval {_fmt(tau)}")
 
 
-def decide_never(f: WorkloadFacts, params: dict, cost: CostModel) -> Decision:
+@register("never", NeverParams)
+def decide_never(f: WorkloadFacts, params: NeverParams, cost: CostModel) -> Decision:
     return Decision(workload=f.name, action=Action.skip, reason="policy never")
 
 
-POLICIES: dict[str, Callable[[WorkloadFacts, dict, CostModel], Decision]] = {
-    "cost-based": decide_cost_based,
-    "fixed": decide_fixed,
-    "never": decide_never,
-}
-
-
-def decide(f: WorkloadFacts, policy: str = "cost-based", params: dict | None = None,
+def decide(f: WorkloadFacts, policy: str = "cost-based", params: Mapping[str, Any] | PolicyParams | None = None,
            cost: CostModel | None = None) -> Decision:
     """Decide for one workload with a named policy.
 
+    ``params`` is the policy's model, or a mapping validated into it (None: its defaults).
+
+    Example:
+        >>> decide(WorkloadFacts(name="api", seconds_since_ckpt=100.0), "fixed", {"interval_s": 60}).reason
+        'fixed interval 1.0 min'
+        >>> try:
+        ...     decide(WorkloadFacts(name="api"), "fixed", {"intervall_s": 60})
+        ... except ValueError as e:                      # pydantic.ValidationError
+        ...     print(e.errors()[0]["loc"], e.errors()[0]["msg"])
+        ('intervall_s',) Extra inputs are not permitted
+
     Raises:
         KeyError: the policy name is not registered (the fleet file loader checks names first).
+        pydantic.ValidationError: ``params`` has an unknown key or a bad value.
     """
-    try:
-        fn = POLICIES[policy]
-    except KeyError:
-        raise KeyError(f"unknown policy {policy!r}; known: {', '.join(sorted(POLICIES))}") from None
+    chosen = get_policy(policy)
+    params = chosen.parse(params)
     if f.gone:  # whatever the policy: nothing runs to checkpoint, and what ran is lost until recovered
         return Decision(workload=f.name, action=Action.skip, reason=f"worker gone: {f.gone}")
     if f.unsupported:  # whatever the policy: a checkpoint it cannot take is no protection
         return Decision(workload=f.name, action=Action.skip, reason=f"cannot be checkpointed: {f.unsupported}")
-    return fn(f, params or {}, cost or _DEFAULT_COST)
+    return chosen.decide(f, params, cost or _DEFAULT_COST)
 
 
 _DEFAULT_COST = CostModel()

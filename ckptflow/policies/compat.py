@@ -26,7 +26,6 @@ GATED = {
     "gpu": ("gpu_model", "gpu_count", "driver", "cuda_driver"),
     "workload": ("engine", "engine_version", "model_id", "model_revision"),
 }
-GATED_FIELDS = tuple(f for fs in GATED.values() for f in fs)
 
 
 @dataclass

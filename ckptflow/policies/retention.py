@@ -26,6 +26,14 @@ def to_delete(manifests: list[Manifest], now: datetime, rule: Retention | None =
     """Checkpoints to delete, each with the reason.
 
     Always kept: the newest verified valid checkpoint and the newest restorable one.
+
+    Example:
+        >>> from datetime import timezone
+        >>> now = datetime(2026, 11, 29, 12, tzinfo=timezone.utc)
+        >>> hourly = [Manifest(id=f"20261129T0{h}0000Z-0000000{h}", workload="chat", node="n1",
+        ...                    created=now - timedelta(hours=10 - h)) for h in range(1, 5)]
+        >>> [(m.id, why) for m, why in to_delete(hourly, now, Retention(keep=2))]
+        [('20261129T020000Z-00000002', 'beyond the 2 newest'), ('20261129T010000Z-00000001', 'beyond the 2 newest')]
     """
     rule = rule or Retention()
     newest_first = sorted(manifests, key=lambda m: (m.created, m.id), reverse=True)

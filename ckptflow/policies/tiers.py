@@ -10,9 +10,9 @@ every tier.
 
 Example:
     >>> order = restore_order(
-    ...     local=[LocalCopy("20261129T100000Z-aa", "complete")],
+    ...     local=[LocalCopy("20261129T100000Z-aa", CheckpointState.complete)],
     ...     remote=["20261129T110000Z-bb", "20261129T100000Z-aa"])
-    >>> [(c.checkpoint, c.tier) for c in order]
+    >>> [(c.checkpoint, c.tier.value) for c in order]
     [('20261129T110000Z-bb', 's3'), ('20261129T100000Z-aa', 'node'), ('20261129T100000Z-aa', 's3')]
 """
 
@@ -20,19 +20,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-RESTORABLE = ("complete", "verified")
+from ckptflow.models import CheckpointState, CopyTier
 
 
 @dataclass(frozen=True, slots=True)
 class LocalCopy:
     checkpoint: str
-    state: str                      # CheckpointState value of this node's manifest
+    state: CheckpointState | str    # this node's manifest's state (its value is accepted too)
 
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
     checkpoint: str
-    tier: str                       # "node" (read in place) or "s3" (pull first)
+    tier: CopyTier                  # node (read in place) or s3 (pull first)
 
 
 def restore_order(local: list[LocalCopy], remote: list[str]) -> list[Candidate]:
@@ -40,12 +40,14 @@ def restore_order(local: list[LocalCopy], remote: list[str]) -> list[Candidate]:
 
     Checkpoint ids start with their UTC creation time, so they sort by age.
     """
-    states = {c.checkpoint: c.state for c in local}
+    states = {c.checkpoint: CheckpointState(c.state) for c in local}
     out = []
     for ckpt in sorted(set(states) | set(remote), reverse=True):
         state = states.get(ckpt)
-        if state in RESTORABLE:
-            out.append(Candidate(ckpt, "node"))
-        if ckpt in remote and state in (None, *RESTORABLE, "verify_failed"):
-            out.append(Candidate(ckpt, "s3"))
+        if state is not None and state.restorable:
+            out.append(Candidate(ckpt, CopyTier.node))
+        # a local copy that failed its checksums leaves the bucket's (verified when pushed); an
+        # invalidated one rules the checkpoint out everywhere
+        if ckpt in remote and (state is None or state.restorable or state == CheckpointState.verify_failed):
+            out.append(Candidate(ckpt, CopyTier.s3))
     return out

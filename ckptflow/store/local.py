@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ckptflow.errors import CheckpointNotFound, ChecksumMismatch, StorageFull, StoreError, WorkloadBusy
-from ckptflow.models import (CheckpointCopy, CheckpointState, CopyTier, FileEntry, Fingerprint, Manifest,
-                             _check_ckpt_id, _check_name, utcnow)
+from ckptflow.models import (CheckpointCopy, CheckpointKind, CheckpointState, CopyTier, FileEntry, Fingerprint,
+                             Manifest, _check_ckpt_id, _check_name, utcnow)
 
 if TYPE_CHECKING:
     from ckptflow.policies.retention import Retention
@@ -155,8 +155,8 @@ class LocalStore:
 
     def commit(self, pending: PendingCheckpoint, *, timings: dict[str, float] | None = None,
                fingerprint: Fingerprint | None = None, probe: dict[str, Any] | None = None,
-               kind: str = "heartbeat", pid: int | None = None, gpu_footprint_bytes: int = 0,
-               parent: str | None = None, gpu_pids: list[int] | None = None) -> Manifest:
+               kind: CheckpointKind | str = CheckpointKind.heartbeat, pid: int | None = None,
+               gpu_footprint_bytes: int = 0, parent: str | None = None, gpu_pids: list[int] | None = None) -> Manifest:
         """Checksum every image file, then write the manifest last and atomically."""
         t0 = time.perf_counter()
         try:

@@ -1,8 +1,12 @@
-"""What every task shares: opening the fleet and the store, and the retry rule."""
+"""What every task shares: opening the fleet and the store, and the retry rule.
+
+A flow resolves the fleet once per run (``open_fleet``) and hands its tasks plain values: the
+fleet's ``FleetScope`` (storage, Slack, retention), the node and the workloads a task acts on.
+The helpers below take that scope, or the whole ``Fleet``: they read only its scope fields.
+"""
 
 from __future__ import annotations
 
-import os
 import socket
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,8 +14,9 @@ from typing import Iterator
 
 from ckptflow.alerts import Alerter
 from ckptflow.errors import CkptflowError
-from ckptflow.fleet import Fleet, load_fleet
+from ckptflow.fleet import Fleet, FleetScope, load_fleet
 from ckptflow.runners.node import NodeRunner
+from ckptflow.settings import settings
 from ckptflow.store import open_store, open_tier
 
 
@@ -29,7 +34,7 @@ def open_fleet(fleet_file: str) -> Fleet:
     return fleet
 
 
-def node_runner(fleet: Fleet, node: str | None = None) -> NodeRunner:
+def node_runner(fleet: Fleet | FleetScope, node: str | None = None) -> NodeRunner:
     return NodeRunner(open_store(fleet.storage, node))
 
 
@@ -37,9 +42,9 @@ def node_runner(fleet: Fleet, node: str | None = None) -> NodeRunner:
 def node_slot(node: str) -> Iterator[None]:
     """One checkpoint or restore per node at a time, fleet-wide: a Prefect global concurrency
     limit ``ckptflow-node-<node>`` of 1 (created by `ckptflow deploy`; strict, so a missing
-    limit fails loudly instead of letting steps race). Deployments set CKPTFLOW_NODE_LIMITS=1;
-    local runs (demo, tests in one process) go without it."""
-    if os.environ.get("CKPTFLOW_NODE_LIMITS") != "1":
+    limit fails loudly instead of letting steps race). Deployments set CKPTFLOW_NODE_LIMITS=1
+    (``settings().node_limits``); local runs (demo, tests in one process) go without it."""
+    if not settings().node_limits:
         yield
         return
     from prefect.concurrency.sync import concurrency
@@ -50,7 +55,7 @@ def node_slot(node: str) -> Iterator[None]:
 
 def this_node(fleet: Fleet) -> str | None:
     """Which fleet node this process runs on: $CKPTFLOW_NODE, the only node, or the hostname."""
-    name = os.environ.get("CKPTFLOW_NODE")
+    name = settings().node
     if name:
         fleet.node(name)
         return name
@@ -60,7 +65,7 @@ def this_node(fleet: Fleet) -> str | None:
     return host if any(n.name == host for n in fleet.nodes) else None
 
 
-def tier(fleet: Fleet):
+def tier(fleet: Fleet | FleetScope):
     """The fleet's S3 tier (None for local storage), its chunk key read from a Prefect Secret
     block when the fleet file names one."""
     key = None
@@ -73,14 +78,14 @@ def tier(fleet: Fleet):
     return open_tier(fleet.storage, key)
 
 
-def fingerprints(fleet: Fleet, s3=None):
+def fingerprints(fleet: Fleet | FleetScope, s3=None):
     """Where nodes report their fingerprints and invalidate reads them: the S3 tier of an S3
     fleet (every node sees every report; ``s3`` if the caller opened it already), else the
     fleet's shared local store root."""
     return s3 or tier(fleet) or open_store(fleet.storage)
 
 
-def alerter(fleet: Fleet, s3=None) -> Alerter:
+def alerter(fleet: Fleet | FleetScope, s3=None) -> Alerter:
     """The fleet's alerter; open alerts live where every node sees them: the S3 tier of an S3
     fleet (``s3`` if the caller opened it already), else the fleet's local store root."""
     return Alerter(fleet.slack, state=s3 or tier(fleet) or open_store(fleet.storage),

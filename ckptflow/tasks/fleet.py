@@ -7,40 +7,45 @@ from collections import defaultdict
 from prefect import get_run_logger, task
 from prefect.runtime import flow_run
 
-from ckptflow.models import CheckpointState
+from ckptflow.alerts import AlertKind
+from ckptflow.fleet import FleetScope, Node
+from ckptflow.models import CheckpointState, Workload
 from ckptflow.policies.compat import stale
 from ckptflow.runners.fingerprint import node_fingerprint, workload_fingerprint
-from ckptflow.tasks.common import alerter, fingerprints, open_fleet, this_node, tier
 from ckptflow.store import open_store
+from ckptflow.tasks.common import alerter, fingerprints, tier
 
 
 @task(name="report-node-fingerprint")
-def report_node_fingerprint(fleet_file: str, node: str | None = None) -> dict:
+def report_node_fingerprint(scope: FleetScope, node: str | None) -> dict:
     """Record this node's fingerprint in the store, where the invalidate flow reads it."""
-    fleet = open_fleet(fleet_file)
-    node = node or this_node(fleet)
     if node is None:
-        get_run_logger().warning("this machine is no node of fleet %s; set CKPTFLOW_NODE", fleet.fleet)
+        get_run_logger().warning("this machine is no node of fleet %s; set CKPTFLOW_NODE", scope.fleet)
         return {}
     fp = node_fingerprint()
-    fingerprints(fleet).put_node_fingerprint(node, fp)
+    fingerprints(scope).put_node_fingerprint(node, fp)
     return {"node": node, **fp.model_dump(exclude={"notes"})}
 
 
 @task(name="invalidate-stale-checkpoints")
-def invalidate_stale(fleet_file: str, node: str | None = None) -> list[dict]:
+def invalidate_stale(scope: FleetScope, node: str | None, workloads: list[Workload], nodes: list[Node]) -> list[dict]:
     """Mark every checkpoint no eligible node can restore as invalidated, with the reason: the
-    copies in this node's store, and the bucket's copies of the workloads placed on this node."""
-    fleet = open_fleet(fleet_file)
-    node = node or this_node(fleet)
-    store = open_store(fleet.storage, node)
-    t = tier(fleet)
-    reported = fingerprints(fleet, t).node_fingerprints()
+    copies in this node's store, and the bucket's copies of the workloads placed on this node.
+
+    ``workloads`` on the nodes placements put them on and ``nodes`` come from the flow, which
+    resolved the fleet once.
+    """
+    store = open_store(scope.storage, node)
+    t = tier(scope)
+    reported = fingerprints(scope, t).node_fingerprints()
+    gpu_class = {n.name: n.gpu_class for n in nodes}
+    by_class: dict[str, list[str]] = defaultdict(list)
+    for n in nodes:
+        if n.name in reported:
+            by_class[n.gpu_class].append(n.name)
     rows = []
-    for w in fleet.workloads:
-        cls = fleet.node(w.node).gpu_class
-        eligible = {n.name: workload_fingerprint(w, reported[n.name])
-                    for n in fleet.nodes if n.gpu_class == cls and n.name in reported}
+    for w in workloads:
+        eligible = {n: workload_fingerprint(w, reported[n]) for n in by_class[gpu_class[w.node]]}
         for m, why in stale(store.list(w.name), eligible, w.gpu):
             store.set_state(m, CheckpointState.invalidated, why)
             rows.append({"workload": w.name, "node": m.node, "checkpoint": m.id, "reason": why, "copy": "node"})
@@ -52,34 +57,32 @@ def invalidate_stale(fleet_file: str, node: str | None = None) -> list[dict]:
 
 
 @task(name="apply-retention")
-def apply_retention(fleet_file: str, node: str | None = None) -> list[dict]:
-    fleet = open_fleet(fleet_file)
-    store = open_store(fleet.storage, node or this_node(fleet))
-    return [{"workload": w.name, "deleted": ckpt, "why": why}
-            for w in fleet.workloads for ckpt, why in store.apply_retention(w.name, fleet.retention)]
+def apply_retention(scope: FleetScope, node: str | None, workloads: list[str]) -> list[dict]:
+    store = open_store(scope.storage, node)
+    return [{"workload": name, "deleted": ckpt, "why": why}
+            for name in workloads for ckpt, why in store.apply_retention(name, scope.retention)]
 
 
 @task(name="alert-invalidations")
-def alert_invalidations(fleet_file: str, rows: list[dict]) -> int:
-    """One alert per workload whose set of invalidation reasons changed."""
-    fleet = open_fleet(fleet_file)
-    a = alerter(fleet)
+def alert_invalidations(scope: FleetScope, rows: list[dict], placed: dict[str, str]) -> int:
+    """One alert per workload whose set of invalidation reasons changed. ``placed``: each
+    workload's node now."""
+    a = alerter(scope)
     by_workload = defaultdict(list)
     for r in rows:
         by_workload[r["workload"]].append(r)
     sent = 0
     for name, rs in by_workload.items():
         key = "|".join(sorted({r["reason"] for r in rs}))
-        sent += a.send("invalidated", workload=name, key=key, node=fleet.workload(name).node, rows=rs,
+        sent += a.send(AlertKind.invalidated, workload=name, key=key, node=placed[name], rows=rs,
                        flow_run_id=flow_run.get_id())
     return sent
 
 
 @task(name="prune-bucket")
-def prune_bucket(fleet_file: str) -> dict:
+def prune_bucket(scope: FleetScope) -> dict:
     """Retention in the fleet's bucket, then the chunks no manifest references (store.s3.prune)."""
-    fleet = open_fleet(fleet_file)
-    t = tier(fleet)
+    t = tier(scope)
     if t is None:
         return {"skipped": "storage.kind is local: nothing in a bucket to prune"}
-    return t.prune(fleet.retention)
+    return t.prune(scope.retention)

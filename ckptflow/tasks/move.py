@@ -9,6 +9,7 @@ import time
 from prefect import task
 
 from ckptflow.errors import ConfigError, RestoreFailed, WorkloadNotFound
+from ckptflow.models import CheckpointKind
 from ckptflow.runners import process
 from ckptflow.tasks.common import node_runner, node_slot, open_fleet
 from ckptflow.tasks.common import tier as fleet_tier
@@ -80,7 +81,7 @@ def take_template(fleet_file: str, workload: str) -> dict:
     w = fleet.workload(workload)
     with node_runner(fleet, w.node) as runner:
         with node_slot(w.node):
-            m = runner.checkpoint(w, leave_running=True, kind="template")
+            m = runner.checkpoint(w, leave_running=True, kind=CheckpointKind.template)
         pushed = _tier(fleet).push(runner.store, m)
     return {"checkpoint": m.id, "bytes": m.bytes, **pushed}
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.runtime import flow_run
 
+from ckptflow.alerts import AlertKind
 from ckptflow.errors import CkptflowError
+from ckptflow.fleet import FleetScope, Node, PolicyChoice
 from ckptflow.models import Action
 from ckptflow.policies.cadence import decide
 from ckptflow.runners.facts import collect_facts, node_mtbf_s
@@ -14,40 +16,40 @@ from ckptflow.tasks.common import tier as fleet_tier
 
 
 @task(name="checkpoint-node-batch", retries=1, retry_condition_fn=retry_if_retryable)
-def checkpoint_batch(fleet_file: str, node: str, workloads: list[str], force: bool = False) -> list[dict]:
-    """Decide per workload with its fleet policy and checkpoint (leave running) those due.
+def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], force: bool = False) -> list[dict]:
+    """Decide per workload of ``node`` with the policy its fleet rule chose, and checkpoint
+    (leave running) those due.
 
-    One failure does not stop the rest. One task per node batch, not per workload: a task
-    run costs ~20 KB of server DB and ~10 ms, which a fleet tick over thousands of
-    workloads cannot afford. ``force`` checkpoints every selected workload (manual run).
+    The flow resolved the fleet once (``scope``, the node's declaration, each workload with
+    its policy): a task reads no fleet file and lists no placements. One failure does not stop
+    the rest. One task per node batch, not per workload: a task run costs ~20 KB of server DB
+    and ~10 ms, which a fleet tick over thousands of workloads cannot afford. ``force``
+    checkpoints every selected workload (manual run).
     """
     log = get_run_logger()
-    fleet = open_fleet(fleet_file)
-    with node_runner(fleet, node) as runner:
-        node_cfg = fleet.node(node)
-        tier = fleet_tier(fleet)
-        fingerprints(fleet, tier).put_node_fingerprint(node, runner.node_fp)  # keeps what invalidate reads fresh
-        alerts = alerter(fleet, tier)
-        gone_alerts = {k for k, a in alerts.open_alerts().items() if a.get("kind") == "worker_gone"}
+    with node_runner(scope, node.name) as runner:
+        tier = fleet_tier(scope)
+        fingerprints(scope, tier).put_node_fingerprint(node.name, runner.node_fp)  # keeps what invalidate reads fresh
+        alerts = alerter(scope, tier)
+        gone_alerts = {k for k, a in alerts.open_alerts().items() if a.get("kind") == AlertKind.worker_gone}
+        mtbf_s = node_mtbf_s(node.mtbf_hours, node.failures)
+        maintenance = [(mw.start.timestamp(), mw.end.timestamp()) for mw in node.maintenance]
         out = []
-        for name in workloads:
-            w = fleet.workload(name)
-            rule = fleet.rule_for(w)
-            facts = collect_facts(w, runner.store, mtbf_s=node_mtbf_s(node_cfg.mtbf_hours, node_cfg.failures),
-                                  maintenance=[(mw.start.timestamp(), mw.end.timestamp())
-                                               for mw in node_cfg.maintenance])
-            d = decide(facts, rule.policy if rule else "cost-based", rule.params if rule else {})
-            row = {"workload": name, "node": node, "decision": d.action.value, "reason": d.reason}
+        for choice in batch:
+            w, name = choice.workload, choice.workload.name
+            facts = collect_facts(w, runner.store, mtbf_s=mtbf_s, maintenance=maintenance)
+            d = decide(facts, choice.policy, choice.params)
+            row = {"workload": name, "node": node.name, "decision": d.action.value, "reason": d.reason}
             if facts.gone:
                 log.error("%s: %s", name, d.reason)
                 newest = next(runner.store.valid(name), None)
-                alerts.send("worker_gone", workload=name, key=facts.gone, node=node, reason=facts.gone,
+                alerts.send(AlertKind.worker_gone, workload=name, key=facts.gone, node=node.name, reason=facts.gone,
                             checkpoint=newest.id if newest else None, flow_run_id=flow_run.get_id())
                 out.append({**row, "ok": False, "checkpoint": None, "error": facts.gone,
                             "error_type": "WorkloadNotFound"})
                 continue
             if name in gone_alerts:  # restarted by someone else: the worker-gone alert is over
-                alerts.resolve(name, kinds={"worker_gone"}, node=node, how="seen running again",
+                alerts.resolve(name, kinds={AlertKind.worker_gone}, node=node.name, how="seen running again",
                                flow_run_id=flow_run.get_id())
             if not (force or (d.due and d.action in (Action.protect, Action.checkpoint_now))):
                 log.info("%s: %s (%s)", name, d.action.value, d.reason)
@@ -56,7 +58,7 @@ def checkpoint_batch(fleet_file: str, node: str, workloads: list[str], force: bo
             if force:
                 row["reason"] = f"forced (policy said {d.action.value}: {d.reason})"
             try:
-                with node_slot(node):
+                with node_slot(node.name):
                     m = runner.checkpoint(w, leave_running=True)
             except CkptflowError as e:
                 log.error("checkpoint of %s failed: %s", name, e)

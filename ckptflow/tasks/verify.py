@@ -5,35 +5,38 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.runtime import flow_run
 
-from ckptflow.models import CheckpointState
+from ckptflow.alerts import AlertKind
+from ckptflow.fleet import FleetScope
+from ckptflow.models import CheckpointState, VerifyOutcome, Workload
 from ckptflow.runners.coldstart import cold_start
 from ckptflow.runners.verify import verify_checkpoint
 from ckptflow.tasks.common import alerter, node_runner, node_slot, open_fleet
 
 
 @task(name="verify-workload")
-def verify_workload(fleet_file: str, workload: str) -> dict:
-    """Verify the newest unverified valid checkpoint of one workload in a sandbox."""
-    fleet = open_fleet(fleet_file)
-    w = fleet.workload(workload)
-    with node_runner(fleet, w.node) as node:
+def verify_workload(scope: FleetScope, w: Workload) -> dict:
+    """Verify the newest unverified valid checkpoint of one workload in a sandbox (``w`` on
+    the node it runs on now, as the flow resolved it)."""
+    workload = w.name
+    with node_runner(scope, w.node) as node:
         m = next((x for x in node.store.valid(workload) if x.state == CheckpointState.complete), None)
         if m is None:
-            return {"workload": workload, "state": "skipped", "reason": "no unverified valid checkpoint"}
+            return {"workload": workload, "state": VerifyOutcome.skipped.value, "reason": "no unverified valid checkpoint"}
         with node_slot(w.node):
             res = verify_checkpoint(node, w, m)
     row = {"workload": workload, "node": w.node, "checkpoint": m.id, "state": res.state, "reason": res.reason,
            **{f"{k}_s": v for k, v in res.timings.items()}}
-    if res.state == "skipped":
+    outcome = VerifyOutcome(res.state)
+    if outcome == VerifyOutcome.skipped:
         get_run_logger().warning("verify of %s skipped: %s", workload, res.reason)
         return row
-    node.store.set_state(m, CheckpointState(res.state), res.reason, verify_timings=res.timings)
-    a = alerter(fleet)
-    if res.state == "verify_failed":
-        a.send("verify_failed", workload=workload, key=m.id, node=w.node, checkpoint=m.id, reason=res.reason,
-               log_tail=res.log_tail, flow_run_id=flow_run.get_id())
+    node.store.set_state(m, CheckpointState(outcome.value), res.reason, verify_timings=res.timings)
+    a = alerter(scope)
+    if outcome == VerifyOutcome.verify_failed:
+        a.send(AlertKind.verify_failed, workload=workload, key=m.id, node=w.node, checkpoint=m.id,
+               reason=res.reason, log_tail=res.log_tail, flow_run_id=flow_run.get_id())
     else:
-        a.resolve(workload, kinds={"verify_failed"}, node=w.node, how=f"checkpoint {m.id} verified",
+        a.resolve(workload, kinds={AlertKind.verify_failed}, node=w.node, how=f"checkpoint {m.id} verified",
                   checkpoint=m.id, flow_run_id=flow_run.get_id())
     return row
 
@@ -46,18 +49,17 @@ def cold_start_workload(fleet_file: str, workload: str) -> dict:
 
 
 @task(name="alert-restore-failed")
-def alert_restore_failed(fleet_file: str, workload: str, reason: str, checkpoint: str | None,
+def alert_restore_failed(scope: FleetScope, workload: str, node: str, reason: str, checkpoint: str | None,
                          fallback: str | None, log_tail: str = "") -> bool:
-    fleet = open_fleet(fleet_file)
-    return alerter(fleet).send("restore_failed", workload=workload, key=reason, node=fleet.workload(workload).node,
+    """Open (or re-post) the workload's restore-failed alert; ``node``: where it runs now."""
+    return alerter(scope).send(AlertKind.restore_failed, workload=workload, key=reason, node=node,
                                checkpoint=checkpoint, reason=reason, fallback=fallback, log_tail=log_tail,
                                flow_run_id=flow_run.get_id())
 
 
 @task(name="alert-recovered")
-def alert_recovered(fleet_file: str, workload: str, node: str, how: str, checkpoint: str | None,
+def alert_recovered(scope: FleetScope, workload: str, node: str, how: str, checkpoint: str | None,
                     skipped: list[dict]) -> bool:
     """One "recovered" message for a successful recover; it closes the workload's open alert."""
-    fleet = open_fleet(fleet_file)
-    return alerter(fleet).resolve(workload, always=True, node=node, how=how, checkpoint=checkpoint,
+    return alerter(scope).resolve(workload, always=True, node=node, how=how, checkpoint=checkpoint,
                                   skipped=skipped, flow_run_id=flow_run.get_id())

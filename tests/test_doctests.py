@@ -1,0 +1,29 @@
+"""The docstring examples of the pure modules run, as `pytest --doctest-modules` would run them:
+policies/ and the shared models (and the settings model) say nothing their code does not do."""
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import ckptflow.policies
+
+# load.py's example reads a file relative to the repository root and is +SKIP'd as a whole
+# (its second line too); it stays out until it is made runnable.
+NOT_YET = {"ckptflow.policies.load"}
+MODULES = ["ckptflow.models", "ckptflow.settings",
+           *sorted(m.name for m in pkgutil.iter_modules(ckptflow.policies.__path__, "ckptflow.policies.")
+                   if m.name not in NOT_YET)]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_run(name):
+    module = importlib.import_module(name)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    report: list[str] = []
+    for test in doctest.DocTestFinder().find(module):
+        runner.run(test, out=report.append)
+    res = runner.summarize(verbose=False)
+    assert res.failed == 0, "".join(report)
+    assert res.attempted > 0, f"{name} has no runnable example"
