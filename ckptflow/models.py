@@ -113,6 +113,13 @@ class GoldenRequest(BaseModel):
     field: str = Field("choices.0.text", description="Dotted path of the part of the answer to compare.")
 
 
+class CheckpointMode(StrEnum):
+    """How a workload is checkpointed."""
+
+    process = "process"     # the whole worker: CUDA checkpoint + CRIU (any engine)
+    two_tier = "two-tier"   # template + sessions through the engine protocol (docs/engines/protocol.md)
+
+
 class Workload(BaseModel):
     """A declared serving worker on one node."""
 
@@ -158,6 +165,10 @@ class Workload(BaseModel):
         "whose prepare quiesces it (tensor-parallel ranks idle on the CPU, new work held) serves "
         "again. Without it, the engine's own hold timeout applies.",
         examples=["http://127.0.0.1:18001/v1/ckptflow/resume"])
+    checkpoint: CheckpointMode = Field(
+        CheckpointMode.process, description="process: the whole worker (CRIU + CUDA), any engine; two-tier: "
+        "a template of the initialised engine plus the sessions it exports, bytes in proportion to "
+        "what changed (the engine must speak ckptflow's protocol).", examples=["two-tier"])
     tcp_established: bool = Field(
         False, description="Checkpoint established TCP connections too (CRIU --tcp-established).")
     labels: dict[str, str] = Field(default_factory=dict, description="Free labels for policy rules.")

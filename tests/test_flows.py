@@ -6,7 +6,7 @@ import signal
 import pytest
 
 from conftest import write_fleet
-from ckptflow.models import CheckpointState
+from ckptflow.models import CheckpointMode, CheckpointState
 from ckptflow.store.local import LocalStore
 
 pytestmark = pytest.mark.criu
@@ -110,3 +110,33 @@ def test_heartbeat_and_recover_leave_no_criu_temp_dir(tmp_path, prefect_harness,
     os.kill(w.pid, signal.SIGKILL)
     recover(str(fleet), "chat")                           # a restore
     assert _criu_tmp_dirs() <= before
+
+
+def test_two_tier_workload_through_heartbeat_and_recover_flows(tmp_path, prefect_harness, demo_worker):
+    """checkpoint: two-tier in the fleet file: the heartbeat flow takes a template and a session
+    checkpoint, the next one moves only what changed, and recover brings the worker back from
+    template + sessions, continuing exactly like an uninterrupted reference."""
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.recover import recover
+
+    w, ref = demo_worker("tt", ballast_mib=16), demo_worker("ref", ballast_mib=16)
+    w.workload = w.workload.model_copy(update={"checkpoint": CheckpointMode.two_tier})
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store")
+    store = LocalStore(tmp_path / "store")
+    for x in (w, ref):
+        x.complete("a long agent transcript " * 30, 16, "agent")
+    first = heartbeat(str(fleet), force=True)[0]
+    m1 = store.get("tt", first["checkpoint"])
+    assert first["ok"] and m1.kind == "sessions" and m1.probe["template"]
+    for x in (w, ref):
+        x.complete("one more step", 8, "agent")
+    second = heartbeat(str(fleet), force=True)[0]
+    m2 = store.get("tt", second["checkpoint"])
+    assert m2.parent == m1.id and 0 < m2.probe["moved_bytes"] < m2.probe["session_bytes"]
+
+    os.kill(w.pid, signal.SIGKILL)
+    w.proc.wait()
+    res = recover(str(fleet), "tt")
+    assert res["checkpoint"] == m2.id and res["template"] == m1.probe["template"]
+    assert w.digests() == ref.digests()
+    assert w.complete("next step", 24, "agent") == ref.complete("next step", 24, "agent")

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Iterator
 from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError,
                              IncompatibleCheckpoint, RestoreFailed, StorageUnavailable, UndeclaredProcess,
                              UnsupportedWorkload, WorkloadNotFound, WorkloadRunning)
-from ckptflow.models import CheckpointState, Fingerprint, Manifest, Workload
+from ckptflow.models import CheckpointKind, CheckpointState, Fingerprint, Manifest, Workload
 from ckptflow.policies.compat import diff
 from ckptflow.policies.multigpu import FIX as TP_FIX
 from ckptflow.policies.tiers import LocalCopy, restore_order
@@ -217,7 +217,9 @@ class NodeRunner:
                 remote = tier.list(w.name)
             except StorageUnavailable as e:  # the node's own copies can still bring it back
                 log.warning("workload %s: S3 tier unreachable, trying this node's copies only: %s", w.name, e)
-        local = [LocalCopy(m.id, m.state.value) for m in self.store.list(w.name)]
+        # Session checkpoints hold no process image: the two-tier runner restores those.
+        local = [LocalCopy(m.id, m.state.value) for m in self.store.list(w.name)
+                 if m.kind not in (CheckpointKind.sessions, CheckpointKind.session)]
         for c in restore_order(local, remote):
             if c.tier == "node":
                 yield self.store.get(w.name, c.checkpoint), {}, 0

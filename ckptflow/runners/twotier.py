@@ -142,6 +142,9 @@ class TwoTierRunner:
         else:
             t["export"] = export_s or 0.0
         probe = engine.probe(w)
+        load = engine.read_load(w)
+        if load is not None:  # what the cadence policy compares the next tick with
+            probe["tokens_total"] = load.tokens_total
         pending = self.store.begin(w.name, node=w.node)
         try:
             for r in recs.values():

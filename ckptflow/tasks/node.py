@@ -8,9 +8,10 @@ from prefect.runtime import flow_run
 from ckptflow.alerts import AlertKind
 from ckptflow.errors import CkptflowError
 from ckptflow.fleet import FleetScope, Node, PolicyChoice
-from ckptflow.models import Action
+from ckptflow.models import Action, CheckpointMode
 from ckptflow.policies.cadence import decide
 from ckptflow.runners.facts import collect_facts, node_mtbf_s
+from ckptflow.runners.twotier import TwoTierRunner
 from ckptflow.tasks.common import alerter, fingerprints, node_runner, node_slot, open_fleet, retry_if_retryable
 from ckptflow.tasks.common import tier as fleet_tier
 
@@ -59,14 +60,21 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
                 row["reason"] = f"forced (policy said {d.action.value}: {d.reason})"
             try:
                 with node_slot(node.name):
-                    m = runner.checkpoint(w, leave_running=True)
+                    if w.checkpoint == CheckpointMode.two_tier:
+                        m = TwoTierRunner(runner).heartbeat(w)
+                    else:
+                        m = runner.checkpoint(w, leave_running=True)
             except CkptflowError as e:
                 log.error("checkpoint of %s failed: %s", name, e)
                 out.append({**row, "ok": False, "error": str(e).splitlines()[0], "error_type": type(e).__name__})
                 continue
-            log.info("checkpoint %s of %s: %.1f MiB, dump %.2f s", m.id, name, m.bytes / 2**20, m.timings["dump"])
+            log.info("checkpoint %s (%s) of %s: %.1f MiB, pause %.2f s", m.id, m.kind, name, m.bytes / 2**20,
+                     m.timings.get("pause", 0.0))
             pushed = {}
-            if tier is not None:
+            if tier is not None and m.kind == "sessions":
+                # The S3 tier carries process images; chunks of two-tier checkpoints stay on the node.
+                pushed = {"upload_skipped": "two-tier checkpoints are not pushed to S3 yet"}
+            elif tier is not None:
                 try:
                     pushed = tier.push(runner.store, m)
                 except CkptflowError as e:  # the local copy stands; the next heartbeat pushes again
@@ -87,6 +95,13 @@ def restore_workload(fleet_file: str, workload: str, node: str | None = None) ->
         fleet.node(node)
         w = w.model_copy(update={"node": node})
     with node_slot(w.node), node_runner(fleet, w.node) as runner:
+        if w.checkpoint == CheckpointMode.two_tier:
+            tt = TwoTierRunner(runner).restore(w)
+            return {"workload": workload, "node": w.node, "checkpoint": tt.manifest.id, "template": tt.template.id,
+                    "pid": tt.pid, "timings": tt.timings, "bytes": tt.manifest.probe.get("session_bytes", 0),
+                    "downloaded_bytes": 0, "copies": [], "skipped": [],
+                    "created": tt.manifest.created.strftime("%Y-%m-%d %H:%M:%S UTC"), "files": 0,
+                    "sessions": len(tt.manifest.probe.get("sessions") or {})}
         res = runner.restore(w, tier=fleet_tier(fleet))
     return {"workload": workload, "node": w.node, "checkpoint": res.manifest.id, "pid": res.pid,
             "timings": res.timings, "bytes": res.manifest.bytes, "downloaded_bytes": res.downloaded_bytes,
