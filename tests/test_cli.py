@@ -164,3 +164,19 @@ def test_typed_error_inside_a_flow_is_two_lines_without_traceback(tmp_path, pref
     debug = _cli(tmp_path, "--debug", "recover", fleet, "chat", env=env)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
     assert w.proc.poll() is None
+
+
+def test_demo_on_a_busy_port_says_the_port_is_taken(tmp_path):
+    import socket
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 18001))
+        s.listen()
+        p = subprocess.run([str(root / ".venv" / "bin" / "ckptflow"), "demo"], capture_output=True, text=True,
+                           timeout=120, cwd=root)
+    assert p.returncode == 2
+    assert "error: port 18001 on 127.0.0.1 is taken by another process" in p.stderr
+    assert "fix:" in p.stderr and "Traceback" not in p.stderr + p.stdout

@@ -33,6 +33,26 @@ def demo_workload(name: str, port: int, pid_file: Path, *, node: str = "local",
                                    "--pid-file", str(pid_file)])
 
 
+def require_free_port(port: int, host: str = "127.0.0.1") -> None:
+    """Refuse early, naming the port, when something already listens there (the worker would
+    exit at bind and the caller would only see it never became healthy).
+
+    Raises:
+        ConfigError: the port is taken.
+    """
+    import socket
+
+    from ckptflow.errors import ConfigError
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT leftover is no owner
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise ConfigError(f"port {port} on {host} is taken by another process",
+                              fix=f"stop it (see `ss -ltnp 'sport = :{port}'`), e.g. an earlier demo's worker") from None
+
+
 def start_worker(port: int, pid_file: Path, *, ballast_mib: int = 0, seed: int = 1234,
                  timeout_s: float = 30, module: str = "ckptflow.demo.worker",
                  extra: list[str] | None = None) -> subprocess.Popen:

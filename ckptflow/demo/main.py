@@ -47,6 +47,8 @@ def run_demo(console: Console | None = None) -> bool:
     from ckptflow.runners.criu import CriuRunner
 
     CriuRunner().check()  # fail before starting anything, with the fix
+    for port in (PORT, REF_PORT):
+        launch.require_free_port(port)
     fleet = load_fleet(FLEET_FILE)
     w = fleet.workload("demo-chat")
     pid_file = Path(w.find.pid_file)
