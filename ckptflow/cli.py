@@ -6,7 +6,7 @@ Examples:
     ckptflow ls                         # checkpoints with state, age and size
     ckptflow heartbeat deployments/local.yaml
     ckptflow recover deployments/local.yaml demo-chat [--node N]
-    ckptflow recover-node deployments/fleet.yaml gpu-07   # a lost node: its workloads elsewhere
+    ckptflow recover-node deployments/example-h200-fleet.yaml h200-07   # a lost node: its workloads elsewhere
     ckptflow simulate --seed 0 --json   # policies on the reference fleet trace
 
 Exit codes: 0 done; 1 the command ran and something failed (a checkpoint, a prerequisite, an
@@ -153,6 +153,8 @@ def demo() -> None:
 @app.command()
 def doctor() -> None:
     """List every prerequisite with its state and the fix."""
+    from rich.markup import escape
+
     from ckptflow.doctor import checks
 
     table = Table(title="ckptflow doctor")
@@ -162,7 +164,7 @@ def doctor() -> None:
     for name, ok, detail in checks():
         bad += ok is False
         state = {True: "[green]ok[/]", False: "[red]FAIL[/]", None: "[yellow]n/a[/]"}[ok]
-        table.add_row(name, state, detail)
+        table.add_row(name, state, escape(detail))  # a detail may hold [brackets]: pip install 'ckptflow[gpu]'
     console.print(table)
     raise typer.Exit(1 if bad else 0)
 
@@ -202,18 +204,26 @@ def status(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET) -> Non
 
     fleet = _fleet(_fleet_path(fleet_file, legacy))
     rows = fleet_status(fleet)
-    table = Table(title=f"fleet {fleet.fleet}")
-    for col in ("workload", "node", "traffic", "newest", "state", "valid age", "verified", "stored", "restores"):
-        table.add_column(col)
+    # An SRE reads this in an 80-column terminal too: names are never cut; narrow terminals
+    # drop the traffic class and show the checkpoint id's unique suffix.
+    wide = console.width >= 120
+    table = Table(title=f"fleet {fleet.fleet}", pad_edge=False)
+    cols = ["workload", "node"] + (["traffic"] if wide else []) + ["newest", "state", "valid age", "verified",
+                                                                  "MiB", "restores"]
+    for col in cols:
+        table.add_column(col, no_wrap=col in ("workload", "node", "newest"))
     for r in rows:
         state = r["newest_state"] or "-"
         if r["newest_reason"]:
             state += f" ({r['newest_reason'][:60]})"
         ver = {None: "-", True: "[green]ok[/]", False: "[red]FAILED[/]"}[r["verified"]]
         last = f"{len(r['restores'])} (last {r['restores'][-1]:.1f} s)" if r["restores"] else "0"
-        table.add_row(r["workload"], r["node"], r["traffic"], r["newest"] or "-", state,
+        newest = r["newest"] or "-"
+        if not wide and r["newest"]:
+            newest = "…" + r["newest"][-8:]
+        table.add_row(r["workload"], r["node"], *([r["traffic"]] if wide else []), newest, state,
                       _age(r["age_s"]) if r["age_s"] is not None else "[red]none valid[/]", ver,
-                      f"{r['bytes'] / 2**20:,.1f} MiB", last)
+                      f"{r['bytes'] / 2**20:,.1f}", last)
     console.print(table)
 
 
@@ -249,10 +259,12 @@ def _table(title: str, rows: list[dict], cols: tuple[str, ...]) -> None:
 @app.command()
 def verify(fleet_file: Path = FLEET_ARG, workload: list[str] = typer.Option(None, help="Only these workloads.")) -> None:
     """Run the verify flow once: sandbox-restore the newest unverified checkpoints."""
+    from ckptflow.models import VerifyOutcome
+
     _fleet(fleet_file, workload)
     rows = _flow("ckptflow.flows.verify", "verify")(str(fleet_file), workloads=workload or None)
     _table("verify", rows, ("workload", "checkpoint", "state", "reason"))
-    if any(r["state"] == "verify_failed" for r in rows):
+    if any(r["state"] == VerifyOutcome.verify_failed for r in rows):
         raise typer.Exit(1)
 
 
@@ -267,16 +279,33 @@ def invalidate(fleet_file: Path = FLEET_ARG, node: str = typer.Option(None, help
 
 @app.command()
 def deploy(fleet_file: Path = FLEET_ARG,
-           render_only: bool = typer.Option(False, "--render-only", help="Only write prefect.<fleet>.yaml for review."),
+           render_only: bool = typer.Option(False, "--render-only", help="Only write the files below, for review."),
            ephemeral: bool = typer.Option(False, "--ephemeral", help="Deploy without PREFECT_API_URL, into a "
-                                          "temporary local Prefect server that is gone when this command exits.")
-           ) -> None:
-    """Render prefect.<fleet>.yaml beside the fleet file and deploy it to the Prefect server."""
-    from ckptflow.deploy import deploy as run, render_prefect_yaml
+                                          "temporary local Prefect server that is gone when this command exits."),
+           workdir: Path = typer.Option(None, "--workdir", help="The project directory flow runs and node workers "
+                                        "start in, the same path on every node (default: the current directory)."),
+           image: str = typer.Option(None, "--image", help="Container image of the DaemonSet (holds the project "
+                                     "at --workdir; default ckptflow:<version>).")) -> None:
+    """Render prefect.<fleet>.yaml beside the fleet file and deploy it to the Prefect server; render
+    each node's Prefect worker as a systemd unit and a Kubernetes DaemonSet (<fleet>.workers/)."""
+    from ckptflow.deploy import API_URL_PLACEHOLDER, deploy as run, render_node_workers, render_prefect_yaml
+    from ckptflow.deploy import worker_files
 
-    _fleet(fleet_file)
-    out = render_prefect_yaml(fleet_file) if render_only else run(fleet_file, ephemeral=ephemeral)
-    console.print(f"{'rendered' if render_only else 'deployed'} {out}")
+    fleet = _fleet(fleet_file)
+    if render_only:
+        out = render_prefect_yaml(fleet_file, workdir)
+        workers = render_node_workers(fleet_file, workdir, image=image)
+    else:
+        out = run(fleet_file, ephemeral=ephemeral, workdir=workdir, image=image)
+        workers = worker_files(fleet_file, fleet)
+    # Plain lines, not rich: paths are long and an operator copies them whole.
+    typer.echo(f"{'rendered' if render_only else 'deployed'} {out}")
+    units, (ds,) = workers["systemd"], workers["kubernetes"]
+    typer.echo(f"rendered {units[0].parent}/ckptflow-prefect-worker-<node>.service ({len(units)} systemd units)")
+    typer.echo(f"rendered {ds} ({len({n.work_pool for n in fleet.nodes})} DaemonSets, one per node pool)")
+    if API_URL_PLACEHOLDER in units[0].read_text():
+        typer.echo(f"warning: PREFECT_API_URL is not set: the node workers name {API_URL_PLACEHOLDER}; "
+                   "set it and render again", err=True)
 
 
 @app.command()

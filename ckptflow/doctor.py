@@ -5,8 +5,45 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from pathlib import Path
 
 from ckptflow.errors import CkptflowError
+
+
+_FROM = {"argument": "given explicitly", "CKPTFLOW_CRIU": "from $CKPTFLOW_CRIU", "PATH": "on PATH",
+         "bundle": "relocatable bundle from scripts/criu-bundle.sh, used because `criu` is not on PATH"}
+
+
+def criu_binary() -> tuple[str, bool, str]:
+    """Which CRIU the runner uses, and where it came from (runners.criu.find_criu)."""
+    from ckptflow.runners.criu import BUNDLE_CANDIDATES, find_criu
+
+    c = find_criu()
+    if c.source == "missing":
+        where = " or ".join(str(b) for b in BUNDLE_CANDIDATES)
+        return ("criu binary", False, f"not on PATH and no bundle at {where}: run ./scripts/setup.sh as root, "
+                                      "or unpack a bundle built by scripts/criu-bundle.sh there")
+    path = shutil.which(c.path)
+    if path is None:  # $CKPTFLOW_CRIU names something that cannot run: it is used all the same
+        return ("criu binary", False, f"{c.path} ({_FROM[c.source]}) is not an executable file: fix or unset it")
+    detail = f"{path} ({_FROM[c.source]})"
+    if c.source == "bundle":
+        version = Path(path).parent.parent / "VERSION"
+        if version.is_file():
+            detail += f"; criu {version.read_text().replace('Version:', '').strip()}"
+    return ("criu binary", True, detail)
+
+
+def _criu_ns(criu_path: str | None) -> tuple[str, bool, str]:
+    name = "criu-ns (sandbox restores)"
+    found = shutil.which("criu-ns")
+    if found:
+        return (name, True, found)
+    beside = Path(criu_path).parent / "criu-ns" if criu_path else None
+    if beside is not None and beside.is_file():
+        return (name, False, f"only beside the bundle's criu ({beside}); sandbox restores (verify, scale-up) look on "
+                             f"PATH: add {beside.parent} to the worker's PATH (the rendered systemd unit does)")
+    return (name, False, "missing: run ./scripts/setup.sh as root")
 
 
 def checks() -> list[tuple[str, bool | None, str]]:
@@ -16,6 +53,7 @@ def checks() -> list[tuple[str, bool | None, str]]:
     out.append(("python >= 3.11", sys.version_info >= (3, 11), sys.version.split()[0]))
     root = os.geteuid() == 0
     out.append(("root", root, "ok" if root else "CRIU needs root: run the node worker as root"))
+    out.append(criu_binary())
     r = CriuRunner()
     try:
         v = r.version()
@@ -29,8 +67,7 @@ def checks() -> list[tuple[str, bool | None, str]]:
         out.append(("criu >= 4.2", False, str(e)))
     finally:
         r.close()
-    out.append(("criu-ns (sandbox restores)", bool(shutil.which("criu-ns")),
-                shutil.which("criu-ns") or "missing: run ./scripts/setup.sh as root"))
+    out.append(_criu_ns(shutil.which(r.criu_bin)))
     out.append(("nft (TCP network lock)", bool(shutil.which("nft")),
                 shutil.which("nft") or "missing: apt-get install nftables"))
     try:

@@ -43,7 +43,8 @@ class Settings(BaseModel):
         "(demo, tests in one process) go without.", examples=["1"])
     criu: str | None = Field(
         None, validation_alias="CKPTFLOW_CRIU",
-        description="The criu binary (default: criu on PATH), e.g. a bundle from scripts/criu-bundle.sh.",
+        description="The criu binary (default: criu on PATH, else a bundle from scripts/criu-bundle.sh at "
+        ".carry/criu or /opt/ckptflow/criu: runners.criu.find_criu).",
         examples=["/opt/criu/bin/criu"])
     criu_network_lock: str = Field(
         "nftables", validation_alias="CKPTFLOW_CRIU_NETWORK_LOCK",

@@ -5,6 +5,8 @@
 #   ./scripts/criu-bundle.sh [OUT_DIR]        # default: .carry/criu
 #   tar -C .carry -czf criu-bundle.tgz criu   # copy it to the node, unpack anywhere
 #   export CKPTFLOW_CRIU=/where/criu/bin/criu # the runner, `fingerprint` and `doctor` use it
+# Unpacked as .carry/criu in the project directory or as /opt/ckptflow/criu, it is found without
+# CKPTFLOW_CRIU when `criu` is not on PATH (ckptflow/runners/criu.py: find_criu; `ckptflow doctor`).
 #
 # Layout: bin/criu, bin/criu-ns, bin/ip, bin/ss are wrappers that set LD_LIBRARY_PATH to lib/ for the
 # real binary alone (in libexec/), so the bundle's libraries never leak into the worker or the
@@ -54,4 +56,4 @@ W
 fi
 "$CRIU" --version | head -1 > "$OUT.tmp/VERSION"
 rm -rf "$OUT" && mv "$OUT.tmp" "$OUT"
-echo "criu-bundle: $OUT ($(du -sh "$OUT" | cut -f1), $(cat "$OUT/VERSION")); set CKPTFLOW_CRIU=$OUT/bin/criu"
+echo "criu-bundle: $OUT ($(du -sh "$OUT" | cut -f1), $(cat "$OUT/VERSION")); found as .carry/criu or /opt/ckptflow/criu, else set CKPTFLOW_CRIU=$OUT/bin/criu"

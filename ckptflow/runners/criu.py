@@ -89,18 +89,56 @@ def parse_version(text: str) -> tuple[int, ...] | None:
     return tuple(int(x) for x in m.group(1).split(".")) if m else None
 
 
+# A relocatable CRIU bundle (scripts/criu-bundle.sh) is looked for here when `criu` is not on
+# PATH: the project's own .carry/criu (relative to the working directory, which for a node
+# worker is the project directory: see `ckptflow deploy`), then the system-wide location.
+BUNDLE_CANDIDATES = (Path(".carry/criu/bin/criu"), Path("/opt/ckptflow/criu/bin/criu"))
+
+
+@dataclass(frozen=True)
+class CriuBinary:
+    """The CRIU binary to run and where it came from."""
+
+    path: str    # a path, or the name "criu" (looked up on PATH when run)
+    source: str  # "argument", "CKPTFLOW_CRIU", "PATH", "bundle", or "missing" (nothing found)
+
+
+def find_criu(explicit: str | None = None) -> CriuBinary:
+    """Which CRIU to run: ``explicit``, else $CKPTFLOW_CRIU, else `criu` on PATH, else a bundle
+    (BUNDLE_CANDIDATES). The one lookup of the runner, the node fingerprint and `doctor`.
+
+    Example:
+        >>> find_criu()                                   # doctest: +SKIP
+        CriuBinary(path='/srv/ckptflow/.carry/criu/bin/criu', source='bundle')
+    """
+    from ckptflow.settings import settings
+
+    if explicit:
+        return CriuBinary(explicit, "argument")
+    env = settings().criu  # $CKPTFLOW_CRIU
+    if env:  # the operator's choice stands, even when it is wrong: errors then name it
+        return CriuBinary(env, "CKPTFLOW_CRIU")
+    if shutil.which("criu"):
+        return CriuBinary("criu", "PATH")
+    for c in BUNDLE_CANDIDATES:
+        if c.is_file() and os.access(c, os.X_OK):
+            return CriuBinary(str(c.absolute()), "bundle")
+    return CriuBinary("criu", "missing")
+
+
 class CriuRunner:
     """Runs the `criu` binary with a timeout on every call and an empty plugin directory.
 
     Args:
-        criu_bin: path or name of the criu binary (default: `criu` on PATH).
+        criu_bin: path or name of the criu binary (default: find_criu(): $CKPTFLOW_CRIU, `criu`
+            on PATH, or a relocatable bundle).
         timeout_s: default timeout of every CRIU call.
         log_dir: where CRIU logs go (default: a private temporary directory).
     """
 
     def __init__(self, criu_bin: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  log_dir: Path | None = None, pid_free_timeout_s: float = PID_FREE_TIMEOUT_S):
-        self.criu_bin = criu_bin or os.environ.get("CKPTFLOW_CRIU") or "criu"
+        self.criu_bin = criu_bin or find_criu().path
         self.timeout_s = timeout_s
         self.pid_free_timeout_s = pid_free_timeout_s
         self._log_dir = Path(log_dir) if log_dir else None

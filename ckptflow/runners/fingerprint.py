@@ -8,14 +8,13 @@ Example:
 
 from __future__ import annotations
 
-import os
 import platform
 import subprocess
 from functools import lru_cache
 
 import ckptflow
 from ckptflow.models import Fingerprint, Workload
-from ckptflow.runners.criu import parse_version
+from ckptflow.runners.criu import find_criu, parse_version
 
 
 def _gpu_fields() -> tuple[dict, str | None]:
@@ -58,9 +57,10 @@ def _criu_version(criu_bin: str) -> tuple[str | None, str | None]:
 
 
 @lru_cache(maxsize=4)
-def node_fingerprint(criu_bin: str = "criu") -> Fingerprint:
-    """This node's host and GPU fields (cached per process: they change only with a reboot)."""
-    criu_bin = os.environ.get("CKPTFLOW_CRIU", criu_bin)
+def node_fingerprint(criu_bin: str | None = None) -> Fingerprint:
+    """This node's host and GPU fields (cached per process: they change only with a reboot).
+    ``criu_bin``: the runner's CRIU (default: find_criu(), the runner's own lookup)."""
+    criu_bin = find_criu(criu_bin).path
     notes: dict[str, str] = {}
     gpu, why = _gpu_fields()
     if why:

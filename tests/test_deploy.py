@@ -1,0 +1,173 @@
+"""`ckptflow deploy`: prefect.yaml with the project directory named and checked, and what runs
+each node's Prefect worker in production (systemd units, a privileged Kubernetes DaemonSet)."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ckptflow.deploy import FLOW_FILES, check_workdir, render_node_workers, render_prefect_yaml
+from ckptflow.errors import ConfigError
+from ckptflow.fleet import load_fleet
+
+ROOT = Path(__file__).parent.parent
+EXAMPLE = ROOT / "deployments" / "example-h200-fleet.yaml"
+API = "http://prefect.internal:4200/api"
+
+
+@pytest.fixture
+def example(tmp_path):
+    f = tmp_path / EXAMPLE.name
+    f.write_text(EXAMPLE.read_text())
+    return f
+
+
+def _unit(path: Path) -> dict[str, dict[str, list[str]]]:
+    """A systemd unit as {section: {key: [values]}} (Environment= repeats)."""
+    out: dict[str, dict[str, list[str]]] = {}
+    section = None
+    for line in path.read_text().splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if line.startswith("["):
+            section = out.setdefault(line.strip("[] "), {})
+            continue
+        k, v = line.split("=", 1)
+        section.setdefault(k, []).append(v)
+    return out
+
+
+def test_a_systemd_unit_per_node_runs_its_pool_as_root_in_the_project(example):
+    fleet = load_fleet(example)
+    files = render_node_workers(example, ROOT, api_url=API)
+    units = {p.name: p for p in files["systemd"]}
+    assert sorted(units) == sorted(f"ckptflow-prefect-worker-{n.name}.service" for n in fleet.nodes)
+    for n in fleet.nodes:
+        u = _unit(units[f"ckptflow-prefect-worker-{n.name}.service"])
+        s = u["Service"]
+        assert s["User"] == ["root"] and s["WorkingDirectory"] == [str(ROOT)]
+        assert s["ExecStart"] == [f"{ROOT}/.venv/bin/prefect --no-prompt worker start --pool {n.work_pool} "
+                                  f"--name {n.name} --type process"]
+        env = dict(e.split("=", 1) for e in s["Environment"])
+        assert env["PREFECT_API_URL"] == API and env["CKPTFLOW_NODE"] == n.name
+        path = env["PATH"].split(":")
+        assert path.index("/usr/local/sbin") < path.index(f"{ROOT}/.carry/criu/bin")  # system CRIU first, then a bundle
+        assert s["Restart"] == ["always"] and s["KillMode"] == ["process"]
+        assert u["Install"]["WantedBy"] == ["multi-user.target"] and "network-online.target" in u["Unit"]["After"]
+    analyze = shutil.which("systemd-analyze")
+    if analyze and (ROOT / ".venv/bin/prefect").exists():
+        out = subprocess.run([analyze, "verify", *map(str, units.values())], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0 and "ckptflow-prefect-worker" not in out.stdout + out.stderr, out.stderr
+
+
+def test_a_privileged_daemonset_per_node_pool(example):
+    fleet = load_fleet(example)
+    (ds_file,) = render_node_workers(example, ROOT, api_url=API, image="registry.internal/ckptflow:0.1.0")["kubernetes"]
+    docs = [d for d in yaml.safe_load_all(ds_file.read_text()) if d]
+    assert {d["kind"] for d in docs} == {"DaemonSet"} and {d["apiVersion"] for d in docs} == {"apps/v1"}
+    by_pool = {d["spec"]["template"]["spec"]["nodeSelector"]["ckptflow.io/work-pool"]: d for d in docs}
+    assert sorted(by_pool) == sorted(n.work_pool for n in fleet.nodes) and len(docs) == len(fleet.nodes)
+    for n in fleet.nodes:
+        d = by_pool[n.work_pool]
+        assert d["metadata"]["name"] == f"ckptflow-prefect-worker-{n.work_pool}"
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        assert d["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        pod = d["spec"]["template"]["spec"]
+        assert pod["hostPID"] is True and pod["hostNetwork"] is True
+        (c,) = pod["containers"]
+        assert c["securityContext"]["privileged"] is True and c["securityContext"]["runAsUser"] == 0
+        assert c["image"] == "registry.internal/ckptflow:0.1.0" and c["workingDir"] == str(ROOT)
+        assert c["command"] == [f"{ROOT}/.venv/bin/prefect", "--no-prompt", "worker", "start", "--pool", n.work_pool,
+                                "--name", n.name, "--type", "process"]
+        env = {e["name"]: e["value"] for e in c["env"]}
+        assert env["PREFECT_API_URL"] == API and env["CKPTFLOW_NODE"] == n.name
+        vols = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
+        mounts = {m["mountPath"]: vols[m["name"]] for m in c["volumeMounts"]}
+        store = str(ROOT / fleet.storage.path.replace("{node}", n.name))
+        assert mounts["/dev/shm"] == "/dev/shm" and mounts[store] == store
+
+
+def test_a_node_path_template_mounts_each_nodes_own_store(tmp_path):
+    f = tmp_path / "fleet.yaml"
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data["storage"]["path"] = "/var/lib/ckptflow/{node}"
+    f.write_text(yaml.safe_dump(data))
+    (ds_file,) = render_node_workers(f, ROOT, api_url=API)["kubernetes"]
+    for d in (d for d in yaml.safe_load_all(ds_file.read_text()) if d):
+        pod = d["spec"]["template"]["spec"]
+        node = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}["CKPTFLOW_NODE"]
+        mounts = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+        assert mounts == {"/dev/shm", f"/var/lib/ckptflow/{node}"}
+
+
+def test_a_node_gone_from_the_fleet_loses_its_unit(example):
+    units = render_node_workers(example, ROOT, api_url=API)["systemd"]
+    data = yaml.safe_load(example.read_text())
+    data["nodes"] = [n for n in data["nodes"] if n["name"] != "h200-08"]
+    data["workloads"] = [w for w in data["workloads"] if w["node"] != "h200-08"]
+    example.write_text(yaml.safe_dump(data))
+    again = render_node_workers(example, ROOT, api_url=API)["systemd"]
+    assert sorted(p.name for p in units[0].parent.iterdir()) == sorted(p.name for p in again)
+    assert len(again) == len(units) - 1 and not (units[0].parent / "ckptflow-prefect-worker-h200-08.service").exists()
+
+
+def test_prefect_yaml_names_the_project_directory(example):
+    text = render_prefect_yaml(example, ROOT).read_text()
+    assert "{{ $PWD }}" not in text
+    doc = yaml.safe_load(text)
+    (step,) = doc["pull"]
+    assert step["prefect.deployments.steps.set_working_directory"]["directory"] == str(ROOT)
+    entry_files = {d["entrypoint"].split(":")[0] for d in doc["deployments"]}
+    assert entry_files == set(FLOW_FILES)          # what check_workdir looks for is what the flows need
+    assert {d["parameters"]["fleet_file"] for d in doc["deployments"]} == {str(example)}  # outside: absolute
+
+
+def test_a_fleet_file_inside_the_project_is_named_relative_to_it(tmp_path):
+    proj = tmp_path / "proj"
+    for f in FLOW_FILES:
+        (proj / f).parent.mkdir(parents=True, exist_ok=True)
+        (proj / f).write_text("")
+    (proj / "deployments").mkdir()
+    fleet = proj / "deployments" / "local.yaml"
+    fleet.write_text((ROOT / "deployments" / "local.yaml").read_text())
+    doc = yaml.safe_load(render_prefect_yaml(fleet, proj).read_text())
+    assert {d["parameters"]["fleet_file"] for d in doc["deployments"]} == {"deployments/local.yaml"}
+
+
+def test_a_directory_without_the_project_is_refused(tmp_path, example):
+    with pytest.raises(ConfigError, match=r"does not hold the ckptflow project \(no ckptflow/flows/heartbeat.py\)"):
+        check_workdir(tmp_path)
+    assert check_workdir(ROOT) == ROOT.resolve()
+
+
+def _ckptflow(cwd, *args, **env):
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    return subprocess.run([sys.executable, "-m", "ckptflow", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=120, env={**base, "COLUMNS": "200", **env})
+
+
+def test_cli_refuses_a_workdir_without_the_project_in_one_line(tmp_path, example):
+    for cwd, extra in ((ROOT, ("--workdir", tmp_path / "nothing-here")), (tmp_path, ())):
+        out = _ckptflow(cwd, "deploy", example, "--render-only", *extra)
+        assert out.returncode == 2, out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert lines[0].startswith("error: ") and "does not hold the ckptflow project" in lines[0]
+        assert lines[1].startswith("fix: ") and "--workdir" in lines[1] and len(lines) == 2
+        assert not (tmp_path / "prefect.example-h200.yaml").exists()
+        assert not (tmp_path / "example-h200.workers").exists()
+
+
+def test_cli_render_only_writes_every_file_and_says_where(tmp_path, example):
+    out = _ckptflow(ROOT, "deploy", example, "--render-only", PREFECT_API_URL=API)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        f"rendered {tmp_path}/prefect.example-h200.yaml",
+        f"rendered {tmp_path}/example-h200.workers/systemd/ckptflow-prefect-worker-<node>.service (8 systemd units)",
+        f"rendered {tmp_path}/example-h200.workers/kubernetes/daemonset.yaml (8 DaemonSets, one per node pool)"]
+    assert API in (tmp_path / "example-h200.workers/systemd/ckptflow-prefect-worker-h200-03.service").read_text()
+    assert "warning" not in out.stderr
