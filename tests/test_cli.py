@@ -180,3 +180,16 @@ def test_demo_on_a_busy_port_says_the_port_is_taken(tmp_path):
     assert p.returncode == 2
     assert "error: port 18001 on 127.0.0.1 is taken by another process" in p.stderr
     assert "fix:" in p.stderr and "Traceback" not in p.stderr + p.stdout
+
+
+def test_status_reads_at_80_columns_without_cutting_names():
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    p = subprocess.run([str(root / ".venv" / "bin" / "ckptflow"), "status", "deployments/local.yaml"],
+                       capture_output=True, text=True, timeout=120, cwd=root, env={**os.environ, "COLUMNS": "80"})
+    assert p.returncode == 0, p.stderr
+    assert "demo-chat" in p.stdout and "workload" in p.stdout
+    assert max(len(line) for line in p.stdout.splitlines()) <= 80

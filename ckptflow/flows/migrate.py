@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import json
-
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
-from prefect.runtime import flow_run
 
 from ckptflow.models import CheckpointKind, TrafficClass
 from ckptflow.render import render
-from ckptflow.store import open_store
 from ckptflow.policies.cadence import CostModel
 from ckptflow.flows.steps import run_step, spreader_off
 from ckptflow.tasks.common import open_fleet
 from ckptflow.tasks.common import tier as fleet_tier
+from ckptflow.tasks.fleet import mark_drained, record_placement
 
 
 @flow(name="migrate", log_prints=True, persist_result=True)
@@ -39,7 +36,7 @@ def migrate(fleet_file: str, workload: str, target_node: str, via_deployments: b
             "migrate_report.md.j2", workload=workload, source=source, target=target_node, out=out, inn=None,
             back=back, error=str(e).splitlines()[0]))
         raise
-    fleet_tier(fleet).put_placement(workload, target_node, out["checkpoint"])  # heartbeats follow it there
+    record_placement(fleet.scope(), workload, target_node, out["checkpoint"])  # heartbeats follow it there
     create_markdown_artifact(key=f"migrate-{workload}", markdown=render(
         "migrate_report.md.j2", workload=workload, source=source, target=target_node, out=out, inn=inn,
         back=None, error=None))
@@ -69,10 +66,7 @@ def drain(fleet_file: str, node: str, via_deployments: bool = True) -> list[dict
             rows.append({"workload": w.name, "action": "migrated", "target": p.node, "checkpoint": res["checkpoint"]})
         except Exception as e:
             rows.append({"workload": w.name, "action": "FAILED", "target": p.node, "reason": str(e).splitlines()[0]})
-    store = open_store(fleet.storage, node)
-    (store.root / ".nodes").mkdir(parents=True, exist_ok=True)
-    (store.root / ".nodes" / f"{node}.drained").write_text(json.dumps({"flow_run": str(flow_run.get_id()),
-                                                                        "rows": rows}))
+    mark_drained(fleet.scope(), node, rows)
     create_markdown_artifact(key=f"drain-{node}", markdown=render("drain_report.md.j2", node=node, rows=rows))
     return rows
 

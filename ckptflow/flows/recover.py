@@ -10,7 +10,7 @@ from ckptflow.errors import CheckpointNotFound, ChecksumMismatch, IncompatibleCh
 from ckptflow.flows.steps import run_step, spreader_off
 from ckptflow.render import render
 from ckptflow.tasks.common import open_fleet
-from ckptflow.tasks.common import tier as fleet_tier
+from ckptflow.tasks.fleet import record_placement
 from ckptflow.tasks.verify import alert_recovered, alert_restore_failed
 
 # No checkpoint can come back: these never get better by retrying, so fall back to a cold start.
@@ -74,8 +74,8 @@ def recover(fleet_file: str, workload: str, node: str | None = None, via_deploym
 
 
 def _place(fleet, workload: str, was: str, now: str, checkpoint: str | None) -> None:
-    if now != was and (t := fleet_tier(fleet)) is not None:
-        t.put_placement(workload, now, checkpoint or "cold-start")  # heartbeats follow it there
+    if now != was:
+        record_placement(fleet.scope(), workload, now, checkpoint)  # heartbeats follow it there
 
 
 @flow(name="recover-node", log_prints=True, persist_result=True)

@@ -338,6 +338,13 @@ class LocalStore:
             os.close(fd)
 
     # --- node fingerprints, as each node last reported them -------------------------------
+    def mark_drained(self, node: str, record: dict) -> Path:
+        """Record that ``node`` was drained (what went where, by which flow run)."""
+        path = self.root / ".nodes" / f"{node}.drained"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, json.dumps(record))
+        return path
+
     def put_node_fingerprint(self, node: str, fp: Fingerprint) -> None:
         _check_name(node)
         d = self.root / ".nodes"

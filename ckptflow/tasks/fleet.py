@@ -86,3 +86,20 @@ def prune_bucket(scope: FleetScope) -> dict:
     if t is None:
         return {"skipped": "storage.kind is local: nothing in a bucket to prune"}
     return t.prune(scope.retention)
+
+
+@task(name="record-placement")
+def record_placement(scope: FleetScope, workload: str, node: str, checkpoint: str | None) -> bool:
+    """The workload now runs on ``node``: heartbeats and recover follow it there (S3 fleets; a
+    local fleet has one node's store and no placements). Returns whether it was recorded."""
+    t = tier(scope)
+    if t is None:
+        return False
+    t.put_placement(workload, node, checkpoint or "cold-start")
+    return True
+
+
+@task(name="mark-node-drained")
+def mark_drained(scope: FleetScope, node: str, rows: list[dict]) -> str:
+    """Record on the node's store that ``node`` was drained, and what went where."""
+    return str(open_store(scope.storage, node).mark_drained(node, {"flow_run": str(flow_run.get_id()), "rows": rows}))
