@@ -118,6 +118,7 @@ def test_two_tier_workload_through_heartbeat_and_recover_flows(tmp_path, prefect
     template + sessions, continuing exactly like an uninterrupted reference."""
     from ckptflow.flows.heartbeat import heartbeat
     from ckptflow.flows.recover import recover
+    from ckptflow.flows.verify import verify
 
     w, ref = demo_worker("tt", ballast_mib=16), demo_worker("ref", ballast_mib=16)
     w.workload = w.workload.model_copy(update={"checkpoint": CheckpointMode.two_tier})
@@ -133,6 +134,9 @@ def test_two_tier_workload_through_heartbeat_and_recover_flows(tmp_path, prefect
     second = heartbeat(str(fleet), force=True)[0]
     m2 = store.get("tt", second["checkpoint"])
     assert m2.parent == m1.id and 0 < m2.probe["moved_bytes"] < m2.probe["session_bytes"]
+    rows = verify(str(fleet))                                 # a copy beside the live worker, in namespaces
+    assert [(r["checkpoint"], r["state"]) for r in rows] == [(m2.id, "verified")], rows
+    assert store.get("tt", m2.id).state == CheckpointState.verified
 
     os.kill(w.pid, signal.SIGKILL)
     w.proc.wait()

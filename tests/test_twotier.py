@@ -64,6 +64,8 @@ def test_template_then_session_heartbeats_move_only_what_changed(pair, tt):
     m2 = tt.heartbeat(live.workload)                                              # only "a" changed
     assert m2.probe["template"] == tmpl.id and m2.parent == m1.id
     assert m2.probe["changed_sessions"] == ["a"]
+    assert m2.probe["session_decisions"]["b"].startswith("unchanged since its last checkpoint")
+    assert m2.probe["session_decisions"]["a"].startswith("grew by")
     recs1 = json.loads((store.images_dir(m1) / SESSIONS_FILE).read_text())["sessions"]
     recs2 = json.loads((store.images_dir(m2) / SESSIONS_FILE).read_text())["sessions"]
     assert recs1["b"] == recs2["b"]
@@ -199,8 +201,10 @@ def test_one_template_starts_replicas_of_two_workloads_that_continue_exactly(dem
             assert info["template"] == t1.id
         from ckptflow.runners import engine
 
+        decided = tt.store.get("two", m2.id).probe["session_decisions"]
+        assert decided["d"].startswith("short (19 tokens < 64)")         # a retry is cheaper: not protected
         for copy, info, ns, w in copies:
-            for sid in w.digests():
+            for sid in (s for s in w.digests() if s != "d"):
                 got = engine.call(w.workload, "/v1/completions", {"prompt": "next?", "max_tokens": 12,
                                                                    "session_id": sid}, base=info["base_url"], netns=ns)
                 assert got["choices"][0]["tokens"] == w.complete("next?", 12, sid)

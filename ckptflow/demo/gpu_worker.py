@@ -239,7 +239,8 @@ class GpuWorker:
         key = hashlib.sha256(json.dumps([m.vocab, m.d, m.h, m.L, m.T, m.S, self.seed, self.model_name,
                                          self.ballast_bytes]).encode()).hexdigest()[:16]
         return {"protocol": PROTOCOL, "engine": "ckptflow-demo-gpu", "model": self.model_name, "template_key": key,
-                "parked": self.ballast is None and self.ballast_bytes > 0, "sessions": len(self.sessions)}
+                "parked": self.ballast is None and self.ballast_bytes > 0,
+                "sessions": {k: s["len"] for k, s in self.sessions.items()}}
 
     def _kv(self, s: dict) -> list[tuple[str, torch.Tensor]]:
         m = self.model
@@ -250,8 +251,11 @@ class GpuWorker:
         out_dir = Path(body["dir"])
         chunk = int(body.get("chunk_bytes", SESSION_CHUNK))
         known = {sid: set(ds) for sid, ds in (body.get("known") or {}).items()}
+        only = body.get("sessions")
+        chosen = {sid: s for sid, s in self.sessions.items() if only is None or sid in only}
+        digests = {sid: d for sid, d in self.session_digests().items() if sid in chosen}
         t0 = time.perf_counter()
-        host = {sid: [(n, t.cpu()) for n, t in self._kv(s)] for sid, s in self.sessions.items()}  # the hold
+        host = {sid: [(n, t.cpu()) for n, t in self._kv(s)] for sid, s in chosen.items()}  # the hold
         held = time.perf_counter() - t0
         res = {}
         for sid, parts in host.items():
@@ -261,7 +265,8 @@ class GpuWorker:
                 tensors.append(rec)
                 written += k
             s = self.sessions[sid]
-            res[sid] = {"tokens": s["len"], "last": s["last"], "slot": s["slot"], "tensors": tensors,
+            res[sid] = {"tokens": s["len"], "digest": digests[sid], "last": s["last"], "slot": s["slot"],
+                        "tensors": tensors,
                         "written_bytes": written, "total_bytes": sum(r["nbytes"] for r in tensors)}
         return {"sessions": res, "held_s": round(held, 4)}
 

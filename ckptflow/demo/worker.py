@@ -165,7 +165,8 @@ class Worker:
         key = hashlib.sha256(json.dumps([cfg.__dict__, self.model_name, int(self.ballast_bytes)],
                                         sort_keys=True).encode()).hexdigest()[:16]
         return {"protocol": PROTOCOL, "engine": "ckptflow-demo", "model": self.model_name,
-                "template_key": key, "parked": self.parked, "sessions": len(self.sessions)}
+                "template_key": key, "parked": self.parked,
+                "sessions": {k: len(v.tokens) for k, v in self.sessions.items()}}
 
     def sessions_export(self, body: dict) -> dict:
         """Each session's tokens, KV (token-major, so growth changes only the tail) and RNG as
@@ -187,7 +188,8 @@ class Worker:
                 rec, n = export_tensor(name, a, out_dir, chunk, seen)
                 tensors.append(rec)
                 written += n
-            res[sid] = {"tokens": len(s.tokens), "rng": s.rng.bit_generator.state, "tensors": tensors,
+            res[sid] = {"tokens": len(s.tokens), "digest": s.digest(), "rng": s.rng.bit_generator.state,
+                        "tensors": tensors,
                         "written_bytes": written, "total_bytes": sum(t["nbytes"] for t in tensors)}
         return {"sessions": res}
 

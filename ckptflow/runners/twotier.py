@@ -34,6 +34,7 @@ from ckptflow.errors import (CheckpointNotFound, CkptflowError, EngineProtocolEr
                              RestoreFailed, UndeclaredProcess, UnsupportedWorkload, WorkloadNotFound,
                              WorkloadRunning)
 from ckptflow.models import CheckpointState, Manifest, Workload
+from ckptflow.policies.sessions import MIN_TOKENS, SessionFacts, decide_sessions
 from ckptflow.runners import engine, process
 from ckptflow.runners.fingerprint import workload_fingerprint
 from ckptflow.runners.node import NodeRunner, _write_pid_file
@@ -63,10 +64,11 @@ def _digests(recs: dict) -> dict[str, list[str]]:
 class TwoTierRunner:
     """Template + session checkpoints of one node's workloads (engines that speak the protocol)."""
 
-    def __init__(self, node: NodeRunner):
+    def __init__(self, node: NodeRunner, min_session_tokens: int = MIN_TOKENS):
         self.node = node
         self.store = node.store
         self.chunks = ChunkStore(node.store.root)
+        self.min_session_tokens = min_session_tokens
 
     # --- names ------------------------------------------------------------------------------
     @staticmethod
@@ -122,25 +124,38 @@ class TwoTierRunner:
                      if m.state.restorable and m.probe.get("template") == tmpl.id), None)
         old = self._records(prev)["sessions"] if prev else {}
         t: dict[str, float] = {}
+        held = engine.engine_info(w)["sessions"] if recs is None else {k: r["tokens"] for k, r in recs.items()}
+        decisions = decide_sessions([SessionFacts(id=sid, tokens=n, tokens_at_ckpt=old.get(sid, {}).get("tokens"))
+                                     for sid, n in held.items()], min_tokens=self.min_session_tokens)
+        keep = {d.id: old[d.id] for d in decisions if d.protect and not d.export}
+        export = [d.id for d in decisions if d.export]
         if recs is None:
-            stage = self.chunks.staging()
-            t0 = time.perf_counter()
-            try:
-                answer = engine.call(w, "/v1/ckptflow/sessions/export", {"dir": str(stage), "known": _digests(old)})
-                recs = answer["sessions"]
-                if "held_s" in answer:  # the engine says how long it held the worker (copy out)
-                    t["held"] = float(answer["held_s"])
-            except BaseException:
-                import shutil
+            recs = {}
+            if export:
+                stage = self.chunks.staging()
+                t0 = time.perf_counter()
+                try:
+                    answer = engine.call(w, "/v1/ckptflow/sessions/export",
+                                         {"dir": str(stage), "sessions": export,
+                                          "known": {k: v for k, v in _digests(old).items() if k in export}})
+                    recs = answer["sessions"]
+                    if "held_s" in answer:  # the engine says how long it held the worker (copy out)
+                        t["held"] = float(answer["held_s"])
+                except BaseException:
+                    import shutil
 
-                shutil.rmtree(stage, ignore_errors=True)
-                raise
-            t["export"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            _, moved = self.chunks.adopt(stage)
-            t["adopt"] = time.perf_counter() - t0
+                    shutil.rmtree(stage, ignore_errors=True)
+                    raise
+                t["export"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                _, moved = self.chunks.adopt(stage)
+                t["adopt"] = time.perf_counter() - t0
+            else:
+                moved, t["export"] = 0, 0.0
         else:
             t["export"] = export_s or 0.0
+            recs = {k: r for k, r in recs.items() if k in export}
+        recs = keep | recs
         probe = engine.probe(w)
         load = engine.read_load(w)
         if load is not None:  # what the cadence policy compares the next tick with
@@ -157,6 +172,7 @@ class TwoTierRunner:
             raise
         total = sum(r["total_bytes"] for r in recs.values())
         changed = sorted(sid for sid, ds in _digests(recs).items() if ds != _digests(old).get(sid))
+        probe["session_decisions"] = {d.id: d.reason for d in decisions}
         return self.store.commit(
             pending, kind="sessions", parent=prev.id if prev else None, pid=tmpl.pid,
             fingerprint=workload_fingerprint(w, self.node.node_fp),
@@ -271,8 +287,10 @@ class TwoTierRunner:
                     os.kill(p, signal.SIGKILL)
                 raise
             t["health"] = engine.wait_healthy(w)
-            want = m.probe.get("sessions") or {}
-            got = engine.probe(w).get("sessions") or {}
+            # Each protected session as it was exported (long unchanged ones at their own last
+            # export; short ones are not protected: see policies.sessions).
+            want = {k: r["digest"] for k, r in recs.items() if "digest" in r}
+            got = {k: v for k, v in (engine.probe(w).get("sessions") or {}).items() if k in want}
             if got != want:
                 bad = sorted(k for k in set(want) | set(got) if got.get(k) != want.get(k))
                 raise RestoreFailed(f"workload {w.name}: restored from template {tmpl.id} + sessions {m.id} "
@@ -324,8 +342,15 @@ class TwoTierRunner:
             t0 = time.perf_counter()
             root = str(self.chunks.root)
             engine.call(w, "/v1/ckptflow/template/resume", {"dir": root, "tensors": weights}, base=base, netns=netns)
-            engine.call(w, "/v1/ckptflow/sessions/import", {"dir": root, "sessions": recs}, base=base, netns=netns)
+            got = engine.call(w, "/v1/ckptflow/sessions/import", {"dir": root, "sessions": recs}, base=base,
+                              netns=netns).get("digests", {})
             t["weights_and_sessions"] = time.perf_counter() - t0
+            want = {k: r["digest"] for k, r in recs.items() if "digest" in r}
+            bad = sorted(k for k in want if got.get(k) != want[k])
+            if bad:
+                raise RestoreFailed(f"workload {w.name}: a copy from template {tmpl.id} + sessions {m.id} holds "
+                                    f"other session state than was exported: {', '.join(bad[:5])}",
+                                    fix="mark the checkpoint bad; take a new one")
         except BaseException:
             copy.stop()
             raise

@@ -145,3 +145,30 @@ def _compare(w: Workload, m: Manifest, got: dict, t: dict) -> VerifyResult:
     if not checked:
         return VerifyResult("verified", "healthy (no golden request or probe declared to compare)", t)
     return VerifyResult("verified", " and ".join(checked) + " equal", t)
+
+
+def verify_two_tier(node: NodeRunner, w: Workload, m: Manifest) -> VerifyResult:
+    """A two-tier checkpoint, verified the same way: a copy of the workload's template given its
+    sessions ``m``, in its own PID and network namespaces beside the live original; every
+    imported session must hold the state that was exported. GPU workloads: skipped (GPU_SANDBOX)."""
+    from ckptflow.errors import CkptflowError
+    from ckptflow.runners.twotier import TwoTierRunner
+
+    if w.gpu:
+        return VerifyResult(state="skipped", reason=GPU_SANDBOX)
+    ns = new_netns("cktv")
+    copy = None
+    try:
+        t0 = time.perf_counter()
+        copy, info = TwoTierRunner(node).start_replica(w, ns)
+        timings = {k: v for k, v in info.items() if isinstance(v, float)} | {"total": time.perf_counter() - t0}
+        if info["sessions"] != m.id:
+            return VerifyResult(state="skipped", reason=f"a newer session checkpoint {info['sessions']} exists")
+        return VerifyResult(state="verified", reason=f"template {info['template']} + sessions {m.id}: every "
+                            "session came back as exported", timings=timings)
+    except CkptflowError as e:
+        return VerifyResult(state="verify_failed", reason=e.message.splitlines()[0])
+    finally:
+        if copy is not None:
+            copy.stop()
+        del_netns(ns)
