@@ -26,7 +26,7 @@ expected; every problem of the file in one report. A misspelt policy parameter, 
 from __future__ import annotations
 
 from datetime import datetime
-from enum import Enum
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -122,6 +122,11 @@ class PolicyMatch(BaseModel):
                 and all(w.labels.get(k) == v for k, v in self.labels.items()))
 
 
+class OnWorkerGone(StrEnum):
+    alert = "alert"       # say so and alert; an operator (or a recover deployment) brings it back
+    recover = "recover"   # also restore it from its newest valid checkpoint, in the same heartbeat run
+
+
 class PolicyRule(BaseModel):
     """First matching rule wins; the policy is chosen by name (see ckptflow.policies).
 
@@ -136,6 +141,10 @@ class PolicyRule(BaseModel):
     params: SerializeAsAny[PolicyParams] = Field(
         default_factory=PolicyParams, description="Parameters of the policy, checked against its model "
         "(CostBasedParams, FixedParams, NeverParams).", examples=[{"min_interval_s": 300}])
+    on_worker_gone: OnWorkerGone = Field(
+        OnWorkerGone.alert, description="When a heartbeat finds the worker's process gone: alert only, or "
+        "alert and recover it from its newest valid checkpoint in the same heartbeat run.",
+        examples=["recover"])
 
     @model_validator(mode="before")
     @classmethod
@@ -237,7 +246,7 @@ class Fleet(BaseModel):
         rule = self.rule_for(w)
         if rule is None:
             return PolicyChoice(workload=w, policy=DEFAULT_POLICY, params=POLICIES[DEFAULT_POLICY].defaults)
-        return PolicyChoice(workload=w, policy=rule.policy, params=rule.params)
+        return PolicyChoice(workload=w, policy=rule.policy, params=rule.params, on_worker_gone=rule.on_worker_gone)
 
     def scope(self) -> "FleetScope":
         """The fleet-wide part a node step needs, without the node and workload lists."""
@@ -270,6 +279,7 @@ class PolicyChoice(BaseModel):
     workload: Workload
     policy: str = Field(DEFAULT_POLICY, description="Registered policy name.")
     params: SerializeAsAny[PolicyParams] = Field(default_factory=PolicyParams)
+    on_worker_gone: OnWorkerGone = Field(OnWorkerGone.alert, description="See PolicyRule.on_worker_gone.")
 
 
 class _PathErrors(ValueError):

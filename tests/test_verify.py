@@ -355,3 +355,27 @@ def test_alert_state_lives_in_the_bucket_for_every_node(tmp_path, s3, slack):
     assert node_a.open_alerts() == {}
     assert [t.split(":")[1] for t in _texts(slack)] == ["rotating_light", "rotating_light", "white_check_mark"]
     assert not list(tmp_path.rglob(".alerts*"))
+
+
+def test_a_gone_worker_is_recovered_in_the_same_heartbeat_when_its_rule_says_so(tmp_path, prefect_harness,
+                                                                                 demo_worker, slack):
+    import yaml
+
+    from ckptflow.flows.heartbeat import heartbeat
+
+    w, ref = demo_worker("chat"), demo_worker("ref")
+    for x in (w, ref):
+        x.complete("a long session " * 20, 16, "s")
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store", slack=True)
+    data = yaml.safe_load(fleet.read_text())
+    data["policies"] = [{"match": {}, "policy": "cost-based", "on_worker_gone": "recover"}]
+    fleet.write_text(yaml.safe_dump(data))
+    ckpt = heartbeat(str(fleet))[0]["checkpoint"]
+    os.kill(w.pid, signal.SIGKILL)
+    w.proc.wait()
+    [row] = heartbeat(str(fleet))                         # no HeartbeatFailed: it came back
+    assert row["ok"] and row["recovered"] == ckpt and row["reason"].endswith("; recovered")
+    assert w.complete("and next", 16, "s") == ref.complete("and next", 16, "s")
+    texts = _texts(slack)
+    assert texts[0].startswith(":skull: Worker chat on local is gone")
+    assert texts[1] == f":white_check_mark: chat recovered on local: restored from checkpoint {ckpt}"

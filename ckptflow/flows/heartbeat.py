@@ -8,7 +8,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.utilities.annotations import quote
 
-from ckptflow.fleet import PolicyChoice
+from ckptflow.fleet import OnWorkerGone, PolicyChoice
+from ckptflow.flows.recover import recover
 from ckptflow.tasks.common import open_fleet
 from ckptflow.tasks.node import checkpoint_batch
 
@@ -42,6 +43,14 @@ def heartbeat(fleet_file: str, node: str | None = None, workloads: list[str] | N
     # quote(): Prefect would otherwise walk every field of every workload to find upstream futures
     futures = [checkpoint_batch.submit(scope, nodes[n], quote(batch), force) for n, batch in sorted(by_node.items())]
     results = [r for f in futures for r in f.result()]
+    choices = {c.workload.name: c for batch in by_node.values() for c in batch}
+    for r in results:  # the worker is gone and its rule says recover: bring it back in this run
+        if r.get("error_type") == "WorkloadNotFound" and choices[r["workload"]].on_worker_gone == OnWorkerGone.recover:
+            try:
+                res = recover(fleet_file, r["workload"])
+                r.update(ok=True, recovered=res.get("checkpoint"), reason=f"{r['reason']}; recovered")
+            except Exception as e:  # recover alerted with its own reason; the row says it failed
+                r["recover_error"] = str(e).splitlines()[0]
     create_table_artifact(key=f"heartbeat-{fleet.fleet}", table=results or [{"note": "nothing selected"}],
                           description=f"Heartbeat of fleet {fleet.fleet}")
     failed = [r for r in results if not r["ok"]]
