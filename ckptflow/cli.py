@@ -173,20 +173,20 @@ def doctor() -> None:
 def ls(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET,
        workload: str = typer.Option(None, help="Only this workload.")) -> None:
     """List checkpoints with state (and why, when invalidated or failed), age and size."""
-    from ckptflow.store import open_store
+    from ckptflow.report import fleet_manifests
 
     fleet = _fleet(_fleet_path(fleet_file, legacy), [workload] if workload else None)
-    store = open_store(fleet.storage)
-    names = [workload] if workload else store.workloads()
-    table = Table(title=f"checkpoints in {getattr(store, 'root', store)}")
-    for col in ("workload", "checkpoint", "state", "age", "size", "reason"):
-        table.add_column(col)
+    names = [workload] if workload else [w.name for w in fleet.workloads]
+    table = Table(title=f"checkpoints of fleet {fleet.fleet} (every node's store and the bucket)")
+    for col in ("workload", "checkpoint", "state", "age", "size", "copies", "reason"):
+        table.add_column(col, no_wrap=col in ("workload", "checkpoint"))
     now = datetime.now(timezone.utc)
     for name in names:
-        for m in store.list(name):
+        for m in fleet_manifests(fleet, name):
             age = now - m.created
             table.add_row(m.workload, m.id, m.state.value, _age(age.total_seconds()),
-                          f"{m.bytes / 2**20:,.1f} MiB", m.state_reason or "")
+                          f"{m.bytes / 2**20:,.1f} MiB", ", ".join(f"{c.tier.value}:{c.location}" for c in m.copies),
+                          m.state_reason or "")
     console.print(table)
 
 

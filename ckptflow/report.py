@@ -13,18 +13,48 @@ from datetime import datetime, timezone
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 from ckptflow.fleet import Fleet
-from ckptflow.models import CheckpointState
-from ckptflow.store import open_store
+from ckptflow.errors import CkptflowError
+from ckptflow.models import CheckpointState, Manifest
+from ckptflow.store import open_store, open_tier
 
 RESTORE_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 
 
+def fleet_manifests(fleet: Fleet, workload: str) -> list[Manifest]:
+    """Every checkpoint of ``workload`` this machine can see, newest first: each node's local
+    store (``{node}`` in the storage path names one per node) and, for an S3 fleet, the bucket's
+    copies. A checkpoint held in several places is listed once, with all its copies."""
+    seen: dict[str, Manifest] = {}
+    roots = {open_store(fleet.storage, n.name).root for n in fleet.nodes} | {open_store(fleet.storage).root}
+    from ckptflow.store.local import LocalStore
+
+    for root in sorted(roots):
+        if root.exists():
+            for m in LocalStore(root).list(workload):
+                seen[m.id] = _merge(seen.get(m.id), m)
+    tier = open_tier(fleet.storage) if getattr(fleet.storage.kind, "value", fleet.storage.kind) == "s3" else None
+    if tier is not None:
+        try:
+            for cid in tier.list(workload):
+                seen[cid] = _merge(seen.get(cid), tier.manifest(workload, cid))
+        except CkptflowError:  # the bucket is unreachable: the nodes' copies still show
+            pass
+    return sorted(seen.values(), key=lambda m: m.id, reverse=True)
+
+
+def _merge(a: Manifest | None, b: Manifest) -> Manifest:
+    if a is None:
+        return b
+    for c in b.copies:
+        a = a.with_copy(c.tier, c.location)
+    return a
+
+
 def fleet_status(fleet: Fleet, now: datetime | None = None) -> list[dict]:
     now = now or datetime.now(timezone.utc)
-    store = open_store(fleet.storage)
     rows = []
     for w in fleet.workloads:
-        ms = store.list(w.name)
+        ms = fleet_manifests(fleet, w.name)
         valid = next((m for m in ms if m.state.restorable), None)
         checked = next((m for m in ms if m.state in (CheckpointState.verified, CheckpointState.verify_failed)), None)
         rows.append({

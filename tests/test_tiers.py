@@ -2,6 +2,7 @@
 list each copy, and a restore reads the nearest valid one."""
 
 import os
+from pathlib import Path
 import shutil
 import signal
 
@@ -145,3 +146,62 @@ def test_a_bucket_copy_invalidated_there_is_never_pulled(tmp_path, s3):
     with pytest.raises(CheckpointNotFound, match="no valid checkpoint"):
         NodeRunner(b).restore(w, tier=tier)
     assert b.list("gone") == []                      # nothing downloaded
+
+
+def test_ls_and_status_of_an_s3_fleet_with_node_paths_show_every_node_and_the_bucket(tmp_path, s3):
+    """storage.path with {node} (the recommended layout): ls, status and the exporter read every
+    node's store and the bucket, not a '…/local' directory nobody writes."""
+    import os
+    import subprocess
+
+    import yaml
+
+    from ckptflow.fleet import load_fleet
+    from ckptflow.report import fleet_status
+    from ckptflow.store.s3 import S3Tier
+
+    bucket = s3.bucket("ckpt-nodepaths")
+    fleet_file = tmp_path / "fleet.yaml"
+    fleet_file.write_text(yaml.safe_dump({
+        "fleet": "np", "storage": {"kind": "s3", "path": str(tmp_path / "store" / "{node}"), "bucket": bucket,
+                                   "endpoint_url": s3.endpoint, "server_side_encryption": None},
+        "nodes": [{"name": "node-a", "work_pool": "node-a"}, {"name": "node-b", "work_pool": "node-b"}],
+        "workloads": [{"name": "chat", "node": "node-a", "find": {"pid_file": str(tmp_path / "chat.pid")}},
+                      {"name": "tools", "node": "node-b", "find": {"pid_file": str(tmp_path / "tools.pid")}}]}))
+    ids = {}
+    for name, node in (("chat", "node-a"), ("tools", "node-b")):
+        store = LocalStore(tmp_path / "store" / node)
+        p = store.begin(name, node=node)
+        (p.images_dir / "core-1.img").write_bytes(os.urandom(4096))
+        ids[name] = store.commit(p)
+    S3Tier(bucket, endpoint_url=s3.endpoint).push(LocalStore(tmp_path / "store" / "node-a"), ids["chat"])
+    rows = {r["workload"]: r for r in fleet_status(load_fleet(fleet_file))}
+    assert rows["chat"]["newest"] == ids["chat"].id and rows["tools"]["newest"] == ids["tools"].id
+    assert not (tmp_path / "store" / "local").exists()
+    root = Path(__file__).parent.parent
+    out = subprocess.run([str(root / ".venv" / "bin" / "ckptflow"), "ls", str(fleet_file)], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "COLUMNS": "250"})
+    assert out.returncode == 0, out.stderr
+    assert ids["chat"].id in out.stdout and ids["tools"].id in out.stdout
+    assert f"node:node-a, s3:s3://{bucket}" in out.stdout
+
+
+def test_node_verify_follows_placements(tmp_path, s3, prefect_harness):
+    """Node deployments pass their node, not a list frozen at deploy time: after a migrate the
+    workload is verified by the node it runs on now."""
+    import yaml
+
+    from ckptflow.flows.verify import verify
+    from ckptflow.store.s3 import S3Tier
+
+    bucket = s3.bucket("ckpt-verify-follows")
+    fleet_file = tmp_path / "fleet.yaml"
+    fleet_file.write_text(yaml.safe_dump({
+        "fleet": "vf", "storage": {"kind": "s3", "path": str(tmp_path / "store" / "{node}"), "bucket": bucket,
+                                   "endpoint_url": s3.endpoint, "server_side_encryption": None},
+        "nodes": [{"name": "node-a", "work_pool": "node-a"}, {"name": "node-b", "work_pool": "node-b"}],
+        "workloads": [{"name": "chat", "node": "node-a", "find": {"pid_file": str(tmp_path / "chat.pid")}}]}))
+    assert [r["workload"] for r in verify(str(fleet_file), node="node-a")] == ["chat"]
+    S3Tier(bucket, endpoint_url=s3.endpoint).put_placement("chat", "node-b", "c1")    # what migrate records
+    assert verify(str(fleet_file), node="node-a") == []
+    assert [r["workload"] for r in verify(str(fleet_file), node="node-b")] == ["chat"]

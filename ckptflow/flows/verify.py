@@ -11,9 +11,11 @@ from ckptflow.tasks.verify import verify_workload
 
 
 @flow(name="verify", log_prints=True)
-def verify(fleet_file: str, workloads: list[str] | None = None) -> list[dict]:
+def verify(fleet_file: str, workloads: list[str] | None = None, node: str | None = None) -> list[dict]:
     """Restore each protected workload's newest unverified checkpoint in a sandbox beside the
     original, compare its golden answer and session state, mark it verified or verify_failed.
+    ``node``: the workloads running on that node *now* (placements followed, so a workload
+    verified after a migrate is verified where it runs), which is what node deployments pass.
 
     Example:
         >>> verify("deployments/local.yaml")   # doctest: +SKIP
@@ -21,7 +23,8 @@ def verify(fleet_file: str, workloads: list[str] | None = None) -> list[dict]:
     fleet = open_fleet(fleet_file)  # once per run: each task gets its workload, not the file
     scope = fleet.scope()
     rows = [verify_workload(scope, w) for w in fleet.workloads
-            if (workloads is None or w.name in workloads) and w.traffic != TrafficClass.short_requests]
+            if (workloads is None or w.name in workloads) and (node is None or w.node == node)
+            and w.traffic != TrafficClass.short_requests]
     create_table_artifact(key="verify", table=rows or [{"note": "nothing to verify"}],
                           description="Sandbox verification of the newest checkpoints")
     return rows
