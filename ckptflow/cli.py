@@ -257,12 +257,13 @@ def _table(title: str, rows: list[dict], cols: tuple[str, ...]) -> None:
 
 
 @app.command()
-def verify(fleet_file: Path = FLEET_ARG, workload: list[str] = typer.Option(None, help="Only these workloads.")) -> None:
+def verify(fleet_file: Path = FLEET_ARG, workload: list[str] = typer.Option(None, help="Only these workloads."),
+           node: str = typer.Option(None, help="Only the workloads running on this node now.")) -> None:
     """Run the verify flow once: sandbox-restore the newest unverified checkpoints."""
     from ckptflow.models import VerifyOutcome
 
-    _fleet(fleet_file, workload)
-    rows = _flow("ckptflow.flows.verify", "verify")(str(fleet_file), workloads=workload or None)
+    _fleet(fleet_file, workload, nodes=[node] if node else None)
+    rows = _flow("ckptflow.flows.verify", "verify")(str(fleet_file), workloads=workload or None, node=node)
     _table("verify", rows, ("workload", "checkpoint", "state", "reason"))
     if any(r["state"] == VerifyOutcome.verify_failed for r in rows):
         raise typer.Exit(1)

@@ -108,6 +108,7 @@ def test_unknown_workload_names_the_declared_ones(tmp_path, args):
 def test_unknown_node_names_the_declared_ones(tmp_path):
     _refused(_cli(tmp_path, "recover-node", LOCAL, "gpu-9"), "no node named 'gpu-9' (declared: local)")
     _refused(_cli(tmp_path, "heartbeat", LOCAL, "--node", "gpu-9"), "(declared: local)")
+    _refused(_cli(tmp_path, "verify", LOCAL, "--node", "gpu-9"), "(declared: local)")
 
 
 def test_debug_shows_the_traceback(tmp_path):
