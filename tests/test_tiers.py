@@ -160,14 +160,12 @@ def test_ls_and_status_of_an_s3_fleet_with_node_paths_show_every_node_and_the_bu
     from ckptflow.report import fleet_status
     from ckptflow.store.s3 import S3Tier
 
-    bucket = s3.bucket("ckpt-nodepaths")
-    fleet_file = tmp_path / "fleet.yaml"
-    fleet_file.write_text(yaml.safe_dump({
-        "fleet": "np", "storage": {"kind": "s3", "path": str(tmp_path / "store" / "{node}"), "bucket": bucket,
-                                   "endpoint_url": s3.endpoint, "server_side_encryption": None},
-        "nodes": [{"name": "node-a", "work_pool": "node-a"}, {"name": "node-b", "work_pool": "node-b"}],
-        "workloads": [{"name": "chat", "node": "node-a", "find": {"pid_file": str(tmp_path / "chat.pid")}},
-                      {"name": "tools", "node": "node-b", "find": {"pid_file": str(tmp_path / "tools.pid")}}]}))
+    fleet_file = Path(_two_node_s3_fleet(tmp_path, s3, [_declared(tmp_path, "chat"), _declared(tmp_path, "tools")],
+                                         "ckpt-nodepaths"))
+    bucket = "ckpt-nodepaths"
+    data = yaml.safe_load(fleet_file.read_text())
+    data["workloads"][1]["node"] = "node-b"
+    fleet_file.write_text(yaml.safe_dump(data))
     ids = {}
     for name, node in (("chat", "node-a"), ("tools", "node-b")):
         store = LocalStore(tmp_path / "store" / node)
@@ -189,19 +187,19 @@ def test_ls_and_status_of_an_s3_fleet_with_node_paths_show_every_node_and_the_bu
 def test_node_verify_follows_placements(tmp_path, s3, prefect_harness):
     """Node deployments pass their node, not a list frozen at deploy time: after a migrate the
     workload is verified by the node it runs on now."""
-    import yaml
-
     from ckptflow.flows.verify import verify
     from ckptflow.store.s3 import S3Tier
 
-    bucket = s3.bucket("ckpt-verify-follows")
-    fleet_file = tmp_path / "fleet.yaml"
-    fleet_file.write_text(yaml.safe_dump({
-        "fleet": "vf", "storage": {"kind": "s3", "path": str(tmp_path / "store" / "{node}"), "bucket": bucket,
-                                   "endpoint_url": s3.endpoint, "server_side_encryption": None},
-        "nodes": [{"name": "node-a", "work_pool": "node-a"}, {"name": "node-b", "work_pool": "node-b"}],
-        "workloads": [{"name": "chat", "node": "node-a", "find": {"pid_file": str(tmp_path / "chat.pid")}}]}))
+    bucket = "ckpt-verify-follows"
+    fleet_file = _two_node_s3_fleet(tmp_path, s3, [_declared(tmp_path, "chat")], bucket)
     assert [r["workload"] for r in verify(str(fleet_file), node="node-a")] == ["chat"]
     S3Tier(bucket, endpoint_url=s3.endpoint).put_placement("chat", "node-b", "c1")    # what migrate records
     assert verify(str(fleet_file), node="node-a") == []
     assert [r["workload"] for r in verify(str(fleet_file), node="node-b")] == ["chat"]
+
+
+def _declared(tmp_path, name: str):
+    """A declared workload whose process never exists (reports and verify lists only)."""
+    from ckptflow.models import ProcessFinder, Workload
+
+    return Workload(name=name, node="node-a", find=ProcessFinder(pid_file=str(tmp_path / f"{name}.pid")))
