@@ -53,7 +53,7 @@ def test_doctor_reports_the_bundle_when_criu_is_not_on_path(bundle_home):
 
 
 def test_checkpoint_round_trip_through_the_bundle(bundle_home, monkeypatch, tmp_path, demo_worker):
-    from ckptflow.runners.composite import NodeRunner
+    from ckptflow.runners.node import NodeRunner
     from ckptflow.store.local import LocalStore
 
     w = demo_worker("bundled")

@@ -3,6 +3,7 @@ engine with weights and sessions released, dumped by CRIU; weights as chunks) an
 checkpoints whose bytes follow what changed. Every continuation is compared token for token with
 a reference worker that was never interrupted."""
 
+import contextlib
 import json
 import os
 import signal
@@ -137,7 +138,7 @@ def test_a_failed_export_leaves_no_manifest_and_the_worker_serves_on(tmp_path, p
     before = [m.id for m in store.list(live.workload.name)]
     _talk(live, ref, turns=(("b", "more"),))
     gone = tmp_path / "no-such-dir"
-    monkeypatch.setattr(tt.chunks, "staging", lambda: gone)     # the engine cannot write there
+    monkeypatch.setattr(tt.chunks, "staging", lambda: contextlib.nullcontext(gone))  # the engine cannot write there
     with pytest.raises(EngineProtocolError, match="sessions/export refused"):
         tt.heartbeat(live.workload)
     assert [m.id for m in store.list(live.workload.name)] == before

@@ -171,27 +171,30 @@ def base_url(w: Workload) -> str:
     return w.health_url.rsplit("/", 1)[0]
 
 
+def _request(url: str, body: dict | None, timeout_s: float) -> dict:
+    """One HTTP exchange as data: {"ok": answer} | {"code", "error"} | {"unreachable"}."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return {"ok": json.loads(r.read() or b"{}")}
+    except urllib.error.HTTPError as e:
+        return {"code": e.code, "error": e.read().decode(errors="replace")}
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return {"unreachable": str(e)}
+
+
 # A copy restored beside its original listens on the same address inside its own network
-# namespace: the call is made from a short-lived interpreter inside it (ip netns exec).
-_CALL_IN_NS = """import json, sys, urllib.error, urllib.request
-url, body, timeout = json.loads(sys.stdin.read())
-data = None if body is None else json.dumps(body).encode()
-req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-try:
-    out = {"ok": json.loads(urllib.request.urlopen(req, timeout=timeout).read() or b"{}")}
-except urllib.error.HTTPError as e:
-    out = {"code": e.code, "error": e.read().decode(errors="replace")}
-except (urllib.error.URLError, OSError) as e:
-    out = {"unreachable": str(e)}
-print(json.dumps(out))
-"""
+# namespace: the same exchange runs in a short-lived interpreter inside it (ip netns exec).
+_IN_NETNS = ("import json, sys; from ckptflow.runners.engine import _request; "
+             "print(json.dumps(_request(*json.loads(sys.stdin.read()))))")
 
 
-def _call_in_netns(netns: str, url: str, body: dict | None, timeout_s: float) -> dict:
+def _request_in_netns(netns: str, url: str, body: dict | None, timeout_s: float) -> dict:
     import subprocess
     import sys
 
-    out = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", _CALL_IN_NS],
+    out = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", _IN_NETNS],
                          input=json.dumps([url, body, timeout_s]), capture_output=True, text=True,
                          timeout=timeout_s + 60)
     try:
@@ -210,33 +213,20 @@ def call(w: Workload, path: str, body: dict | None = None, timeout_s: float = EX
         EngineProtocolError: the engine refused (its own reason), or does not speak the protocol.
     """
     url = (base or base_url(w)) + path
-    if netns:
-        got = _call_in_netns(netns, url, body, timeout_s)
-        if "ok" in got:
-            return got["ok"]
-        if "code" in got:
-            if got["code"] == 404:
-                raise EngineProtocolError(f"workload {w.name}: the engine does not serve {path}",
-                                          fix="use the whole-process checkpoint for engines without the protocol")
-            try:
-                reason = json.loads(got["error"]).get("error", got["error"])
-            except ValueError:
-                reason = got["error"]
-            raise EngineProtocolError(f"workload {w.name}: {path} refused: HTTP {got['code']}: {reason}")
-        raise EngineProtocolError(f"workload {w.name}: {path} failed in {netns}: {got.get('unreachable')}",
-                                  retryable=True)
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        if e.code == 404:
-            raise EngineProtocolError(f"workload {w.name}: the engine does not serve {path}",
-                                      fix="use the whole-process checkpoint for engines without the protocol") from None
-        raise EngineProtocolError(f"workload {w.name}: {path} refused: {http_reason(e)}") from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise EngineProtocolError(f"workload {w.name}: {path} failed: {e}", retryable=True) from None
+    got = _request_in_netns(netns, url, body, timeout_s) if netns else _request(url, body, timeout_s)
+    if "ok" in got:
+        return got["ok"]
+    if got.get("code") == 404:
+        raise EngineProtocolError(f"workload {w.name}: the engine does not serve {path}",
+                                  fix="use the whole-process checkpoint for engines without the protocol")
+    if "code" in got:
+        try:
+            reason = json.loads(got["error"]).get("error", got["error"])
+        except (ValueError, AttributeError):
+            reason = got["error"]
+        raise EngineProtocolError(f"workload {w.name}: {path} refused: HTTP {got['code']}: {reason}")
+    where = f" in {netns}" if netns else ""
+    raise EngineProtocolError(f"workload {w.name}: {path} failed{where}: {got.get('unreachable')}", retryable=True)
 
 
 def engine_info(w: Workload) -> dict:

@@ -114,17 +114,21 @@ class TwoTierRunner:
                 except IncompatibleCheckpoint as e:  # this node changed since: capture anew
                     log.info("workload %s: template %s no longer fits: %s", w.name, tmpl.id, e.message)
                     tmpl = None
-            if tmpl is None:
-                tmpl = self._capture_template(w, name)
-            return self._checkpoint_sessions(w, tmpl)
+            if tmpl is None:  # the capture exported every session: its checkpoint is this heartbeat's
+                return self._capture_template(w, name)
+            return self._checkpoint_sessions(w, tmpl, held=info["sessions"])
 
     def _checkpoint_sessions(self, w: Workload, tmpl: Manifest, recs: dict | None = None,
-                             moved: int | None = None, export_s: float | None = None) -> Manifest:
+                             moved: int | None = None, export_s: float | None = None,
+                             held: dict[str, int] | None = None) -> Manifest:
+        """The session checkpoint of ``w`` over ``tmpl``: ``held`` (session -> tokens, as the
+        engine reported them) decides what to export, or ``recs`` were exported already."""
         prev = next((m for m in self._sessions_of(w)
                      if m.state.restorable and m.probe.get("template") == tmpl.id), None)
         old = self._records(prev)["sessions"] if prev else {}
         t: dict[str, float] = {}
-        held = engine.engine_info(w)["sessions"] if recs is None else {k: r["tokens"] for k, r in recs.items()}
+        if recs is not None:
+            held = {k: r["tokens"] for k, r in recs.items()}
         decisions = decide_sessions([SessionFacts(id=sid, tokens=n, tokens_at_ckpt=old.get(sid, {}).get("tokens"))
                                      for sid, n in held.items()], min_tokens=self.min_session_tokens)
         keep = {d.id: old[d.id] for d in decisions if d.protect and not d.export}
@@ -132,31 +136,27 @@ class TwoTierRunner:
         if recs is None:
             recs = {}
             if export:
-                stage = self.chunks.staging()
-                t0 = time.perf_counter()
-                try:
+                with self.chunks.staging() as stage:
+                    t0 = time.perf_counter()
                     answer = engine.call(w, "/v1/ckptflow/sessions/export",
                                          {"dir": str(stage), "sessions": export,
                                           "known": {k: v for k, v in _digests(old).items() if k in export}})
                     recs = answer["sessions"]
                     if "held_s" in answer:  # the engine says how long it held the worker (copy out)
                         t["held"] = float(answer["held_s"])
-                except BaseException:
-                    import shutil
-
-                    shutil.rmtree(stage, ignore_errors=True)
-                    raise
-                t["export"] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                _, moved = self.chunks.adopt(stage)
-                t["adopt"] = time.perf_counter() - t0
+                    t["export"] = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    _, moved = self.chunks.adopt(stage)
+                    t["adopt"] = time.perf_counter() - t0
             else:
                 moved, t["export"] = 0, 0.0
         else:
             t["export"] = export_s or 0.0
             recs = {k: r for k, r in recs.items() if k in export}
         recs = keep | recs
-        probe = engine.probe(w)
+        # Each session's digest is in its record; no golden request or probe here (a restore
+        # compares what the engine imports with the records).
+        probe: dict = {}
         load = engine.read_load(w)
         if load is not None:  # what the cadence policy compares the next tick with
             probe["tokens_total"] = load.tokens_total
@@ -183,38 +183,38 @@ class TwoTierRunner:
     # --- template tier ----------------------------------------------------------------------
     def _capture_template(self, w: Workload, name: str) -> Manifest:
         """Park the engine (sessions out as chunks, weights out as chunks, both released), dump
-        it, and give it its weights and sessions back. Sessions already bound to an older
-        template of this workload are invalidated with the reason."""
+        it, and give it its weights and sessions back; returns the session checkpoint over the
+        new template. Sessions already bound to an older template of this workload are
+        invalidated with the reason."""
         proc = process.resolve(w)
         t: dict[str, float] = {}
-        stage = self.chunks.staging()
-        t0 = time.perf_counter()
-        recs = engine.call(w, "/v1/ckptflow/sessions/export", {"dir": str(stage), "known": {}})["sessions"]
-        moved = self.chunks.adopt(stage)[1]
-        t["export"] = time.perf_counter() - t0
-        known = [d for m in self.store.list(name) for d in m.probe.get("weight_chunks", [])]
-        stage = self.chunks.staging()
-        t0 = time.perf_counter()
-        weights = engine.call(w, "/v1/ckptflow/template/prepare", {"dir": str(stage), "known": known})
-        t["prepare"] = time.perf_counter() - t0
-        pending = None
-        try:
-            self.chunks.adopt(stage)
-            pending = self.store.begin(name, node=w.node)
+        with self.chunks.staging() as stage:
             t0 = time.perf_counter()
-            if w.gpu:
-                pid, dump_t, footprint, gpu_pids = self.node._dump_gpu(w, proc, pending.images_dir, True)
-                t.update(dump_t)
-            else:
-                res = self.node.criu.dump(w, pending.images_dir, leave_running=True, proc=proc)
-                pid, footprint, gpu_pids = res.pid, 0, []
-                t["dump"] = res.seconds
-            (pending.images_dir / WEIGHTS_FILE).write_text(json.dumps(weights["tensors"]))
-        except BaseException:
-            if pending is not None:
-                self.store.abort(pending)
-            self._unpark(w, weights["tensors"], recs)  # never leave the worker without its state
-            raise
+            recs = engine.call(w, "/v1/ckptflow/sessions/export", {"dir": str(stage), "known": {}})["sessions"]
+            moved = self.chunks.adopt(stage)[1]
+            t["export"] = time.perf_counter() - t0
+        known = [d for m in self.store.list(name) for d in m.probe.get("weight_chunks", [])]
+        with self.chunks.staging() as stage:
+            t0 = time.perf_counter()
+            weights = engine.call(w, "/v1/ckptflow/template/prepare", {"dir": str(stage), "known": known})
+            t["prepare"] = time.perf_counter() - t0
+            pending = None
+            try:
+                self.chunks.adopt(stage)
+                pending = self.store.begin(name, node=w.node)
+                if w.gpu:
+                    pid, dump_t, footprint, gpu_pids = self.node._dump_gpu(w, proc, pending.images_dir, True)
+                    t.update(dump_t)
+                else:
+                    res = self.node.criu.dump(w, pending.images_dir, leave_running=True, proc=proc)
+                    pid, footprint, gpu_pids = res.pid, 0, []
+                    t["dump"] = res.seconds
+                (pending.images_dir / WEIGHTS_FILE).write_text(json.dumps(weights["tensors"]))
+            except BaseException:
+                if pending is not None:
+                    self.store.abort(pending)
+                self._unpark(w, weights["tensors"], recs)  # never leave the worker without its state
+                raise
         t0 = time.perf_counter()
         self._unpark(w, weights["tensors"], recs)
         t["unpark"] = time.perf_counter() - t0
@@ -228,13 +228,10 @@ class TwoTierRunner:
             if m.state.restorable and m.probe.get("template") != tmpl.id:
                 self.store.set_state(m, CheckpointState.invalidated, f"its template {m.probe.get('template')} "
                                      f"was replaced by {tmpl.id}")
-        self._checkpoint_sessions(w, tmpl, recs, moved, t["export"])
-        return tmpl
+        return self._checkpoint_sessions(w, tmpl, recs, moved, t["export"])
 
     def _unpark(self, w: Workload, tensors: list[dict], recs: dict) -> None:
-        engine.call(w, "/v1/ckptflow/template/resume", {"dir": str(self.chunks.root), "tensors": tensors})
-        if recs:
-            engine.call(w, "/v1/ckptflow/sessions/import", {"dir": str(self.chunks.root), "sessions": recs})
+        self._load(w, tensors, recs, {})
 
     # --- restore ----------------------------------------------------------------------------
     def restore(self, w: Workload) -> TwoTierResult:
@@ -255,15 +252,9 @@ class TwoTierRunner:
                 raise WorkloadRunning(f"workload {w.name} is running (PID {live.pid}); refusing to restore over it",
                                       fix="stop it first")
             m, tmpl = self._newest(w)
-            recs = self._records(m)["sessions"]
-            weights = json.loads((self.store.images_dir(tmpl) / WEIGHTS_FILE).read_text())
             t: dict[str, float] = {}
             t0 = time.perf_counter()
-            # Sessions are checked whole here; the weights (GiBs) are hashed by the engine while
-            # they stream in parallel (a torn one fails the restore, which then kills the copy):
-            # hashing them here too cost 7.8 s of 12.8 s for 8 GiB on the H200.
-            self.chunks.present([d for r in weights for d in r["chunks"]])
-            self.chunks.verify([d for ds in _digests(recs).values() for d in ds])
+            recs, weights = self._checked_records(m, tmpl)
             t["chunks_checked"] = time.perf_counter() - t0
             if w.gpu and tmpl.gpu_footprint_bytes:
                 from ckptflow.runners.cuda import gate_gpu_memory
@@ -274,27 +265,15 @@ class TwoTierRunner:
                 t.update(self.node._restore_gpu(w, pid, tmpl, None))
             if w.find.pid_file:
                 _write_pid_file(Path(w.find.pid_file), pid)
-            t0 = time.perf_counter()
             try:
-                engine.call(w, "/v1/ckptflow/template/resume", {"dir": str(self.chunks.root), "tensors": weights})
-                t["weights"] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                engine.call(w, "/v1/ckptflow/sessions/import", {"dir": str(self.chunks.root), "sessions": recs})
-                t["sessions"] = time.perf_counter() - t0
+                got = self._load(w, weights, recs, t)
             except CkptflowError:
                 # A template without its weights or sessions must not pass for the workload.
                 for p in process.tree(pid):
                     os.kill(p, signal.SIGKILL)
                 raise
             t["health"] = engine.wait_healthy(w)
-            # Each protected session as it was exported (long unchanged ones at their own last
-            # export; short ones are not protected: see policies.sessions).
-            want = {k: r["digest"] for k, r in recs.items() if "digest" in r}
-            got = {k: v for k, v in (engine.probe(w).get("sessions") or {}).items() if k in want}
-            if got != want:
-                bad = sorted(k for k in set(want) | set(got) if got.get(k) != want.get(k))
-                raise RestoreFailed(f"workload {w.name}: restored from template {tmpl.id} + sessions {m.id} "
-                                    f"but sessions differ: {', '.join(bad[:5])}", fix="run verify")
+            _check_sessions(w, recs, got, f"restored from template {tmpl.id} + sessions {m.id}")
             return TwoTierResult(manifest=m, template=tmpl, pid=pid, timings={k: round(v, 4) for k, v in t.items()})
 
     def start_replica(self, w: Workload, netns: str, timeout_s: float = 60,
@@ -320,10 +299,7 @@ class TwoTierRunner:
                                          fix="run a two-tier heartbeat of that workload first")
             self.node.gate(w, other)
             tmpl = other
-        recs = self._records(m)["sessions"]
-        weights = json.loads((self.store.images_dir(tmpl) / WEIGHTS_FILE).read_text())
-        self.chunks.present([d for r in weights for d in r["chunks"]])
-        self.chunks.verify([d for ds in _digests(recs).values() for d in ds])
+        recs, weights = self._checked_records(m, tmpl)
         t: dict[str, float] = {}
         t0 = time.perf_counter()
         copy = self.node.criu.restore_beside(self.store.images_dir(tmpl), netns=netns)
@@ -339,23 +315,39 @@ class TwoTierRunner:
                     if not e.retryable or time.monotonic() > deadline:
                         raise
                     time.sleep(0.1)
-            t0 = time.perf_counter()
-            root = str(self.chunks.root)
-            engine.call(w, "/v1/ckptflow/template/resume", {"dir": root, "tensors": weights}, base=base, netns=netns)
-            got = engine.call(w, "/v1/ckptflow/sessions/import", {"dir": root, "sessions": recs}, base=base,
-                              netns=netns).get("digests", {})
-            t["weights_and_sessions"] = time.perf_counter() - t0
-            want = {k: r["digest"] for k, r in recs.items() if "digest" in r}
-            bad = sorted(k for k in want if got.get(k) != want[k])
-            if bad:
-                raise RestoreFailed(f"workload {w.name}: a copy from template {tmpl.id} + sessions {m.id} holds "
-                                    f"other session state than was exported: {', '.join(bad[:5])}",
-                                    fix="mark the checkpoint bad; take a new one")
+            got = self._load(w, weights, recs, t, base=base, netns=netns)
+            _check_sessions(w, recs, got, f"a copy from template {tmpl.id} + sessions {m.id}")
         except BaseException:
             copy.stop()
             raise
         return copy, {k: round(v, 4) for k, v in t.items()} | {"template": tmpl.id, "sessions": m.id,
                                                                 "base_url": base}
+
+    def _checked_records(self, m: Manifest, tmpl: Manifest) -> tuple[dict, list[dict]]:
+        """(session records of ``m``, weight records of ``tmpl``), every chunk they name here.
+        Sessions are hashed now; the weights (GiBs) only checked for presence: the engine hashes
+        them as it loads them in parallel, and hashing them here too cost 7.8 s of 12.8 s for
+        8 GiB on the H200.
+
+        Raises:
+            ChecksumMismatch: a chunk is missing, or a session chunk is torn.
+        """
+        recs = self._records(m)["sessions"]
+        weights = json.loads((self.store.images_dir(tmpl) / WEIGHTS_FILE).read_text())
+        self.chunks.present([d for r in weights for d in r["chunks"]])
+        self.chunks.verify([d for ds in _digests(recs).values() for d in ds])
+        return recs, weights
+
+    def _load(self, w: Workload, weights: list[dict], recs: dict, t: dict, **where) -> dict[str, str]:
+        """Weights, then sessions, into a restored template; the digests the engine imported."""
+        root = str(self.chunks.root)
+        t0 = time.perf_counter()
+        engine.call(w, "/v1/ckptflow/template/resume", {"dir": root, "tensors": weights}, **where)
+        t["weights"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        got = engine.call(w, "/v1/ckptflow/sessions/import", {"dir": root, "sessions": recs}, **where)
+        t["sessions"] = time.perf_counter() - t0
+        return got.get("digests", {})
 
     def _newest(self, w: Workload) -> tuple[Manifest, Manifest]:
         """``w``'s newest valid session checkpoint and its template (gated: see _template_of)."""
@@ -376,3 +368,17 @@ class TwoTierRunner:
                                          checkpoint=m.id)
         self.node.gate(w, tmpl)  # another model revision, engine version or node: refused here
         return tmpl
+
+
+def _check_sessions(w: Workload, recs: dict, got: dict[str, str], what: str) -> None:
+    """Every protected session holds the state its export recorded (long unchanged ones as of
+    their own last export; short ones are not protected: policies.sessions).
+
+    Raises:
+        RestoreFailed: naming the sessions that differ.
+    """
+    want = {k: r["digest"] for k, r in recs.items() if "digest" in r}
+    bad = sorted(k for k in want if got.get(k) != want[k])
+    if bad:
+        raise RestoreFailed(f"workload {w.name}: {what}, but sessions differ from their export: "
+                            f"{', '.join(bad[:5])}", fix="mark the checkpoint bad and run verify")

@@ -11,10 +11,10 @@ Layout: ``<store>/chunks/<first two hex>/<sha256>``, files 0600, directories 070
 Example:
     >>> import tempfile, pathlib, hashlib
     >>> cs = ChunkStore(pathlib.Path(tempfile.mkdtemp()))
-    >>> stage = cs.staging()
     >>> d = hashlib.sha256(b"kv").hexdigest()
-    >>> _ = (stage / d).write_bytes(b"kv")
-    >>> cs.adopt(stage)
+    >>> with cs.staging() as stage:
+    ...     _ = (stage / d).write_bytes(b"kv")
+    ...     cs.adopt(stage)
     (1, 2)
     >>> cs.read(d)
     b'kv'
@@ -26,6 +26,8 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from ckptflow.errors import ChecksumMismatch
@@ -45,39 +47,41 @@ class ChunkStore:
     def has(self, digest: str) -> bool:
         return self.path(digest).exists()
 
-    def staging(self) -> Path:
-        """A private directory on the same filesystem, for the engine to write chunks into."""
+    @contextmanager
+    def staging(self) -> Iterator[Path]:
+        """A private directory on the same filesystem for the engine to write chunks into,
+        removed on exit whatever happened (what was not adopted by then is discarded)."""
         base = self.root / ".staging"
         base.mkdir(parents=True, exist_ok=True, mode=0o700)
         d = Path(tempfile.mkdtemp(dir=base))
         # The engine process may not run as the runner's user; it only ever writes here.
         os.chmod(d, 0o733)
-        return d
+        try:
+            yield d
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
 
     def adopt(self, staging: Path) -> tuple[int, int]:
         """Move every chunk file of ``staging`` into the store after checking its name against
-        its bytes; remove ``staging``. Returns (chunks adopted, bytes adopted).
+        its bytes. Returns (chunks adopted, bytes adopted).
 
         Raises:
-            ChecksumMismatch: a file's content does not hash to its name (nothing of it is kept).
+            ChecksumMismatch: a file's content does not hash to its name (it is not adopted).
         """
         n = size = 0
-        try:
-            for f in sorted(staging.iterdir()):
-                digest = f.name
-                dest = self.path(digest)
-                if dest.exists():
-                    continue  # dedup: the same bytes are already here
-                if _sha256(f) != digest:
-                    raise ChecksumMismatch(f"chunk {digest[:12]}… written by the engine does not match its name",
-                                           fix="the export was torn or the disk is failing; retry the heartbeat")
-                dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-                os.chmod(f, 0o600)
-                os.replace(f, dest)
-                n += 1
-                size += dest.stat().st_size
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        for f in sorted(staging.iterdir()):
+            digest = f.name
+            dest = self.path(digest)
+            if dest.exists():
+                continue  # dedup: the same bytes are already here
+            if _sha256(f) != digest:
+                raise ChecksumMismatch(f"chunk {digest[:12]}… written by the engine does not match its name",
+                                       fix="the export was torn or the disk is failing; retry the heartbeat")
+            dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(f, 0o600)
+            os.replace(f, dest)
+            n += 1
+            size += dest.stat().st_size
         return n, size
 
     def read(self, digest: str, verify: bool = True) -> bytes:
