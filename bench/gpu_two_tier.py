@@ -1,15 +1,19 @@
-"""Two tiers on the H200: the same GPU worker checkpointed whole (CUDA + CRIU, today's path)
-and in two tiers (template without its weights + sessions by their changes), killed and
-restored both ways; bit-exact against the state and the next tokens recorded before the kill.
+"""Two tiers on the H200, on a vLLM-shaped engine (ckptflow/demo/llm_worker.py): bf16 weights
+from a safetensors file, a paged KV pool, CUDA graphs for batch 1/2/4/8, long sessions.
 
-Usage (on the GPU node, as root; CRIU from the bundle, see bench/on_device.sh):
-    bench/on_device.sh python3 bench/gpu_two_tier.py --weights-gib 8 [--sessions 4 --tokens 1500]
+Rows (issue #13):
+  A  a worker whose whole footprint fits twice in host memory (``--a-kv-gib`` pool + weights),
+     checkpointed both ways: whole process (CUDA + CRIU) and two tiers;
+  B  the same engine reserving 90 % of free GPU memory for its pool (vLLM's default): the
+     whole-process path cannot run (the footprint must fit in host memory twice), so only
+     two tiers.
+Each row: cold start (process start, weights read, pool, graphs, re-prefill of every session),
+template capture, a session heartbeat after one session grew by ``--changed-tokens``, a kill,
+restore-to-ready, bit-exact check (session state digests and the next 32 tokens vs before the kill).
 
-The worker (ckptflow/demo/gpu_worker.py) holds ``--weights-gib`` of seeded device memory that
-stands in for weights (the large static tensor the template leaves out), a small model with a
-captured CUDA graph and a KV pool (stays resident, zeroed in the template). Row fields follow
-issue #13; `cold_start_s` = start + re-prefill of every session. Writes
-bench/results/gpu_two_tier.json and appends to bench/RESULTS.md.
+Usage (GPU node, root; CRIU from the bundle):
+    bench/on_device.sh python3 bench/gpu_two_tier.py [--rows A,B --layers 43 --sessions 4 --tokens 1500]
+Writes bench/results/gpu_two_tier.json and appends to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,11 +34,28 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import BENCH, append_results, md_table  # noqa: E402
 
 from ckptflow.demo import launch  # noqa: E402
+from ckptflow.models import ProcessFinder  # noqa: E402
 from ckptflow.runners.node import NodeRunner  # noqa: E402
 from ckptflow.runners.twotier import TwoTierRunner  # noqa: E402
 from ckptflow.store.local import LocalStore  # noqa: E402
 
 PORT = 18651
+GiB = 2**30
+
+_LIMIT = """
+import json, os, sys, time, torch
+from ckptflow.demo.llm_worker import SLOT, Pinned, read_header, stream_in
+path = sys.argv[1]
+header, off = read_header(path)
+n = max(h["data_offsets"][1] for k, h in header.items() if k != "__metadata__")
+dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+p = Pinned(); p.ensure(0)
+fd = os.open(path, os.O_RDONLY)
+items = [(fd, off + o, o, min(SLOT, n - o), None) for o in range(0, n, SLOT)]
+stream_in(items, dst, p)
+t0 = time.perf_counter(); stream_in(items, dst, p); torch.cuda.synchronize()
+print(json.dumps({"gib_s": n / 2**30 / (time.perf_counter() - t0)}))
+"""
 
 
 def log(*a):
@@ -51,46 +73,66 @@ def kill(pid: int, node: NodeRunner) -> None:
     node.criu.wait_pid_free(pid)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--weights-gib", type=float, default=8)
-    ap.add_argument("--sessions", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=1500)
-    ap.add_argument("--images", default="/dev/shm")
-    a = ap.parse_args()
-    os.environ.setdefault("CKPTFLOW_CRIU_NETWORK_LOCK", "skip")
-    tmp = Path(tempfile.mkdtemp(prefix="ckptflow-2t-", dir=a.images))
-    pid_file = tmp / "w.pid"
-    row: dict = {"weights_gib": a.weights_gib, "sessions": a.sessions, "tokens_per_session": a.tokens}
+def start(weights: Path, pid_file: Path, pool: list[str]) -> subprocess.Popen:
+    pid_file.unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "ckptflow.demo.llm_worker", "--port", str(PORT),
+                             "--pid-file", str(pid_file), "--weights", str(weights), *pool],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(pid_file.with_suffix(".log"), "w"),
+                            start_new_session=True, close_fds=True)
+    launch.wait_healthy(f"http://127.0.0.1:{PORT}/health", 900, proc=proc)
+    return proc
+
+
+def prompt(i: int, n: int) -> str:
+    return (f"session {i}: " + "abcdefghijklmnopqrstuvwxyz " * (n // 27 + 1))[:n]
+
+
+def run_row(name: str, a, weights: Path, tmp: Path, pool: list[str], transparent: bool, host_gib: float) -> dict:
+    pid_file = tmp / f"{name}.pid"
+    row: dict = {"row": name}
     t0 = time.perf_counter()
-    proc = launch.start_gpu_worker(PORT, pid_file, ballast_gib=a.weights_gib)
+    proc = start(weights, pid_file, pool)
     for i in range(a.sessions):
-        launch.complete(PORT, ("session %d: " % i) + "x" * a.tokens, 16, f"s{i}")
+        launch.complete(PORT, prompt(i, a.tokens), 16, f"s{i}")
     row["cold_start_s"] = round(time.perf_counter() - t0, 2)
-    w = launch.gpu_workload("tt", PORT, pid_file, footprint_gib=a.weights_gib + 2)
-    store = LocalStore(tmp / "store")
+    info = launch.http_json(f"http://127.0.0.1:{PORT}/v1/ckptflow/engine")
+    row.update({k: info[k] for k in ("weights_gib", "pool_gib", "load_s", "graph_s", "start_s") if k in info})
+    import pynvml
+
+    pynvml.nvmlInit()
+    h = pynvml.nvmlDeviceGetHandleByIndex(0)
+    used = pynvml.nvmlDeviceGetMemoryInfo(h).used / GiB
+    row["reserved_gib"] = round(used, 1)
+    w = launch.demo_workload(f"tt-{name}", PORT, pid_file).model_copy(update={
+        "gpu": True, "gpu_footprint_gib": used + 1, "model_id": "ckptflow-demo-llm",
+        "prepare_url": f"http://127.0.0.1:{PORT}/v1/ckptflow/prepare",
+        "find": ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="ckptflow.demo.llm_worker")})
+    store = LocalStore(tmp / f"store-{name}")
     node = NodeRunner(store)
     try:
-        # --- today's path: the whole process ------------------------------------------------
-        before = state()
-        m = node.checkpoint(w)
-        row.update(transparent_pause_s=m.timings["pause"], transparent_image_gib=round(m.bytes / 2**30, 2))
-        kill(m.pid, node)
-        t0 = time.perf_counter()
-        node.restore(w)
-        row["transparent_restore_s"] = round(time.perf_counter() - t0, 2)
-        row["transparent_bitexact"] = state() == before
-        log("transparent", row)
-        node.store.delete(m)
-
-        # --- two tiers ----------------------------------------------------------------------
+        if transparent:
+            before = state()
+            m = node.checkpoint(w)
+            row.update(transparent_pause_s=m.timings["pause"], transparent_image_gib=round(m.bytes / GiB, 2))
+            kill(m.pid, node)
+            t0 = time.perf_counter()
+            node.restore(w)
+            row["transparent_restore_s"] = round(time.perf_counter() - t0, 2)
+            row["transparent_bitexact"] = state() == before
+            node.store.delete(m)
+        else:
+            row.update(transparent_pause_s=None, transparent_restore_s=None, transparent_bitexact=None,
+                       transparent_null_reason=(
+                           f"{used:.0f} GiB on the GPU: the CUDA checkpoint brings it into the worker's host "
+                           f"memory and CRIU writes it again ({2 * used:.0f} GiB) on a {host_gib:.0f} GiB host"))
+        log(name, "transparent", row)
         tt = TwoTierRunner(node)
         m1 = tt.heartbeat(w)
         tmpl = store.get(m1.probe["template_workload"], m1.probe["template"])
-        row.update(template_capture=tmpl.timings, template_image_gib=round(tmpl.bytes / 2**30, 2),
-                   template_gpu_gib=round(tmpl.gpu_footprint_bytes / 2**30, 2),
-                   live_kv_gib=round(m1.probe["session_bytes"] / 2**30, 3))
-        launch.complete(PORT, "one more turn " * 20, 64, "s0")            # one session changes
+        row.update(template_capture=tmpl.timings, template_image_gib=round(tmpl.bytes / GiB, 2),
+                   template_gpu_gib=round(tmpl.gpu_footprint_bytes / GiB, 2),
+                   live_kv_gib=round(m1.probe["session_bytes"] / GiB, 3))
+        launch.complete(PORT, prompt(99, a.changed_tokens), 1, "s0")          # one session grows
         m2 = tt.heartbeat(w)
         recs = json.loads((store.images_dir(m2) / "sessions.json").read_text())["sessions"]
         old = json.loads((store.images_dir(m1) / "sessions.json").read_text())["sessions"]
@@ -98,48 +140,96 @@ def main() -> int:
                                                                         for d in t["chunks"]}
         row.update(session_pause_s=m2.timings["pause"], session_export_s=m2.timings["export"],
                    session_bytes=m2.probe["moved_bytes"], changed_chunk_bytes=tt.chunks.size(sorted(new)),
-                   changed_sessions=m2.probe["changed_sessions"])
+                   changed_gib=round(tt.chunks.size(sorted(new)) / GiB, 3),
+                   changed_sessions=m2.probe["changed_sessions"], live_kv_gib=round(m2.probe["session_bytes"] / GiB, 3))
         before = state()
         kill(int(pid_file.read_text()), node)
         t0 = time.perf_counter()
         r = tt.restore(w)
         row["restore_to_ready_s"] = round(time.perf_counter() - t0, 2)
         row["restore_phases"] = r.timings
-        row["template_restore_s"] = round(r.timings.get("restore", 0) + r.timings.get("cuda_restore", 0), 2)
+        row["template_restore_s"] = round(r.timings.get("restore_and_checksum", r.timings.get("restore", 0))
+                                          + r.timings.get("cuda_restore", 0) + r.timings.get("unlock", 0), 2)
         row["stream_s"] = round(r.timings.get("weights", 0) + r.timings.get("sessions", 0), 2)
-        moved = a.weights_gib + row["live_kv_gib"]
+        moved = row.get("weights_gib", 0) + row["live_kv_gib"]
         row["stream_gib_s"] = round(moved / row["stream_s"], 2) if row["stream_s"] else None
         row["bitexact"] = state() == before
-        log("two-tier", row)
+        log(name, "two-tier", row)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pid in (proc.pid,):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
         except (OSError, ValueError):
             pass
         node.close()
+        time.sleep(2)
+        import shutil
+
+        shutil.rmtree(store.root, ignore_errors=True)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="A,B")
+    ap.add_argument("--layers", type=int, default=43, help="43 layers = 16.1 GiB of bf16 weights")
+    ap.add_argument("--a-kv-gib", type=float, default=20)
+    ap.add_argument("--b-kv-fraction", type=float, default=0.9)
+    ap.add_argument("--sessions", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=1500)
+    ap.add_argument("--changed-tokens", type=int, default=1490, help="1490 tokens x 43 layers = 1 GiB of KV")
+    ap.add_argument("--images", default="/dev/shm")
+    a = ap.parse_args()
+    os.environ.setdefault("CKPTFLOW_CRIU_NETWORK_LOCK", "skip")
+    tmp = Path(tempfile.mkdtemp(prefix="ckptflow-2t-", dir=a.images))
+    weights = tmp / "weights.safetensors"
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "ckptflow.demo.llm_worker", "--weights", str(weights), "--write-weights",
+                    "--layers", str(a.layers)], check=True)
+    log(f"weights written: {weights.stat().st_size / GiB:.1f} GiB in {time.perf_counter() - t0:.1f} s")
+    limit = json.loads(subprocess.run([sys.executable, "-c", _LIMIT, str(weights)], check=True,
+                                      capture_output=True, text=True).stdout.strip().splitlines()[-1])["gib_s"]
+    log(f"stream limit file -> GPU (no hashing): {limit:.1f} GiB/s")
+    host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+    rows = []
+    for name in a.rows.split(","):
+        pool = ["--kv-gib", str(a.a_kv_gib)] if name == "A" else ["--kv-fraction", str(a.b_kv_fraction)]
+        row = run_row(name, a, weights, tmp, pool, transparent=(name == "A"), host_gib=host_gib)
+        row["stream_limit_gib_s"] = round(limit, 1)
+        rows.append(row)
     import pynvml
 
     pynvml.nvmlInit()
     gpu = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
-    (BENCH / "results" / "gpu_two_tier.json").write_text(json.dumps({"gpu": gpu, "rows": [row]}, indent=1) + "\n")
-    table = md_table(["weights GiB", "live KV GiB", "transparent restore s", "transparent pause s",
-                      "template restore s", "stream s (GiB/s)", "restore-to-ready s", "session pause s",
-                      "session bytes (changed chunks)", "cold start s", "bit-exact (transparent / two-tier)"],
-                     [[a.weights_gib, row["live_kv_gib"], row["transparent_restore_s"], row["transparent_pause_s"],
-                       row["template_restore_s"], f"{row['stream_s']} ({row['stream_gib_s']})",
-                       row["restore_to_ready_s"], row["session_pause_s"],
-                       f"{row['session_bytes']} ({row['changed_chunk_bytes']})", row["cold_start_s"],
-                       f"{row['transparent_bitexact']} / {row['bitexact']}"]])
+    out = {"gpu": gpu, "engine": "ckptflow.demo.llm_worker", "layers": a.layers, "sessions": a.sessions,
+           "tokens_per_session": a.tokens, "changed_tokens": a.changed_tokens, "rows": rows}
+    (BENCH / "results" / "gpu_two_tier.json").write_text(json.dumps(out, indent=1) + "\n")
+
+    def f(v):
+        return "null" if v is None else v
+
+    table = md_table(["row", "reserved GiB", "weights GiB", "live KV GiB", "changed GiB", "stream limit GiB/s",
+                      "transparent restore s", "transparent pause s", "template restore s", "stream s (GiB/s)",
+                      "restore-to-ready s", "session pause s", "session bytes (changed chunks)", "cold start s",
+                      "bit-exact (transparent / two-tier)"],
+                     [[r["row"], r["reserved_gib"], r.get("weights_gib"), r["live_kv_gib"], r["changed_gib"],
+                       r["stream_limit_gib_s"], f(r["transparent_restore_s"]), f(r["transparent_pause_s"]),
+                       r["template_restore_s"], f"{r['stream_s']} ({r['stream_gib_s']})", r["restore_to_ready_s"],
+                       r["session_pause_s"], f"{r['session_bytes']} ({r['changed_chunk_bytes']})", r["cold_start_s"],
+                       f"{f(r['transparent_bitexact'])} / {r['bitexact']}"] for r in rows])
     print(table)
-    append_results(f"Two tiers vs the whole process on {gpu} (bench/gpu_two_tier.py)", table,
-                   f"Template capture phases {row['template_capture']}; template image {row['template_image_gib']} GiB, "
-                   f"GPU state in it {row['template_gpu_gib']} GiB; restore phases {row['restore_phases']}. "
-                   "Stream = weights file -> host (8 threads, sha256 checked) -> GPU, plus session import.")
-    return 0 if row["bitexact"] and row["transparent_bitexact"] else 1
+    append_results(f"Two tiers vs the whole process on {gpu}, vLLM-shaped engine (bench/gpu_two_tier.py)", table,
+                   "; ".join(f"row {r['row']}: template capture {r['template_capture']}, template image "
+                             f"{r['template_image_gib']} GiB (GPU state {r['template_gpu_gib']} GiB), restore phases "
+                             f"{r['restore_phases']}" + (f", transparent null: {r['transparent_null_reason']}"
+                                                          if r.get("transparent_null_reason") else "")
+                             for r in rows))
+    ok = all(r["bitexact"] and r["transparent_bitexact"] in (True, None) for r in rows)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

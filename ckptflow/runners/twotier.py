@@ -198,6 +198,8 @@ class TwoTierRunner:
             t0 = time.perf_counter()
             weights = engine.call(w, "/v1/ckptflow/template/prepare", {"dir": str(stage), "known": known})
             t["prepare"] = time.perf_counter() - t0
+            for k, v in (weights.get("phases") or {}).items():
+                t[f"prepare_{k}"] = v
             pending = None
             try:
                 self.chunks.adopt(stage)
@@ -342,8 +344,10 @@ class TwoTierRunner:
         """Weights, then sessions, into a restored template; the digests the engine imported."""
         root = str(self.chunks.root)
         t0 = time.perf_counter()
-        engine.call(w, "/v1/ckptflow/template/resume", {"dir": root, "tensors": weights}, **where)
+        done = engine.call(w, "/v1/ckptflow/template/resume", {"dir": root, "tensors": weights}, **where)
         t["weights"] = time.perf_counter() - t0
+        for k, v in (done.get("phases") or {}).items():  # the engine's own split (map, stream, ...)
+            t[f"weights_{k}"] = v
         t0 = time.perf_counter()
         got = engine.call(w, "/v1/ckptflow/sessions/import", {"dir": root, "sessions": recs}, **where)
         t["sessions"] = time.perf_counter() - t0

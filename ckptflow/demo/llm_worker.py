@@ -1,0 +1,561 @@
+"""A vLLM-shaped GPU engine for the two-tier bench: bf16 weights read from a safetensors file,
+a paged KV pool taking a fraction of free GPU memory, CUDA graphs for several batch sizes,
+sessions holding a few of the pool's blocks; it speaks protocol v1 (docs/engines/protocol.md).
+
+Run (GPU node):
+    python -m ckptflow.demo.llm_worker --weights /dev/shm/w.safetensors --write-weights --layers 43
+    python -m ckptflow.demo.llm_worker --port 18001 --pid-file /tmp/e.pid \
+        --weights /dev/shm/w.safetensors --kv-fraction 0.9
+
+Shape (what matters for checkpoints, not for language): d_model 4096, 32 heads, ``--layers``
+blocks of 12·d² bf16 parameters (43 layers = 16.1 GiB), vocabulary of bytes. KV blocks hold
+16 tokens of every layer (11 MiB at 43 layers), so a block is one chunk of a session export and
+full blocks never change. Weights and pool live in VMM ranges (ckptflow/demo/vmm.py): the
+template releases both and maps them back at the same addresses, so the captured graphs replay.
+
+Fast paths, all in this file: file -> GPU through reused pinned slots, one CUDA stream per
+thread, every chunk's sha256 checked on the way (cold start reads the safetensors file the same
+way, so the cold-start baseline is not a straw man); a session export copies only blocks whose
+on-GPU fingerprint changed into pinned memory while holding the model (the pause), then hashes
+and writes them while serving on (threaded server, one model lock).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from ckptflow.demo.model import encode
+from ckptflow.demo.worker import PROTOCOL, Metrics, base_args, completion_response, parse_completion, serve
+
+D, HEADS, VOCAB, MAX_LEN, BLOCK = 4096, 32, 256, 4096, 16
+DH = D // HEADS
+SLOT = 64 << 20                   # pinned slot per in-flight chunk; also the weights' chunk size
+THREADS = max(4, min(14, (os.cpu_count() or 8) - 2))
+GRAPH_BATCHES = (1, 2, 4, 8)
+
+
+def _tensor_names(layers: int) -> list[tuple[str, tuple[int, ...]]]:
+    names = [("emb", (VOCAB, D)), ("pos", (MAX_LEN, D))]
+    for l in range(layers):
+        names += [(f"l{l}.wqkv", (D, 3 * D)), (f"l{l}.wo", (D, D)), (f"l{l}.w1", (D, 4 * D)), (f"l{l}.w2", (4 * D, D))]
+    return names + [("out", (D, VOCAB))]
+
+
+def write_weights(path: Path, layers: int, seed: int) -> None:
+    """A safetensors file (the format: 8-byte header length, JSON header, raw little-endian data)."""
+    names = _tensor_names(layers)
+    header, off = {}, 0
+    for n, shape in names:
+        nbytes = 2 * int(torch.Size(shape).numel())
+        header[n] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for n, shape in names:
+            scale = 0.1 if n == "pos" else shape[0] ** -0.5
+            t = (torch.randn(shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+            f.write(t.view(torch.uint8).cpu().numpy().tobytes())
+    os.replace(tmp, path)
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return json.loads(f.read(n)), 8 + n
+
+
+class Pinned:
+    """One reusable pinned host buffer; slots for streaming, the whole for export staging."""
+
+    def __init__(self):
+        self.buf: torch.Tensor | None = None
+
+    def ensure(self, nbytes: int) -> torch.Tensor:
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.free()
+            self.buf = torch.empty(max(nbytes, THREADS * 2 * SLOT), dtype=torch.uint8, pin_memory=True)
+        return self.buf
+
+    def free(self) -> None:
+        self.buf = None
+        if hasattr(torch._C, "_host_emptyCache"):  # else torch keeps it cached (and in the image)
+            torch._C._host_emptyCache()
+
+
+def stream_in(items: list[tuple[object, int, int, int, str | None]], dst: torch.Tensor, pinned: Pinned) -> int:
+    """Copy ``items`` = (source, source offset, destination offset, length, sha256 or None) of SLOT-size
+    pieces into the flat GPU tensor ``dst``: THREADS workers, each with two pinned slots and its own
+    stream; a piece is hashed (when a digest is given) before it reaches the GPU.
+    ``source``: a Path (read whole) or an open fd (pread at the offset; piece length from ``n``).
+
+    Raises:
+        ValueError: a piece is torn (names the digest).
+    """
+    buf = pinned.ensure(THREADS * 2 * SLOT)
+    lock = threading.Lock()
+    todo = iter(items)
+    moved = [0] * THREADS
+
+    def worker(i: int) -> None:
+        stream = torch.cuda.Stream()
+        slots = [buf[(2 * i + k) * SLOT:(2 * i + k + 1) * SLOT] for k in range(2)]
+        events: list[torch.cuda.Event | None] = [None, None]
+        k = 0
+        with torch.cuda.stream(stream):
+            while True:
+                with lock:
+                    item = next(todo, None)
+                if item is None:
+                    break
+                src, src_off, dst_off, n, digest = item
+                if events[k] is not None:
+                    events[k].synchronize()
+                view = memoryview(slots[k].numpy())[:n]
+                if isinstance(src, int):
+                    got = os.preadv(src, [view], src_off)
+                else:
+                    with open(src, "rb", buffering=0) as f:
+                        got = f.readinto(view)
+                if got != n:
+                    raise ValueError(f"chunk {str(digest)[:12]}…: read {got} of {n} bytes")
+                if digest is not None and hashlib.sha256(view).hexdigest() != digest:
+                    raise ValueError(f"chunk {digest[:12]}… is torn")
+                dst[dst_off:dst_off + n].copy_(slots[k][:n], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                events[k] = ev
+                moved[i] += n
+                k ^= 1
+        stream.synchronize()
+
+    with ThreadPoolExecutor(THREADS) as ex:
+        for f in [ex.submit(worker, i) for i in range(THREADS)]:
+            f.result()
+    return sum(moved)
+
+
+def _ln(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.layer_norm(x, x.shape[-1:])
+
+
+class LlmEngine:
+    def __init__(self, weights: Path, kv_fraction: float, kv_gib: float | None, model_name: str, seed: int):
+        from ckptflow.demo.vmm import Region
+
+        t0 = time.perf_counter()
+        self.dev = torch.device("cuda")
+        torch.cuda.init()
+        self.lock = threading.RLock()            # model state: one request at a time touches it
+        self.export_lock = threading.Lock()      # the pinned staging: one export/import at a time
+        self.pinned = Pinned()
+        self.model_name, self.seed, self.weights_path = model_name, seed, weights
+        header, data_off = read_header(weights)
+        self.layout = {n: h for n, h in header.items() if n != "__metadata__"}
+        self.layers = sum(1 for n in self.layout if n.endswith(".wqkv"))
+        self.weights_bytes = max(h["data_offsets"][1] for h in self.layout.values())
+        self.wregion = Region(self.weights_bytes)
+        self.wflat = self.wregion.tensor()
+        fd = os.open(weights, os.O_RDONLY)
+        try:
+            items = [(fd, data_off + o, o, min(SLOT, self.weights_bytes - o), None)
+                     for o in range(0, self.weights_bytes, SLOT)]
+            stream_in(items, self.wflat, self.pinned)
+        finally:
+            os.close(fd)
+        self.load_s = time.perf_counter() - t0
+        self.w = {n: self.wflat[h["data_offsets"][0]:h["data_offsets"][1]].view(torch.bfloat16).view(h["shape"])
+                  for n, h in self.layout.items()}
+        self.block_bytes = self.layers * 2 * BLOCK * D * 2
+        free, _ = torch.cuda.mem_get_info()
+        pool_bytes = int(kv_gib * 2**30) if kv_gib else int((free - (6 << 30)) * kv_fraction)
+        self.nblocks = pool_bytes // self.block_bytes
+        self.pregion = Region(self.nblocks * self.block_bytes)
+        self.pool_u8 = self.pregion.tensor()
+        self.pool_u8.zero_()
+        self.pool = self.pool_u8.view(torch.bfloat16).view(self.nblocks, self.layers, 2, BLOCK, HEADS, DH)
+        self.flat = self.pool.view(-1, HEADS, DH)     # row = ((block * L + layer) * 2 + kv) * BLOCK + offset
+        self.free_blocks = list(range(self.nblocks - 1, 0, -1))   # block 0 stays zero: the padding block
+        self.sessions: dict[str, dict] = {}      # id -> {"len", "last", "blocks": [ids]}
+        self.fp_cache: dict[str, dict[int, tuple[int, str]]] = {}   # id -> block index -> (fingerprint, sha)
+        self.parked = False
+        self.ar = torch.arange(MAX_LEN, device=self.dev)
+        g = torch.Generator(device="cpu").manual_seed(seed ^ 0x5EED)
+        self.fp_weights = torch.randint(1, 2**31 - 1, (self.block_bytes // 4,), generator=g,
+                                        dtype=torch.int32).to(self.dev)
+        self.metrics = Metrics(model_name)
+        t1 = time.perf_counter()
+        self._capture_graphs()
+        self.graph_s = time.perf_counter() - t1
+        self.start_s = time.perf_counter() - t0
+
+    # --- model --------------------------------------------------------------------------------
+    def _attend(self, q, l: int, table: torch.Tensor, n_ctx: int | None, mask) -> torch.Tensor:
+        """q (B, n, H, dh) against the blocks in ``table`` (B, MB) of layer ``l``."""
+        B, MB = table.shape
+        K = self.pool[:, l, 0].index_select(0, table.reshape(-1)).view(B, MB * BLOCK, HEADS, DH)
+        V = self.pool[:, l, 1].index_select(0, table.reshape(-1)).view(B, MB * BLOCK, HEADS, DH)
+        if n_ctx is not None:
+            K, V = K[:, :n_ctx], V[:, :n_ctx]
+        att = torch.einsum("bnhd,bthd->bhnt", q, K) * DH ** -0.5
+        att = att.masked_fill(mask, float("-inf")).softmax(-1)
+        return torch.einsum("bhnt,bthd->bnhd", att, V)
+
+    def _rows(self, blk: torch.Tensor, off: torch.Tensor, l: int, kv: int) -> torch.Tensor:
+        return ((blk * self.layers + l) * 2 + kv) * BLOCK + off
+
+    def _forward(self, tok, pos, table, n_ctx=None) -> torch.Tensor:
+        """tok/pos (B, n); table (B, MB): writes K/V at ``pos``, returns the last position's logits."""
+        B, n = tok.shape
+        w = self.w
+        x = w["emb"][tok] + w["pos"][pos]                                   # (B, n, D)
+        blk = table.gather(1, pos // BLOCK)
+        off = pos % BLOCK
+        span = n_ctx if n_ctx is not None else MAX_LEN
+        mask = (self.ar[:span].view(1, 1, 1, span) > pos.view(B, 1, n, 1))
+        for l in range(self.layers):
+            q, k, v = (_ln(x) @ w[f"l{l}.wqkv"]).view(B, n, 3, HEADS, DH).unbind(2)
+            self.flat.index_copy_(0, self._rows(blk, off, l, 0).reshape(-1), k.reshape(-1, HEADS, DH))
+            self.flat.index_copy_(0, self._rows(blk, off, l, 1).reshape(-1), v.reshape(-1, HEADS, DH))
+            o = self._attend(q, l, table, n_ctx, mask)
+            x = x + o.reshape(B, n, D) @ w[f"l{l}.wo"]
+            x = x + torch.relu(_ln(x) @ w[f"l{l}.w1"]) @ w[f"l{l}.w2"]
+        return _ln(x[:, -1]) @ w["out"]                                     # (B, VOCAB)
+
+    def _capture_graphs(self) -> None:
+        mb = MAX_LEN // BLOCK
+        self.gbuf = {}
+        pool = torch.cuda.graph_pool_handle()
+        for B in sorted(GRAPH_BATCHES, reverse=True):  # largest first, the smaller ones reuse its pool
+            buf = {"tok": torch.zeros(B, 1, dtype=torch.long, device=self.dev),
+                   "pos": torch.zeros(B, 1, dtype=torch.long, device=self.dev),
+                   "table": torch.zeros(B, mb, dtype=torch.long, device=self.dev)}
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                buf["logits"] = self._forward(buf["tok"], buf["pos"], buf["table"])
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                buf["logits"] = self._forward(buf["tok"], buf["pos"], buf["table"])
+            buf["graph"] = g
+            self.gbuf[B] = buf
+        self.pool_u8[:self.block_bytes].zero_()   # warm-up and capture wrote into the padding block
+        torch.cuda.synchronize()
+
+    def _ensure_blocks(self, s: dict, upto: int) -> None:
+        while len(s["blocks"]) * BLOCK < upto:
+            if not self.free_blocks:
+                raise ValueError("KV pool is full")
+            s["blocks"].append(self.free_blocks.pop())
+
+    def _table(self, s: dict) -> torch.Tensor:
+        mb = MAX_LEN // BLOCK
+        return torch.tensor([s["blocks"] + [0] * (mb - len(s["blocks"]))], device=self.dev)
+
+    def _step(self, s: dict, tok: int) -> torch.Tensor:
+        """Feed one token through the batch-1 graph; the logits after it."""
+        self._ensure_blocks(s, s["len"] + 1)
+        g = self.gbuf[1]
+        g["tok"].fill_(tok)
+        g["pos"].fill_(s["len"])
+        g["table"].copy_(self._table(s))
+        g["graph"].replay()
+        s["len"] += 1
+        return g["logits"][0]
+
+    def _generate(self, s: dict, prompt: list[int], n: int) -> list[int]:
+        logits = None
+        if prompt:
+            start = s["len"]
+            self._ensure_blocks(s, start + len(prompt))
+            pos = torch.arange(start, start + len(prompt), device=self.dev).view(1, -1)
+            tok = torch.tensor([prompt], device=self.dev)
+            table = torch.tensor([s["blocks"]], device=self.dev)
+            logits = self._forward(tok, pos, table, n_ctx=len(s["blocks"]) * BLOCK)[0]
+            s["len"] += len(prompt)
+        out = []
+        for _ in range(n):
+            if logits is None:
+                logits = self._step(s, 0 if s["last"] is None else s["last"])
+            tok = int(torch.argmax(logits))
+            out.append(tok)
+            s["last"] = tok
+            logits = self._step(s, tok)
+        return out
+
+    # --- serving ------------------------------------------------------------------------------
+    def complete(self, body: dict) -> dict:
+        prompt, max_tokens, sid = parse_completion(body)
+        toks_in = encode(prompt)
+        with self.lock:
+            if self.parked:
+                raise ValueError("engine is parked for a template checkpoint (weights released); retry shortly")
+            t0 = time.perf_counter()
+            if sid is None:
+                s = {"len": 0, "last": None, "blocks": []}
+                try:
+                    toks = self._generate(s, toks_in, max_tokens)
+                finally:
+                    self.free_blocks += s["blocks"]
+            else:
+                s = self.sessions.setdefault(sid, {"len": 0, "last": None, "blocks": []})
+                if s["len"] + len(toks_in) + max_tokens + 1 > MAX_LEN:
+                    raise ValueError(f"session {sid} would exceed {MAX_LEN} tokens")
+                toks = self._generate(s, toks_in, max_tokens)
+            held = sum(s["len"] for s in self.sessions.values())
+            self.metrics.observe(len(toks_in), len(toks), time.perf_counter() - t0, held,
+                                 (self.nblocks - 1) * BLOCK, len(self.sessions))
+        return completion_response(self.model_name, sid, toks, len(toks_in))
+
+    def peek(self, body: dict) -> dict:
+        """The tokens the next completion would give, state unchanged (the reference)."""
+        prompt, max_tokens, sid = parse_completion(body)
+        with self.lock:
+            s = self.sessions.get(sid)
+            if s is None:
+                raise ValueError(f"no session {sid}")
+            nb = len(s["blocks"])
+            last = self.pool[s["blocks"][-1]].clone() if nb else None
+            trial = {"len": s["len"], "last": s["last"], "blocks": list(s["blocks"])}
+            try:
+                toks = self._generate(trial, encode(prompt), max_tokens)
+            finally:
+                self.free_blocks += trial["blocks"][nb:]
+                if last is not None:
+                    self.pool[s["blocks"][-1]] = last
+            torch.cuda.synchronize()
+        return {"session_id": sid, "tokens": toks}
+
+    def prepare(self, body: dict) -> dict:
+        with self.lock:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        return {"reserved_bytes": int(torch.cuda.memory_reserved())}
+
+    def _fingerprints(self, blocks: list[int]) -> list[int]:
+        """A weighted int32 sum per block, on the GPU (telling changed blocks apart in ms)."""
+        out = []
+        for i in range(0, len(blocks), 32):
+            idx = torch.tensor(blocks[i:i + 32], device=self.dev)
+            words = self.pool_u8.view(self.nblocks, self.block_bytes).index_select(0, idx).view(torch.int32)
+            out += (words * self.fp_weights).sum(-1, dtype=torch.int64).tolist()
+        return out
+
+    def _digest(self, s: dict, fps: list[int]) -> str:
+        return hashlib.sha256(json.dumps([fps, s["len"], s["last"]]).encode()).hexdigest()
+
+    def session_lengths(self) -> dict[str, int]:
+        return {k: s["len"] for k, s in self.sessions.items()}
+
+    def session_digests(self) -> dict[str, str]:
+        with self.lock:
+            return {k: self._digest(s, self._fingerprints(s["blocks"])) for k, s in self.sessions.items()}
+
+    def ballast_digest(self) -> dict:
+        with self.lock:
+            if self.parked:
+                raise ValueError("engine is parked for a template checkpoint (weights released)")
+            words = self.wflat[:self.weights_bytes // 4 * 4].view(torch.int32)
+            return {"digest": str(int(words.sum(dtype=torch.int64))), "bytes": self.weights_bytes}
+
+    # --- two-tier protocol --------------------------------------------------------------------
+    def engine_info(self) -> dict:
+        key = hashlib.sha256(json.dumps([self.layout, self.nblocks, self.model_name, self.seed,
+                                         os.path.getsize(self.weights_path)], sort_keys=True).encode()).hexdigest()[:16]
+        return {"protocol": PROTOCOL, "engine": "ckptflow-demo-llm", "model": self.model_name, "template_key": key,
+                "parked": self.parked, "sessions": self.session_lengths(),
+                "weights_gib": round(self.weights_bytes / 2**30, 2),
+                "pool_gib": round(self.nblocks * self.block_bytes / 2**30, 2),
+                "load_s": round(self.load_s, 3), "graph_s": round(self.graph_s, 3), "start_s": round(self.start_s, 3)}
+
+    def sessions_export(self, body: dict) -> dict:
+        out_dir = Path(body["dir"])
+        known = {sid: set(ds) for sid, ds in (body.get("known") or {}).items()}
+        only = body.get("sessions")
+        with self.export_lock:
+            t0 = time.perf_counter()
+            with self.lock:  # the hold: fingerprints, then only the changed blocks to pinned memory
+                chosen = {sid: s for sid, s in self.sessions.items() if only is None or sid in only}
+                plan, snap = [], {}
+                for sid, s in chosen.items():
+                    fps = self._fingerprints(s["blocks"])
+                    cache = self.fp_cache.get(sid, {})
+                    shas: list[str | None] = []
+                    for i, (b, fp) in enumerate(zip(s["blocks"], fps)):
+                        hit = cache.get(i)
+                        if hit and hit[0] == fp and hit[1] in known.get(sid, ()):
+                            shas.append(hit[1])
+                        else:
+                            shas.append(None)
+                            plan.append((sid, i, b, fp))
+                    snap[sid] = {"tokens": s["len"], "last": s["last"], "blocks": list(s["blocks"]), "fps": fps,
+                                 "shas": shas, "digest": self._digest(s, fps)}
+                buf = self.pinned.ensure(len(plan) * self.block_bytes)
+                pool = self.pool_u8.view(self.nblocks, self.block_bytes)
+                for j, (_, _, b, _) in enumerate(plan):
+                    buf[j * self.block_bytes:(j + 1) * self.block_bytes].copy_(pool[b], non_blocking=True)
+                torch.cuda.synchronize()
+            held = time.perf_counter() - t0
+
+            def write(j: int) -> tuple[int, str, int]:  # serving goes on meanwhile
+                view = memoryview(buf[j * self.block_bytes:(j + 1) * self.block_bytes].numpy())
+                d = hashlib.sha256(view).hexdigest()
+                if (out_dir / d).exists():
+                    return j, d, 0
+                tmp = out_dir / f".{d}.tmp"
+                with open(tmp, "wb") as f:
+                    f.write(view)
+                os.replace(tmp, out_dir / d)
+                return j, d, len(view)
+
+            written = {sid: 0 for sid in snap}
+            with ThreadPoolExecutor(THREADS) as ex:
+                for j, d, n in ex.map(write, range(len(plan))):
+                    sid, i, _, fp = plan[j]
+                    snap[sid]["shas"][i] = d
+                    self.fp_cache.setdefault(sid, {})[i] = (fp, d)
+                    written[sid] += n
+        res = {}
+        for sid, sn in snap.items():
+            res[sid] = {"tokens": sn["tokens"], "last": sn["last"], "digest": sn["digest"], "blocks": sn["blocks"],
+                        "tensors": [{"name": "blocks", "dtype": "uint8", "shape": [len(sn["blocks"]), self.block_bytes],
+                                     "nbytes": len(sn["blocks"]) * self.block_bytes, "chunks": sn["shas"]}],
+                        "written_bytes": written[sid], "total_bytes": len(sn["blocks"]) * self.block_bytes}
+        return {"sessions": res, "held_s": round(held, 4)}
+
+    def sessions_import(self, body: dict) -> dict:
+        root = Path(body["dir"])
+        recs = body["sessions"]
+        from ckptflow.demo.tiers import chunk_path
+
+        with self.export_lock, self.lock:
+            items = []
+            for sid, rec in recs.items():
+                for b, d in zip(rec["blocks"], rec["tensors"][0]["chunks"]):
+                    items.append((chunk_path(root, d), 0, b * self.block_bytes, self.block_bytes, d))
+                    if b in self.free_blocks:
+                        self.free_blocks.remove(b)
+            stream_in(items, self.pool_u8, self.pinned)  # every block checked before the session exists
+            for sid, rec in recs.items():
+                s = self.sessions[sid] = {"len": rec["tokens"], "last": rec["last"], "blocks": list(rec["blocks"])}
+                fps = self._fingerprints(s["blocks"])
+                self.fp_cache[sid] = {i: (fp, d) for i, (fp, d) in enumerate(zip(fps, rec["tensors"][0]["chunks"]))}
+            digests = {sid: self._digest(self.sessions[sid], self._fingerprints(self.sessions[sid]["blocks"]))
+                       for sid in recs}
+        return {"imported": sorted(recs), "digests": digests}
+
+    def template_prepare(self, body: dict) -> dict:
+        """Weights out as 64 MiB chunks (those the runner lacks), then weights, KV pool, sessions
+        and pinned memory released: the CUDA checkpoint then holds context, graphs and scratch."""
+        out_dir = Path(body["dir"])
+        known = set(body.get("known") or [])
+        release = body.get("release", True)
+        with self.export_lock, self.lock:
+            t0 = time.perf_counter()
+            buf = self.pinned.ensure(THREADS * 2 * SLOT)
+            offs = list(range(0, self.weights_bytes, SLOT))
+            lock, todo, chunks, written = threading.Lock(), iter(enumerate(offs)), [None] * len(offs), [0]
+
+            def worker(i: int) -> None:
+                slot = buf[2 * i * SLOT:(2 * i + 1) * SLOT]
+                stream = torch.cuda.Stream()
+                while True:
+                    with lock:
+                        item = next(todo, None)
+                    if item is None:
+                        return
+                    j, off = item
+                    n = min(SLOT, self.weights_bytes - off)
+                    with torch.cuda.stream(stream):
+                        slot[:n].copy_(self.wflat[off:off + n], non_blocking=True)
+                    stream.synchronize()
+                    view = memoryview(slot[:n].numpy())
+                    d = chunks[j] = hashlib.sha256(view).hexdigest()
+                    if d in known or (out_dir / d).exists():
+                        continue
+                    tmp = out_dir / f".{d}.tmp"
+                    with open(tmp, "wb") as f:
+                        f.write(view)
+                    os.replace(tmp, out_dir / d)
+                    with lock:
+                        written[0] += n
+
+            with ThreadPoolExecutor(THREADS) as ex:
+                for f in [ex.submit(worker, i) for i in range(THREADS)]:
+                    f.result()
+            export_s = time.perf_counter() - t0
+            if release:
+                self.parked = True
+                self.sessions.clear()
+                self.fp_cache.clear()
+                self.free_blocks = list(range(self.nblocks - 1, 0, -1))
+                torch.cuda.synchronize()
+                self.wregion.release()
+                self.pregion.release()
+                self.pinned.free()
+                torch.cuda.empty_cache()
+        rec = {"name": "weights", "dtype": "uint8", "shape": [self.weights_bytes], "nbytes": self.weights_bytes,
+               "chunks": chunks}
+        return {"tensors": [rec], "written_bytes": written[0], "total_bytes": self.weights_bytes,
+                "phases": {"export": round(export_s, 4)}}
+
+    def template_resume(self, body: dict) -> dict:
+        """Map the ranges back at their addresses, zero the pool, stream the weights in (checked)."""
+        from ckptflow.demo.tiers import chunk_path
+
+        root = Path(body["dir"])
+        ph = {}
+        with self.export_lock, self.lock:
+            t0 = time.perf_counter()
+            self.wregion.map()
+            self.pregion.map()
+            ph["map"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            self.pool_u8.zero_()
+            ph["zero_pool"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            self.pinned.ensure(THREADS * 2 * SLOT)
+            ph["pinned"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            items, off = [], 0
+            for rec in body["tensors"]:
+                for d in rec["chunks"]:
+                    n = min(SLOT, rec["nbytes"] - off)
+                    items.append((chunk_path(root, d), 0, off, n, d))
+                    off += n
+            loaded = stream_in(items, self.wflat, self.pinned)
+            ph["weights"] = time.perf_counter() - t0
+            self.parked = False
+        return {"loaded_bytes": loaded, "phases": {k: round(v, 4) for k, v in ph.items()}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = base_args(__doc__.splitlines()[0])
+    p.add_argument("--weights", required=True, help="safetensors file (bf16)")
+    p.add_argument("--write-weights", action="store_true", help="write --weights (--layers, --seed) and exit")
+    p.add_argument("--layers", type=int, default=43, help="with --write-weights: 43 layers = 16.1 GiB")
+    p.add_argument("--kv-fraction", type=float, default=0.9, help="of free GPU memory after weights, for the pool")
+    p.add_argument("--kv-gib", type=float, default=None, help="pool size instead of --kv-fraction")
+    a = p.parse_args(argv)
+    if a.write_weights:
+        write_weights(Path(a.weights), a.layers, a.seed)
+        return
+    e = LlmEngine(Path(a.weights), a.kv_fraction, a.kv_gib, a.model_name, a.seed)
+    serve(e, a, threaded=True)
+
+
+if __name__ == "__main__":
+    main()
