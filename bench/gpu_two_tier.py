@@ -103,7 +103,7 @@ def run_row(name: str, a, weights: Path, tmp: Path, pool: list[str], transparent
     h = pynvml.nvmlDeviceGetHandleByIndex(0)
     used = pynvml.nvmlDeviceGetMemoryInfo(h).used / GiB
     row["reserved_gib"] = round(used, 1)
-    w = launch.demo_workload(f"tt-{name}", PORT, pid_file).model_copy(update={
+    w = launch.demo_workload(f"tt-{name.lower()}", PORT, pid_file).model_copy(update={
         "gpu": True, "gpu_footprint_gib": used + 1, "model_id": "ckptflow-demo-llm",
         "prepare_url": f"http://127.0.0.1:{PORT}/v1/ckptflow/prepare",
         "find": ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="ckptflow.demo.llm_worker")})

@@ -2,15 +2,15 @@
 
 A workload has at most one open alert. ``send`` opens it (or, for a new reason, posts again);
 the same reason again is suppressed; ``resolve`` posts one "recovered" message and closes it.
-The open alert lives in the fleet's store (an S3 fleet's bucket), so whichever node runs the
-next step sees it.
+The open alert lives in the fleet state (store.fleetstate: the fleet's store root, or an S3
+fleet's bucket), so whichever node runs the next step sees it.
 
 Configured from the fleet file's ``slack:`` section: an incoming webhook URL or a bot token
 (+ channel), read from the environment variable it names or a Prefect Secret block. Block Kit
 bodies come from jinja2 templates in templates/slack/.
 
 Example:
-    >>> a = Alerter(fleet.slack, state=LocalStore(".ckptflow/store"))               # doctest: +SKIP
+    >>> a = Alerter(fleet.slack, state=open_fleet_state(fleet.storage))             # doctest: +SKIP
     >>> a.send(AlertKind.worker_gone, workload="chat", key="no live process", node="n1", reason="...",
     ...        checkpoint=None, flow_run_id=None)                                     # posts, opens
     >>> a.resolve("chat", node="n1", how="restored from checkpoint ...", checkpoint="...")  # posts, closes
@@ -25,9 +25,13 @@ import os
 import time
 from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckptflow.errors import CkptflowError
 from ckptflow.render import render
+
+if TYPE_CHECKING:
+    from ckptflow.store.fleetstate import FleetState
 
 log = logging.getLogger("ckptflow")
 
@@ -53,20 +57,21 @@ class Alerter:
 
     Args:
         slack: the fleet file's ``slack:`` section (None: alerts are only logged).
-        state: where open alerts are kept, a LocalStore or an S3Tier (``get_alert``, ``put_alert``,
-            ``drop_alert``, ``alerts``); None keeps none (every alert posts).
-        state_dir: shorthand for ``state=LocalStore(state_dir)``.
+        state: where open alerts are kept: a ``store.fleetstate.FleetState`` (``get_alert``,
+            ``put_alert``, ``drop_alert``, ``alerts``), e.g. ``store.open_fleet_state(storage)``;
+            None keeps none (every alert posts).
+        state_dir: shorthand for ``state=LocalFleetState(state_dir)``.
     """
 
-    def __init__(self, slack=None, state=None, secret: str | None = None, prefect_ui_url: str | None = None, *,
-                 state_dir: Path | None = None):
+    def __init__(self, slack=None, state: "FleetState | None" = None, secret: str | None = None,
+                 prefect_ui_url: str | None = None, *, state_dir: Path | None = None):
         self.cfg = slack
         self.secret = secret
         self.ui = prefect_ui_url
         if state is None and state_dir is not None:
-            from ckptflow.store.local import LocalStore
+            from ckptflow.store.fleetstate import LocalFleetState
 
-            state = LocalStore(Path(state_dir))
+            state = LocalFleetState(Path(state_dir))
         self.state = state
 
     # --- state: a storage outage must not stop an alert, nor fail the step that sends it -----

@@ -1,5 +1,5 @@
-"""`ckptflow deploy FLEET`: render prefect.yaml beside the fleet file, then `prefect deploy` it;
-and render what runs each node's Prefect worker in production.
+"""`ckptflow deploy FLEET`: render prefect.yaml beside the fleet file, then deploy what it says
+through Prefect's Python client; and render what runs each node's Prefect worker in production.
 
 One deployment per flow, and per node for the flows whose steps must run on that node
 (heartbeat, invalidate, verify, node-step), each on the node's process work pool. The
@@ -24,9 +24,10 @@ Example:
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from ckptflow.errors import ConfigError
 from ckptflow.fleet import load_fleet
@@ -42,6 +43,11 @@ K8S_NAMESPACE = "ckptflow"
 _SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 API_URL_PLACEHOLDER = "http://PREFECT-SERVER:4200/api"
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+NODE_LIMIT = "ckptflow-node-{node}"  # one checkpoint or restore per node at a time (tasks.common.node_slot)
+
+if TYPE_CHECKING:
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.deployments.runner import RunnerDeployment
 
 
 def check_workdir(workdir: Path | str | None = None) -> Path:
@@ -191,38 +197,107 @@ def _version() -> str:
 
 def deploy(fleet_file: Path, *, create_pools: bool = True, ephemeral: bool = False,
            workdir: Path | str | None = None, image: str | None = None) -> Path:
-    """Render, create each node's process work pool if missing, run `prefect deploy --all`.
+    """Render, then deploy through Prefect's client what the rendered prefect.yaml says (the file
+    an operator reviews is the one deployed): each node's process work pool and its
+    ``ckptflow-node-<node>`` global concurrency limit (1 slot) when missing, the results block of
+    an S3 fleet, then every deployment, created or updated in place.
 
     Raises:
         ConfigError: no Prefect server is configured (PREFECT_API_URL) and ``ephemeral`` is not
             set: the deployments would go into a temporary server that vanishes on exit; or
-            ``workdir`` does not hold the project.
+            ``workdir`` does not hold the project; or the server refused or could not be reached
+            (one line: what failed and why).
     """
     if not ephemeral and not prefect_api_url():
         raise ConfigError("PREFECT_API_URL is not set: the deployments would go into a temporary Prefect server "
                           "that is gone when this command exits",
                           fix="export PREFECT_API_URL=http://<prefect-server>:4200/api (or `prefect config set "
                               "PREFECT_API_URL=...`), or pass --ephemeral to deploy into a throwaway server on purpose")
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import PrefectException
+
     out = render_prefect_yaml(fleet_file, workdir)
     render_node_workers(fleet_file, workdir, image=image)
     fleet = load_fleet(fleet_file)
-    prefect = [sys.executable, "-m", "prefect", "--no-prompt"]
-    if create_pools:
-        for pool in sorted({n.work_pool for n in fleet.nodes} | ({fleet.control_pool} - {None})):
-            got = subprocess.run([*prefect, "work-pool", "inspect", pool], capture_output=True, text=True)
-            if got.returncode != 0:
-                subprocess.run([*prefect, "work-pool", "create", pool, "--type", "process"], check=True,
-                               capture_output=True, text=True)
-        for n in fleet.nodes:  # one checkpoint or restore per node at a time (see tasks.common.node_slot)
-            name = f"ckptflow-node-{n.name}"
-            got = subprocess.run([*prefect, "global-concurrency-limit", "inspect", name], capture_output=True, text=True)
-            if got.returncode != 0:
-                subprocess.run([*prefect, "global-concurrency-limit", "create", name, "--limit", "1"], check=True,
-                               capture_output=True, text=True)
-    if results_block_name(fleet):
-        save_results_block(fleet)
-    res = subprocess.run([*prefect, "deploy", "--all", "--prefect-file", str(out)], capture_output=True, text=True)
-    if res.returncode != 0:
-        raise ConfigError(f"prefect deploy of {out} failed:\n{(res.stdout + res.stderr)[-3000:]}",
-                          fix="check PREFECT_API_URL points at your Prefect server")
+    spec = yaml.safe_load(out.read_text())
+    step = "connecting"
+    try:
+        with get_client(sync_client=True) as client:
+            if create_pools:
+                for pool in sorted({n.work_pool for n in fleet.nodes} | ({fleet.control_pool} - {None})):
+                    step = f"work pool {pool}"
+                    _ensure_process_pool(client, pool)
+                for n in fleet.nodes:
+                    step = f"concurrency limit {NODE_LIMIT.format(node=n.name)}"
+                    _ensure_node_limit(client, NODE_LIMIT.format(node=n.name))
+        if results_block_name(fleet):
+            step = f"results block {results_block_name(fleet)}"
+            save_results_block(fleet)
+        for d in spec["deployments"]:
+            step = f"deployment {d['name']} of {d['entrypoint']}"
+            runner_deployment(d, spec["pull"]).apply()
+    except (httpx.HTTPError, PrefectException, RuntimeError, ValueError) as e:
+        # RuntimeError: DeploymentApplyError (the server's own reason); ValueError: a bad field.
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise ConfigError(f"deploy of {out.name} to {prefect_api_url() or 'a temporary server'} failed at "
+                          f"{step}: {why[:500]}", fix="check PREFECT_API_URL points at your Prefect server") from e
     return out
+
+
+def _ensure_process_pool(client: SyncPrefectClient, name: str) -> None:
+    """Create process work pool ``name`` with the process worker's default job template (what
+    `prefect work-pool create --type process` does), unless it exists; an existing one is kept."""
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    try:
+        client.read_work_pool(name)
+    except ObjectNotFound:
+        try:
+            client.create_work_pool(WorkPoolCreate(name=name, type="process",
+                                                   base_job_template=ProcessWorker.get_default_base_job_template()))
+        except ObjectAlreadyExists:
+            pass  # another deploy made it meanwhile
+
+
+def _ensure_node_limit(client: SyncPrefectClient, name: str) -> None:
+    """Create global concurrency limit ``name`` with 1 slot, unless it exists (an operator may
+    have changed it: it is left as it is)."""
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    try:
+        client.read_global_concurrency_limit_by_name(name)
+    except ObjectNotFound:
+        try:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+        except ObjectAlreadyExists:
+            pass
+
+
+def runner_deployment(d: dict[str, Any], pull: list[dict[str, Any]]) -> RunnerDeployment:
+    """One deployment of a rendered prefect.yaml as a RunnerDeployment: its flow loaded from the
+    project directory that the pull step enters (so the parameter schema is the code's that
+    will run), the same work pool, job variables, parameters, tags, schedules and limit.
+
+    Raises:
+        ConfigError: the pull step is not the one prefect.yaml.j2 renders.
+    """
+    from prefect.deployments.runner import RunnerDeployment
+    from prefect.runner.storage import LocalStorage
+    from prefect.schedules import Cron, Interval
+
+    steps = [s.get("prefect.deployments.steps.set_working_directory") for s in pull]
+    if len(steps) != 1 or not steps[0]:
+        raise ConfigError(f"prefect.yaml pull steps {pull!r}: expected one set_working_directory step",
+                          fix="render prefect.yaml again with `ckptflow deploy --render-only`")
+    schedules = [Interval(s["interval"]) if "interval" in s else Cron(s["cron"], timezone=s.get("timezone"))
+                 for s in d.get("schedules") or []]
+    pool = d["work_pool"]
+    return RunnerDeployment.from_storage(
+        storage=LocalStorage(steps[0]["directory"]), entrypoint=d["entrypoint"], name=d["name"],
+        parameters=d.get("parameters") or {}, tags=d.get("tags") or [], schedules=schedules,
+        concurrency_limit=d.get("concurrency_limit"), work_pool_name=pool["name"],
+        job_variables=pool.get("job_variables") or {})

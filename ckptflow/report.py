@@ -22,22 +22,20 @@ RESTORE_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 
 def fleet_manifests(fleet: Fleet, workload: str) -> list[Manifest]:
     """Every checkpoint of ``workload`` this machine can see, newest first: each node's local
-    store (``{node}`` in the storage path names one per node) and, for an S3 fleet, the bucket's
-    copies. A checkpoint held in several places is listed once, with all its copies."""
+    store (``{node}`` in the storage path names one per node) and the fleet's shared tier (an
+    S3 fleet's bucket). A checkpoint held in several places is listed once, with all its copies."""
     seen: dict[str, Manifest] = {}
-    roots = {open_store(fleet.storage, n.name).root for n in fleet.nodes} | {open_store(fleet.storage).root}
-    from ckptflow.store.local import LocalStore
-
-    for root in sorted(roots):
+    stores = {s.root: s for s in [open_store(fleet.storage, n.name) for n in fleet.nodes] + [open_store(fleet.storage)]}
+    for root in sorted(stores):
         if root.exists():
-            for m in LocalStore(root).list(workload):
+            for m in stores[root].manifests(workload):
                 seen[m.id] = _merge(seen.get(m.id), m)
-    tier = open_tier(fleet.storage) if getattr(fleet.storage.kind, "value", fleet.storage.kind) == "s3" else None
+    tier = open_tier(fleet.storage)
     if tier is not None:
         try:
-            for cid in tier.list(workload):
-                seen[cid] = _merge(seen.get(cid), tier.manifest(workload, cid))
-        except CkptflowError:  # the bucket is unreachable: the nodes' copies still show
+            for m in tier.manifests(workload):
+                seen[m.id] = _merge(seen.get(m.id), m)
+        except CkptflowError:  # the tier is unreachable: the nodes' copies still show
             pass
     return sorted(seen.values(), key=lambda m: m.id, reverse=True)
 

@@ -17,10 +17,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ckptflow.errors import ConfigError
+
+
+class NetworkLock(StrEnum):
+    """How CRIU keeps TCP peers quiet around a dump (criu --network-lock)."""
+
+    nftables = "nftables"
+    iptables = "iptables"
+    skip = "skip"   # safe only when every peer is inside the dumped tree (a TP worker's ranks)
 
 
 class Settings(BaseModel):
@@ -46,8 +55,8 @@ class Settings(BaseModel):
         description="The criu binary (default: criu on PATH, else a bundle from scripts/criu-bundle.sh at "
         ".carry/criu or /opt/ckptflow/criu: runners.criu.find_criu).",
         examples=["/opt/criu/bin/criu"])
-    criu_network_lock: str = Field(
-        "nftables", validation_alias="CKPTFLOW_CRIU_NETWORK_LOCK",
+    criu_network_lock: NetworkLock = Field(
+        NetworkLock.nftables, validation_alias="CKPTFLOW_CRIU_NETWORK_LOCK",
         description="How CRIU keeps TCP peers quiet around a dump: nftables, iptables, or skip (safe only "
         "when every peer is inside the dumped tree, e.g. a TP worker's ranks).", examples=["skip"])
     criu_ghost_limit: str = Field(

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from ckptflow.demo.gpu_worker import GpuWorker, gpu_checksum
 from ckptflow.demo.shm_ring import IDLE, RUNNING, Ring
 from ckptflow.demo.worker import Metrics, base_args, serve
+from ckptflow.settings import settings
 
 PREFILL, DECODE, COPY, DIGEST, ALLREDUCE, BALLAST, EXIT = range(7)
 OP_NAMES = dict(enumerate(["PREFILL", "DECODE", "COPY", "DIGEST", "ALLREDUCE", "BALLAST", "EXIT"]))
@@ -303,11 +304,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--master-port", type=int, default=0)
     p.add_argument("--ring", help="(ranks > 0) the command ring rank 0 created")
     a = p.parse_args(argv)
-    if os.environ.get("CKPTFLOW_TP_STACKS"):  # kill -USR1 <rank> writes its Python stacks there
+    stacks = settings().tp_stacks  # $CKPTFLOW_TP_STACKS: kill -USR1 <rank> writes its Python stacks there
+    if stacks:
         import faulthandler
 
-        faulthandler.register(signal.SIGUSR1, open(os.path.join(os.environ["CKPTFLOW_TP_STACKS"],
-                                                                f"rank{a.rank}.stack"), "w"), all_threads=True)
+        faulthandler.register(signal.SIGUSR1, open(os.path.join(stacks, f"rank{a.rank}.stack"), "w"),
+                              all_threads=True)
     if a.rank == 0:
         a.master_port = a.master_port or _free_port()
         ring_path = f"/dev/shm/ckptflow-tp-{os.getpid()}-{a.master_port}"

@@ -44,15 +44,16 @@ import shlex
 import shutil
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+import httpx
 from pydantic import BaseModel, Field
 
 from ckptflow.errors import CkptflowError, RunnerUnavailable, StoreError
 from ckptflow.models import GoldenRequest, Manifest, ProcessFinder, TrafficClass, Workload
+from ckptflow.runners.engine import http, wait_url
+from ckptflow.settings import settings
 from ckptflow.store.local import LocalStore
 
 ENGINE = "llamacpp"
@@ -91,7 +92,7 @@ def find_install(flavor: str = "cpu", root: Path | None = None) -> LlamaCppInsta
     ``CKPTFLOW_LLAMACPP_PREFIX`` names an install directory explicitly (another checkout's,
     or a GPU node's build).
     """
-    explicit = os.environ.get("CKPTFLOW_LLAMACPP_PREFIX")
+    explicit = settings().llamacpp_prefix  # $CKPTFLOW_LLAMACPP_PREFIX
     prefixes = [Path(explicit)] if explicit else sorted((root or INSTALL_ROOT).glob("*/"), reverse=True)
     found = []
     for p in prefixes:
@@ -175,21 +176,15 @@ def start_server(inst: LlamaCppInstall, model: Path, *, port: int, run_dir: Path
                             close_fds=True)
     srv = Server(url=f"http://127.0.0.1:{port}", port=port, pid_file=pid_file, log_file=log_file,
                  slot_dir=slot_dir, args=args)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(srv.url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return srv
-        except (urllib.error.URLError, OSError):
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            if proc.poll() is None:
-                proc.kill()
-            tail = log_file.read_text(errors="replace")[-2000:] if log_file.exists() else ""
-            raise RunnerUnavailable(f"llama-server on port {port} did not become healthy:\n{tail}",
-                                    fix="see the log above (model path, port in use, missing lib*.so)")
-        time.sleep(0.1)
+    try:
+        wait_url(srv.url + "/health", timeout_s, proc)  # the start command execs: proc is the server
+    except (TimeoutError, RuntimeError) as e:  # no 200 in time, or the server exited
+        if proc.poll() is None:
+            proc.kill()
+        tail = log_file.read_text(errors="replace")[-2000:] if log_file.exists() else ""
+        raise RunnerUnavailable(f"llama-server on port {port} did not become healthy ({e}):\n{tail}",
+                                fix="see the log above (model path, port in use, missing lib*.so)") from None
+    return srv
 
 
 def workload(name: str, srv: Server, *, node: str = "local", inst: LlamaCppInstall | None = None,
@@ -205,7 +200,7 @@ def workload(name: str, srv: Server, *, node: str = "local", inst: LlamaCppInsta
         model_id=model_id, model_revision=model_revision, traffic=traffic,
         find=ProcessFinder(pid_file=str(srv.pid_file), cmdline_must_contain="llama-server"),
         health_url=srv.url + "/health", metrics_url=srv.url + "/metrics", golden=golden,
-        # urllib closes its connections, but the server's side may still hold one at the dump.
+        # ckptflow keeps no connection open, but the server's side may still hold one at the dump.
         tcp_established=True,
         start_command=start_command(srv.args, srv.pid_file, srv.log_file))
 
@@ -218,10 +213,17 @@ def golden_body(slot: int) -> dict:
 
 # --- the engine's HTTP ----------------------------------------------------------------------
 def http_json(url: str, body: dict | None = None, timeout_s: float = HTTP_TIMEOUT_S) -> Any:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        return json.loads(r.read())
+    """GET (no ``body``) or POST JSON; the answer's JSON.
+
+    Raises:
+        httpx.HTTPStatusError: the server answered 4xx/5xx.
+        httpx.HTTPError: it could not be reached or did not answer in ``timeout_s``.
+    """
+    r = http().request("GET" if body is None else "POST", url, timeout=timeout_s,
+                       content=None if body is None else json.dumps(body).encode(),
+                       headers={"Content-Type": "application/json"})
+    r.raise_for_status()
+    return r.json()
 
 
 def complete(url: str, prompt: str, n_predict: int, *, slot: int = 0, timeout_s: float = HTTP_TIMEOUT_S) -> dict:
@@ -237,8 +239,9 @@ def slots(url: str) -> list[dict]:
 
 
 def metrics_text(url: str) -> str:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        return r.read().decode()
+    r = http().get(url + "/metrics", timeout=10)
+    r.raise_for_status()
+    return r.text
 
 
 class SlotError(CkptflowError):
@@ -256,12 +259,12 @@ def slot_action(url: str, slot: int, action: str, filename: str | None = None) -
     body = {"filename": filename} if filename else {}
     try:
         return http_json(f"{url}/slots/{slot}?action={action}", body, timeout_s=120)
-    except urllib.error.HTTPError as e:
+    except httpx.HTTPStatusError as e:
         try:
-            why = json.loads(e.read()).get("error", {}).get("message", "")
-        except (ValueError, OSError, AttributeError):
+            why = e.response.json().get("error", {}).get("message", "")
+        except (ValueError, AttributeError):
             why = ""
-        raise SlotError(f"llama-server {url}: slot {slot} {action} failed: HTTP {e.code} {why}".rstrip(),
+        raise SlotError(f"llama-server {url}: slot {slot} {action} failed: HTTP {e.response.status_code} {why}".rstrip(),
                         fix="start the server with --slot-save-path DIR; wait until the slot is idle") from None
 
 

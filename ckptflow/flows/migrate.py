@@ -5,13 +5,12 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from ckptflow.models import CheckpointKind, TrafficClass
+from ckptflow.models import TrafficClass
 from ckptflow.render import render
 from ckptflow.policies.cadence import CostModel
 from ckptflow.flows.steps import run_step, spreader_off
 from ckptflow.tasks.common import open_fleet
-from ckptflow.tasks.common import tier as fleet_tier
-from ckptflow.tasks.fleet import mark_drained, record_placement
+from ckptflow.tasks.fleet import find_template, mark_drained, record_placement
 
 
 @flow(name="migrate", log_prints=True, persist_result=True)
@@ -80,10 +79,8 @@ def scale_up(fleet_file: str, workload: str, target_node: str, via_deployments: 
     """
     fleet = open_fleet(fleet_file)
     w = fleet.workload(workload)
-    tier = fleet_tier(fleet)
-    templates = [i for i in (tier.list(workload) if tier else []) if tier.manifest(workload, i).kind == CheckpointKind.template]
-    ckpt = templates[0] if templates else run_step(w.node, "take_template", fleet_file, workload, None,
-                                                 via_deployments)["checkpoint"]
+    ckpt = find_template(fleet.scope(), workload) or run_step(w.node, "take_template", fleet_file, workload, None,
+                                                              via_deployments)["checkpoint"]
     res = run_step(target_node, "scale_up_in", fleet_file, workload, ckpt, via_deployments)
     cold = CostModel().cold_start_s
     create_markdown_artifact(key=f"scale-up-{workload}", markdown=render(

@@ -20,6 +20,7 @@ Facts this module relies on (measured, see README "CRIU"):
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -31,13 +32,18 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from ckptflow.errors import CriuError, CriuTimeout, PidBusy, RunnerUnavailable
 from ckptflow.models import Workload
-from ckptflow.runners.process import DeclaredProcess, pid_alive, recheck, resolve
+from ckptflow.poll import PollTimeout, poll
+from ckptflow.runners.process import DeclaredProcess, pid_alive, pid_taken, recheck, resolve, tree
+from ckptflow.settings import settings
 
 MIN_VERSION = (4, 2)
 DEFAULT_TIMEOUT_S = 600  # a 50 GiB image dumps in ~35 s on an H200 node; 10 min means stuck
 PID_FREE_TIMEOUT_S = 15  # init reaps orphans in 1.2-2 s here; 15 s means the PID was reused
+log = logging.getLogger("ckptflow")
 
 
 @dataclass(frozen=True)
@@ -56,15 +62,21 @@ class SandboxCopy:
     netns: str | None
 
     def stop(self, timeout_s: float = 10) -> None:
+        """Kill the copy and wait (best effort, ``timeout_s``) until both its processes are gone."""
         for pid in (self.pid, self.init_pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and (pid_alive(self.pid) or pid_alive(self.init_pid)):
+
+        def gone() -> bool:
             _reap(self.init_pid)
-            time.sleep(0.05)
+            return not (pid_alive(self.pid) or pid_alive(self.init_pid))
+
+        try:
+            poll(gone, timeout_s, 0.05, what=f"sandbox copy {self.pid} (init {self.init_pid}) to exit")
+        except PollTimeout as e:
+            log.warning("%s; left to the kernel", e)
 
 
 def _reap(pid: int) -> None:
@@ -111,8 +123,6 @@ def find_criu(explicit: str | None = None) -> CriuBinary:
         >>> find_criu()                                   # doctest: +SKIP
         CriuBinary(path='/srv/ckptflow/.carry/criu/bin/criu', source='bundle')
     """
-    from ckptflow.settings import settings
-
     if explicit:
         return CriuBinary(explicit, "argument")
     env = settings().criu  # $CKPTFLOW_CRIU
@@ -146,11 +156,12 @@ class CriuRunner:
         self._finalizer: weakref.finalize | None = None
         # How CRIU keeps peers quiet around established TCP: nftables (default), iptables, or
         # skip — safe only when every peer is inside the dumped tree (a TP worker's ranks).
-        self.network_lock = os.environ.get("CKPTFLOW_CRIU_NETWORK_LOCK", "nftables")
+        env = settings()
+        self.network_lock = env.criu_network_lock  # $CKPTFLOW_CRIU_NETWORK_LOCK
         # Unlinked files still mapped go into the image ("ghost files"); CRIU refuses those over
         # 1 MiB by default, and NCCL maps a deleted 33 MiB /dev/shm segment per rank (measured
         # with NCCL_SHM_DISABLE=1 on two H200s), as does the TP worker's command ring (4 KiB).
-        self.ghost_limit = os.environ.get("CKPTFLOW_CRIU_GHOST_LIMIT", "256M")
+        self.ghost_limit = env.criu_ghost_limit  # $CKPTFLOW_CRIU_GHOST_LIMIT
 
     def __enter__(self) -> "CriuRunner":
         return self
@@ -272,15 +283,16 @@ class CriuRunner:
             PidBusy: the PID is still in use after ``timeout_s``.
         """
         timeout_s = self.pid_free_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        while pid_alive(pid) or Path(f"/proc/{pid}").exists():
+
+        def free() -> bool:
             _reap(pid)
-            if not Path(f"/proc/{pid}").exists():
-                break
-            if time.monotonic() > deadline:
-                raise PidBusy(f"PID {pid} needed by the image is still in use after {timeout_s:.0f} s",
-                              fix="stop the process holding it, or restore beside it (sandbox)")
-            time.sleep(0.02)
+            return not pid_taken(pid)
+
+        try:
+            poll(free, timeout_s, 0.02, what=f"PID {pid} to be free")
+        except PollTimeout:
+            raise PidBusy(f"PID {pid} needed by the image is still in use after {timeout_s:.0f} s",
+                          fix="stop the process holding it, or restore beside it (sandbox)") from None
 
     def restore(self, images_dir: Path, *, old_pid: int, tcp_established: bool = False,
                 leave_stopped: bool = False, timeout_s: float | None = None) -> int:
@@ -345,13 +357,12 @@ class CriuRunner:
         if netns:
             args += ["--join-ns", f"net:/var/run/netns/{netns}"]
         self._run(args, log, timeout_s, "restore (sandbox)", exe=criu_ns)
-        deadline = time.monotonic() + 10
-        while not pidfile.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not pidfile.exists():
-            raise CriuError("criu-ns restored no process", cmd=[criu_ns, *args], log_tail=_tail(log))
-        pid = int(pidfile.read_text().strip())
-        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        try:
+            poll(pidfile.exists, 10, 0.05, what=f"{pidfile}")
+            pid = int(pidfile.read_text().strip())
+            ppid = psutil.Process(pid).ppid()  # the namespace's init: criu, left running by criu-ns
+        except (PollTimeout, psutil.NoSuchProcess) as e:
+            raise CriuError(f"criu-ns restored no process ({e})", cmd=[criu_ns, *args], log_tail=_tail(log)) from None
         return SandboxCopy(pid=pid, init_pid=ppid, netns=netns)
 
     def close(self) -> None:
@@ -445,18 +456,12 @@ def _port_states(ports: set[int]) -> dict[int, set[str]]:
 
 
 def listen_ports(root_pid: int) -> set[int]:
-    """TCP ports the process tree of ``root_pid`` listens on (its own network namespace)."""
-    pids, todo = [], [root_pid]
-    while todo:
-        p = todo.pop()
-        pids.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                todo += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
+    """TCP ports the process tree of ``root_pid`` listens on (its own network namespace).
+
+    Read from /proc/PID/net, not psutil: psutil's per-process connections look up the socket
+    tables of the caller's network namespace, where a copy in its own namespace has none."""
     inodes = set()
-    for p in pids:
+    for p in tree(root_pid):
         for fd in Path(f"/proc/{p}/fd").glob("*"):
             try:
                 link = os.readlink(fd)
@@ -502,9 +507,9 @@ def release_time_wait(ports: set[int], ss: str | None, timeout_s: float = TIME_W
         raise CriuError(f"listening port(s) {sorted(live)} of the image are held by live sockets on this node",
                         cmd=[], fix="stop the process holding them, or restore on another node")
     close_orphans(ports, ss)
-    deadline = time.monotonic() + timeout_s
-    while any(_port_states(ports).values()):
-        if time.monotonic() > deadline:
-            raise CriuError(f"listening port(s) {sorted(ports)} still busy after {timeout_s:.0f} s", cmd=[],
-                            fix="retry the restore in a minute")
-        time.sleep(0.2)
+    try:
+        poll(lambda: not any(_port_states(ports).values()), timeout_s, 0.2,
+             what=f"port(s) {sorted(ports)} to leave TIME_WAIT")
+    except PollTimeout:
+        raise CriuError(f"listening port(s) {sorted(ports)} still busy after {timeout_s:.0f} s", cmd=[],
+                        fix="retry the restore in a minute") from None

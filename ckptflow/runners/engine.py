@@ -9,24 +9,47 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
-import urllib.error
-import urllib.request
+from typing import TYPE_CHECKING
+
+import httpx
 
 from ckptflow.errors import EngineProtocolError, RestoreFailed, WorkloadBusy
-from ckptflow.models import Workload
-from ckptflow.policies.load import WorkloadLoad, parse_metrics
+from ckptflow.poll import NotYet, poll
+
+if TYPE_CHECKING:  # kept out of the import: the in-namespace exchange below imports this module
+    from ckptflow.models import Workload
+    from ckptflow.policies.load import WorkloadLoad
 
 HEALTH_TIMEOUT_S = 60
 PREPARE_TIMEOUT_S = 60  # a quiesce waits for the request in flight (a long generation) to finish
 log = logging.getLogger("ckptflow")
+_JSON = {"Content-Type": "application/json"}
+
+
+@functools.cache
+def http() -> httpx.Client:
+    """The process's one HTTP client for engine calls. It keeps no connection open between
+    calls (no keep-alive pool): an idle connection to a worker would be one more established
+    socket in its dump. Shared because building a client costs ~20 ms (its TLS context), more
+    than a local call itself (~1 ms); httpx clients are thread-safe. Redirects are followed, as
+    urllib did."""
+    return httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), follow_redirects=True)
 
 
 def _get_json(url: str, timeout_s: float = 10) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout_s) as r:
-        return json.loads(r.read())
+    r = http().get(url, timeout=timeout_s)
+    r.raise_for_status()
+    return r.json()
+
+
+def _post(url: str, body: bytes, timeout_s: float) -> httpx.Response:
+    r = http().post(url, content=body, headers=_JSON, timeout=timeout_s)
+    r.raise_for_status()
+    return r
 
 
 def probe(w: Workload) -> dict:
@@ -35,16 +58,14 @@ def probe(w: Workload) -> dict:
     if w.probe_url:
         try:
             out["sessions"] = _get_json(w.probe_url)["sessions"]
-        except (urllib.error.URLError, OSError, KeyError, ValueError) as e:
-            out["error"] = f"probe failed: {e}"
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            out["error"] = f"probe failed: {http_reason(e)}"
     if w.golden:
         try:
-            req = urllib.request.Request(w.golden.url, data=json.dumps(w.golden.body).encode(),
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=60) as r:
-                out["golden"] = golden_digest(json.loads(r.read()), w.golden.field)
-        except (urllib.error.URLError, OSError, KeyError, ValueError, IndexError) as e:
-            out["golden_error"] = f"golden request failed: {e}"
+            answer = _post(w.golden.url, json.dumps(w.golden.body).encode(), timeout_s=60).json()
+            out["golden"] = golden_digest(answer, w.golden.field)
+        except (httpx.HTTPError, KeyError, ValueError, IndexError) as e:
+            out["golden_error"] = f"golden request failed: {http_reason(e)}"
     return out
 
 
@@ -60,13 +81,15 @@ def golden_digest(answer: dict, field: str) -> str:
 
 def read_load(w: Workload) -> WorkloadLoad | None:
     """The engine's /metrics as a WorkloadLoad, or None when there is none or it cannot be read."""
+    from ckptflow.policies.load import parse_metrics
+
     if not w.metrics_url:
         return None
     try:
-        with urllib.request.urlopen(w.metrics_url, timeout=5) as r:
-            text = r.read().decode()
-        return parse_metrics(w.engine.value if w.engine.value != "other" else "vllm", text)
-    except (urllib.error.URLError, OSError, ValueError):
+        r = http().get(w.metrics_url, timeout=5)
+        r.raise_for_status()
+        return parse_metrics(w.engine.value if w.engine.value != "other" else "vllm", r.text)
+    except (httpx.HTTPError, ValueError):
         return None
 
 
@@ -74,23 +97,26 @@ def wait_url(url: str, timeout_s: float, proc=None) -> float:
     """Poll ``url`` until it answers 200; return the seconds it took.
 
     Raises:
-        TimeoutError: no 200 within ``timeout_s`` (with the last error).
+        TimeoutError: no 200 within ``timeout_s`` (a PollTimeout, with the last error).
         RuntimeError: ``proc`` (a Popen) exited first.
     """
     t0 = time.perf_counter()
-    last = ""
-    while True:
+
+    def answered() -> bool:
         try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return time.perf_counter() - t0
-        except (urllib.error.URLError, OSError) as e:
-            last = str(e)
+            status = http().get(url, timeout=2).status_code
+        except httpx.HTTPError as e:
+            status, why = None, http_reason(e)
+        else:
+            why = f"HTTP {status}"
+        if status == 200:
+            return True
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"worker exited with {proc.returncode} before {url} answered")
-        if time.perf_counter() - t0 > timeout_s:
-            raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f} s ({last})")
-        time.sleep(0.05)
+        raise NotYet(why)
+
+    poll(answered, timeout_s, 0.05, what=f"{url} to answer 200")
+    return time.perf_counter() - t0
 
 
 def wait_healthy(w: Workload, timeout_s: float = HEALTH_TIMEOUT_S) -> float:
@@ -117,10 +143,8 @@ def quiesce(w: Workload, tp: bool) -> tuple[dict, float | None]:
         return {}, None
     t0 = time.perf_counter()
     try:
-        req = urllib.request.Request(w.prepare_url, data=b"{}", headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=PREPARE_TIMEOUT_S) as r:
-            answer = json.loads(r.read() or b"{}")
-    except (urllib.error.URLError, OSError, ValueError) as e:
+        answer = json.loads(_post(w.prepare_url, b"{}", PREPARE_TIMEOUT_S).content or b"{}")
+    except (httpx.HTTPError, ValueError) as e:
         if tp:
             raise WorkloadBusy(f"workload {w.name}: its ranks could not be quiesced before the CUDA lock: "
                                f"{http_reason(e)}", fix="retry later; the worker keeps serving") from e
@@ -129,12 +153,14 @@ def quiesce(w: Workload, tp: bool) -> tuple[dict, float | None]:
 
 
 def http_reason(e: Exception) -> str:
-    if isinstance(e, urllib.error.HTTPError):
+    """An HTTP failure in one line: ``HTTP 409: <the engine's error>``, or what the transport said."""
+    if isinstance(e, httpx.HTTPStatusError):
+        code = e.response.status_code
         try:
-            return f"HTTP {e.code}: {json.loads(e.read()).get('error', '')}"
-        except (ValueError, OSError, AttributeError):
-            return f"HTTP {e.code}"
-    return str(e)
+            return f"HTTP {code}: {e.response.json().get('error', '')}"
+        except (ValueError, AttributeError):
+            return f"HTTP {code}"
+    return str(e) or type(e).__name__  # httpx's timeouts and resets may carry no text
 
 
 def resume(w: Workload) -> None:
@@ -142,11 +168,10 @@ def resume(w: Workload) -> None:
     if not w.resume_url:
         return
     try:
-        req = urllib.request.Request(w.resume_url, data=b"{}", headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            r.read()
-    except (urllib.error.URLError, OSError) as e:
-        log.warning("workload %s: resume failed (%s); it serves again when its hold times out", w.name, e)
+        _post(w.resume_url, b"{}", timeout_s=10)
+    except httpx.HTTPError as e:
+        log.warning("workload %s: resume failed (%s); it serves again when its hold times out", w.name,
+                    http_reason(e))
 
 
 def rank_states(url: str | None) -> str:
@@ -155,8 +180,8 @@ def rank_states(url: str | None) -> str:
         return ""
     try:
         return "; ".join(r.get("describe", str(r)) for r in _get_json(url, timeout_s=5).get("ranks", []))
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        return f"(rank states unavailable: {e})"
+    except (httpx.HTTPError, ValueError) as e:
+        return f"(rank states unavailable: {http_reason(e)})"
 
 
 # --- the two-tier protocol (docs/engines/protocol.md) -----------------------------------------
@@ -173,15 +198,14 @@ def base_url(w: Workload) -> str:
 
 def _request(url: str, body: dict | None, timeout_s: float) -> dict:
     """One HTTP exchange as data: {"ok": answer} | {"code", "error"} | {"unreachable"}."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return {"ok": json.loads(r.read() or b"{}")}
-    except urllib.error.HTTPError as e:
-        return {"code": e.code, "error": e.read().decode(errors="replace")}
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        return {"unreachable": str(e)}
+        r = http().request("GET" if body is None else "POST", url, headers=_JSON, timeout=timeout_s,
+                           content=None if body is None else json.dumps(body).encode())
+        if r.is_error:
+            return {"code": r.status_code, "error": r.text}
+        return {"ok": json.loads(r.content or b"{}")}
+    except (httpx.HTTPError, ValueError) as e:
+        return {"unreachable": str(e) or type(e).__name__}
 
 
 # A copy restored beside its original listens on the same address inside its own network

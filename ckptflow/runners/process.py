@@ -17,6 +17,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from ckptflow.errors import UndeclaredProcess, WorkloadNotFound
 from ckptflow.models import Workload
 
@@ -31,21 +33,32 @@ class DeclaredProcess:
     cmdline: str
 
 
-def _cmdline(pid: int) -> str | None:
+def _proc(pid: int) -> psutil.Process | None:
     try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return psutil.Process(pid)
+    except psutil.Error:  # gone (NoSuchProcess), or not ours to read
         return None
-    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def _cmdline(pid: int) -> str | None:
+    """The command line, arguments joined by spaces; None when the process is gone or unreadable."""
+    p = _proc(pid)
+    try:
+        return " ".join(p.cmdline()).strip() if p else None
+    except psutil.Error:  # exited meanwhile, a zombie, or access denied
+        return None
 
 
 def _start_time(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
+    p = _proc(pid)
+    if p is None:
         return None
-    # Field 22 (starttime) follows the ")" that closes the command name, which may hold spaces.
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    # psutil gives boot time + start ticks / CLK_TCK; back to the ticks themselves, the unit
+    # start times are recorded in (tasks.move keeps them to recognise a copy's init later).
+    return round((p.create_time() - psutil.boot_time()) * _CLOCK_TICKS)
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def start_time(pid: int) -> int | None:
@@ -55,45 +68,46 @@ def start_time(pid: int) -> int | None:
 
 
 def environ(pid: int) -> dict[str, str]:
-    """The environment a process was started with (/proc/PID/environ); {} if unreadable."""
+    """The environment a process was started with; {} if it is gone or unreadable."""
+    p = _proc(pid)
     try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return p.environ() if p else {}
+    except psutil.Error:
         return {}
-    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
 
 
 def tree(root_pid: int) -> list[int]:
-    """``root_pid`` and all its descendants, parents first."""
-    pids, frontier = [], [root_pid]
-    while frontier:
-        pid = frontier.pop(0)
-        pids.append(pid)
-        try:
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    frontier += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return pids
+    """``root_pid`` and all its descendants, parents first (``[root_pid]`` if it is gone)."""
+    p = _proc(root_pid)
+    try:
+        return [root_pid, *(c.pid for c in p.children(recursive=True))] if p else [root_pid]
+    except psutil.Error:
+        return [root_pid]
+
+
+def _status(pid: int) -> str | None:
+    p = _proc(pid)
+    try:
+        return p.status() if p else None
+    except psutil.Error:
+        return None
 
 
 def pid_stopped(pid: int) -> bool:
     """True while the process is stopped (state T), e.g. left by an interrupted restore."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] == "T"
+    return _status(pid) == psutil.STATUS_STOPPED
 
 
 def pid_alive(pid: int) -> bool:
-    """True while /proc/PID exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    """True while the process exists and is not a zombie."""
+    return _status(pid) not in (None, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+
+
+def pid_taken(pid: int) -> bool:
+    """True while anything holds ``pid``: a live process, a zombie not yet reaped, or a thread
+    of another process (CRIU can restore a task only into a PID nothing holds; psutil does not
+    count thread IDs as PIDs, /proc does)."""
+    return os.path.exists(f"/proc/{pid}")
 
 
 def _candidates(w: Workload) -> list[int]:
@@ -122,11 +136,10 @@ def _candidates(w: Workload) -> list[int]:
     pattern = re.compile(f.cmdline_match or "")
     me = os.getpid()
     found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != me:
-            cmd = _cmdline(int(entry))
-            if cmd and pattern.search(cmd):
-                found.append(int(entry))
+    for p in psutil.process_iter(["cmdline"]):  # an unreadable one comes with cmdline None
+        cmd = " ".join(p.info["cmdline"] or ()).strip()
+        if p.pid != me and cmd and pattern.search(cmd):
+            found.append(p.pid)
     return found
 
 

@@ -8,7 +8,7 @@ touched.
 Example:
     >>> res = verify_checkpoint(node, workload, manifest)    # doctest: +SKIP
     >>> res.state, res.reason
-    ('verified', 'golden digest and 1 session digest(s) equal')
+    (<VerifyOutcome.verified: 'verified'>, 'golden digest and 1 session digest(s) equal')
 """
 
 from __future__ import annotations
@@ -21,37 +21,39 @@ import time
 from dataclasses import dataclass, field
 
 from ckptflow.errors import CkptflowError, CriuError
-from ckptflow.models import Manifest, Workload
+from ckptflow.models import Manifest, VerifyOutcome, Workload
 from ckptflow.runners.engine import golden_digest
 from ckptflow.runners.node import NodeRunner
 
 # Runs inside the sandbox's network namespace: poll health, then ask the golden request and
 # the probe, print one JSON line. One process, so namespace entry is paid once.
 _IN_NS = r"""
-import json, sys, time, urllib.request
+import json, sys, time
+import httpx
+from ckptflow.poll import PollTimeout, poll
 cfg = json.loads(sys.argv[1]); out = {}
-t0 = time.time()
-while True:
+t0 = time.perf_counter()
+with httpx.Client(follow_redirects=True) as http:
     try:
-        urllib.request.urlopen(cfg["health"], timeout=2).read(); break
-    except Exception as e:
-        if time.time() - t0 > cfg["timeout"]:
-            print(json.dumps({"error": f"not healthy within {cfg['timeout']} s: {e}"})); sys.exit()
-        time.sleep(0.05)
-out["health_s"] = time.time() - t0
-if cfg.get("golden"):
-    g = cfg["golden"]
-    req = urllib.request.Request(g["url"], data=json.dumps(g["body"]).encode(), headers={"Content-Type": "application/json"})
-    out["golden_answer"] = json.loads(urllib.request.urlopen(req, timeout=120).read())
-if cfg.get("probe"):
-    out["sessions"] = json.loads(urllib.request.urlopen(cfg["probe"], timeout=60).read())["sessions"]
+        poll(lambda: http.get(cfg["health"], timeout=2).raise_for_status().is_success, cfg["timeout"], 0.05,
+             what="health", retry_on=(httpx.HTTPError,))
+    except PollTimeout as e:
+        print(json.dumps({"error": f"not healthy within {cfg['timeout']} s: {e.last}"})); sys.exit()
+    out["health_s"] = time.perf_counter() - t0
+    if cfg.get("golden"):
+        g = cfg["golden"]  # the body as bytes exactly as runners.engine.probe sends it
+        r = http.post(g["url"], content=json.dumps(g["body"]).encode(), timeout=120,
+                      headers={"Content-Type": "application/json"}).raise_for_status()
+        out["golden_answer"] = r.json()
+    if cfg.get("probe"):
+        out["sessions"] = http.get(cfg["probe"], timeout=60).raise_for_status().json()["sessions"]
 print(json.dumps(out))
 """
 
 
 @dataclass
 class VerifyResult:
-    state: str                   # verified | verify_failed | skipped
+    state: VerifyOutcome
     reason: str
     timings: dict[str, float] = field(default_factory=dict)
     log_tail: str = ""
@@ -98,10 +100,10 @@ def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: flo
         node.gate(w, m)
         node.store.verify_bytes(m)
     except CkptflowError as e:
-        return VerifyResult("verify_failed", str(e).splitlines()[0], t)
+        return VerifyResult(VerifyOutcome.verify_failed, str(e).splitlines()[0], t)
     t["checksum"] = round(time.perf_counter() - t0, 4)
     if w.gpu:
-        return VerifyResult("skipped", GPU_SANDBOX, t)
+        return VerifyResult(VerifyOutcome.skipped, GPU_SANDBOX, t)
     ns = new_netns("ckv")
     copy = None
     try:
@@ -109,7 +111,7 @@ def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: flo
         try:
             copy = node.criu.restore_beside(node.store.images_dir(m), netns=ns)
         except CriuError as e:
-            return VerifyResult("verify_failed", f"sandbox restore failed: {str(e).splitlines()[0]}", t, e.log_tail)
+            return VerifyResult(VerifyOutcome.verify_failed, f"sandbox restore failed: {str(e).splitlines()[0]}", t, e.log_tail)
         t["restore"] = round(time.perf_counter() - t0, 4)
         t0 = time.perf_counter()
         got = probe_in_netns(ns, w, timeout_s)
@@ -123,28 +125,28 @@ def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: flo
 
 def _compare(w: Workload, m: Manifest, got: dict, t: dict) -> VerifyResult:
     if "error" in got:
-        return VerifyResult("verify_failed", f"sandbox copy {got['error']}", t)
+        return VerifyResult(VerifyOutcome.verify_failed, f"sandbox copy {got['error']}", t)
     t["health"] = round(got.get("health_s", 0), 4)
     checked = []
     if w.golden:
         want = m.probe.get("golden")
         if want is None:
-            return VerifyResult("skipped", "the checkpoint recorded no golden digest (golden request failed "
+            return VerifyResult(VerifyOutcome.skipped, "the checkpoint recorded no golden digest (golden request failed "
                                 "or was declared later)", t)
         have = golden_digest(got["golden_answer"], w.golden.field)
         if have != want:
-            return VerifyResult("verify_failed", f"golden output digest differs: {have[:12]}... restored vs "
+            return VerifyResult(VerifyOutcome.verify_failed, f"golden output digest differs: {have[:12]}... restored vs "
                                 f"{want[:12]}... at checkpoint", t)
         checked.append("golden digest")
     if m.probe.get("sessions") is not None and "sessions" in got:
         if got["sessions"] != m.probe["sessions"]:
             bad = sorted(k for k in set(got["sessions"]) | set(m.probe["sessions"])
                          if got["sessions"].get(k) != m.probe["sessions"].get(k))
-            return VerifyResult("verify_failed", f"session state differs from the checkpoint: {', '.join(bad[:5])}", t)
+            return VerifyResult(VerifyOutcome.verify_failed, f"session state differs from the checkpoint: {', '.join(bad[:5])}", t)
         checked.append(f"{len(got['sessions'])} session digest(s)")
     if not checked:
-        return VerifyResult("verified", "healthy (no golden request or probe declared to compare)", t)
-    return VerifyResult("verified", " and ".join(checked) + " equal", t)
+        return VerifyResult(VerifyOutcome.verified, "healthy (no golden request or probe declared to compare)", t)
+    return VerifyResult(VerifyOutcome.verified, " and ".join(checked) + " equal", t)
 
 
 def verify_two_tier(node: NodeRunner, w: Workload, m: Manifest) -> VerifyResult:
@@ -155,7 +157,7 @@ def verify_two_tier(node: NodeRunner, w: Workload, m: Manifest) -> VerifyResult:
     from ckptflow.runners.twotier import TwoTierRunner
 
     if w.gpu:
-        return VerifyResult(state="skipped", reason=GPU_SANDBOX)
+        return VerifyResult(state=VerifyOutcome.skipped, reason=GPU_SANDBOX)
     ns = new_netns("cktv")
     copy = None
     try:
@@ -163,11 +165,11 @@ def verify_two_tier(node: NodeRunner, w: Workload, m: Manifest) -> VerifyResult:
         copy, info = TwoTierRunner(node).start_replica(w, ns)
         timings = {k: v for k, v in info.items() if isinstance(v, float)} | {"total": time.perf_counter() - t0}
         if info["sessions"] != m.id:
-            return VerifyResult(state="skipped", reason=f"a newer session checkpoint {info['sessions']} exists")
-        return VerifyResult(state="verified", reason=f"template {info['template']} + sessions {m.id}: every "
+            return VerifyResult(state=VerifyOutcome.skipped, reason=f"a newer session checkpoint {info['sessions']} exists")
+        return VerifyResult(state=VerifyOutcome.verified, reason=f"template {info['template']} + sessions {m.id}: every "
                             "session came back as exported", timings=timings)
     except CkptflowError as e:
-        return VerifyResult(state="verify_failed", reason=e.message.splitlines()[0])
+        return VerifyResult(state=VerifyOutcome.verify_failed, reason=e.message.splitlines()[0])
     finally:
         if copy is not None:
             copy.stop()

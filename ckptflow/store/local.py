@@ -4,9 +4,18 @@ Layout::
 
     ROOT/<workload>/<checkpoint-id>/images/...   CRIU image files (0600)
     ROOT/<workload>/<checkpoint-id>/manifest.json written last, atomically
+    ROOT/<workload>/.lock                         flock of the workload on this node
+    ROOT/.replicas/<workload>/<netns>.json        replicas scale-up started on this node
+    ROOT/.nodes/<node>.drained                    the node's drained mark (what went where)
 
 A checkpoint exists only once its manifest exists: a crash mid-write leaves bytes with no
 manifest (an orphan, removed by retention after a grace period), never a listed checkpoint.
+
+A LocalStore is also a checkpoint tier (store.tier's ``CheckpointTier``, copies ``CopyTier.node``):
+``push`` copies a checkpoint of another store into this one and ``pull`` copies one of this
+store into another, each file checked against the manifest, the manifest written last; on the
+same store both are no-ops. Fleet state (placements, fingerprints, open alerts) is
+store.fleetstate's; a local fleet keeps it under the same root.
 
 Example:
     >>> store = LocalStore(Path(".ckptflow/store"))           # doctest: +SKIP
@@ -35,8 +44,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ckptflow.errors import CheckpointNotFound, ChecksumMismatch, StorageFull, StoreError, WorkloadBusy
-from ckptflow.models import (CheckpointCopy, CheckpointKind, CheckpointState, CopyTier, FileEntry, Fingerprint,
-                             Manifest, _check_ckpt_id, _check_name, utcnow)
+from ckptflow.models import (_CKPT_ID_RE, CheckpointCopy, CheckpointKind, CheckpointState, CopyTier, FileEntry,
+                             Fingerprint, Manifest, _check_ckpt_id, _check_name, utcnow)
 
 if TYPE_CHECKING:
     from ckptflow.policies.retention import Retention
@@ -135,7 +144,11 @@ class PendingCheckpoint:
 
 
 class LocalStore:
-    """Checkpoints under a root directory (0700 directories, 0600 files)."""
+    """Checkpoints under a root directory (0700 directories, 0600 files); a ``CheckpointTier``.
+
+    Args:
+        root: the directory (created by the first checkpoint).
+    """
 
     def __init__(self, root: Path | str):
         self.root = Path(root)
@@ -226,6 +239,22 @@ class LocalStore:
         raise CheckpointNotFound(f"workload {workload} has no valid checkpoint in {self.root}",
                                  fix="run a heartbeat first, or cold start the worker")
 
+    def ids(self, workload: str) -> list[str]:
+        """Ids of the workload's checkpoints here (with a manifest), newest first."""
+        return [m.id for m in self.list(workload)]
+
+    def manifests(self, workload: str) -> list[Manifest]:
+        """The same as ``list`` (the tier interface's name)."""
+        return self.list(workload)
+
+    def manifest(self, workload: str, ckpt_id: str) -> Manifest:
+        """The same as ``get`` (the tier interface's name).
+
+        Raises:
+            CheckpointNotFound: no such checkpoint here.
+        """
+        return self.get(workload, ckpt_id)
+
     def images_dir(self, m: Manifest) -> Path:
         return self.root / m.workload / m.id / IMAGES
 
@@ -288,26 +317,6 @@ class LocalStore:
     def drop_replica(self, workload: str, netns: str) -> None:
         (self.root / ".replicas" / _check_name(workload) / f"{_check_name(netns)}.json").unlink(missing_ok=True)
 
-    # --- open alerts, one per workload (ckptflow.alerts; an S3 fleet keeps them in the bucket) --
-    def put_alert(self, workload: str, alert: dict) -> None:
-        d = self.root / ".alerts"
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        write_json_atomic(d / f"{_check_name(workload)}.json", json.dumps(alert))
-
-    def get_alert(self, workload: str) -> dict | None:
-        try:
-            return json.loads((self.root / ".alerts" / f"{_check_name(workload)}.json").read_text())
-        except FileNotFoundError:
-            return None
-
-    def drop_alert(self, workload: str) -> None:
-        (self.root / ".alerts" / f"{_check_name(workload)}.json").unlink(missing_ok=True)
-
-    def alerts(self) -> dict[str, dict]:
-        """workload -> its open alert."""
-        d = self.root / ".alerts"
-        return {p.stem: json.loads(p.read_text()) for p in d.glob("*.json")} if d.exists() else {}
-
     def delete(self, m: Manifest) -> None:
         """Delete one checkpoint: manifest first, so a crash never leaves a listed checkpoint
         without its bytes."""
@@ -337,25 +346,159 @@ class LocalStore:
         finally:
             os.close(fd)
 
-    # --- node fingerprints, as each node last reported them -------------------------------
+    # --- the node's drained mark (a record on the node itself, beside the fleet state's
+    # ``.nodes/<node>.json`` fingerprints of a local fleet) -----------------------------------
     def mark_drained(self, node: str, record: dict) -> Path:
         """Record that ``node`` was drained (what went where, by which flow run)."""
-        path = self.root / ".nodes" / f"{node}.drained"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = self.root / ".nodes" / f"{_check_name(node)}.drained"
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         write_json_atomic(path, json.dumps(record))
         return path
 
+    # --- fleet state kept under this root: the code is store.fleetstate's LocalFleetState ----
+    # (kept for callers that still reach it through the store: tests/test_verify.py,
+    # test_invalidate.py; new code opens it with store.open_fleet_state)
+    @property
+    def fleet_state(self):
+        """The LocalFleetState under this store's root."""
+        from ckptflow.store.fleetstate import LocalFleetState
+
+        return LocalFleetState(self.root)
+
+    def put_alert(self, workload: str, alert: dict) -> None:
+        self.fleet_state.put_alert(workload, alert)
+
+    def get_alert(self, workload: str) -> dict | None:
+        return self.fleet_state.get_alert(workload)
+
+    def drop_alert(self, workload: str) -> None:
+        self.fleet_state.drop_alert(workload)
+
+    def alerts(self) -> dict[str, dict]:
+        return self.fleet_state.alerts()
+
     def put_node_fingerprint(self, node: str, fp: Fingerprint) -> None:
-        _check_name(node)
-        d = self.root / ".nodes"
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        write_json_atomic(d / f"{node}.json", fp.model_dump_json(indent=2))
+        self.fleet_state.put_node_fingerprint(node, fp)
 
     def node_fingerprints(self) -> dict[str, Fingerprint]:
-        d = self.root / ".nodes"
-        if not d.exists():
-            return {}
-        return {p.stem: Fingerprint.model_validate_json(p.read_text()) for p in d.glob("*.json")}
+        return self.fleet_state.node_fingerprints()
+
+    # --- copies of checkpoints from another tier (S3Tier.pull, LocalStore.pull / push) --------
+    def usable_copy(self, workload: str, ckpt_id: str) -> Manifest | None:
+        """This store's copy of a checkpoint, unless there is none or it failed verification
+        (a copy from a tier then replaces it: the tier's bytes were checked when pushed)."""
+        try:
+            have = self.get(workload, ckpt_id)
+        except CheckpointNotFound:
+            return None
+        return None if have.state == CheckpointState.verify_failed else have
+
+    def begin_copy(self, workload: str, ckpt_id: str, *, node: str) -> PendingCheckpoint:
+        """An empty checkpoint directory with a given id, for a copy from a tier to write its
+        image files into; whatever was there (a copy that failed verification, orphan bytes)
+        is removed first. Finish with ``commit_copy``, or ``abort``."""
+        _check_name(workload)
+        _check_ckpt_id(ckpt_id)
+        d = self.root / workload / ckpt_id
+        if d.exists():
+            (d / MANIFEST).unlink(missing_ok=True)
+            shutil.rmtree(d)
+        try:
+            os.makedirs(d / IMAGES, mode=0o700)
+        except OSError as e:
+            raise _store_error(e, d) from e
+        for p in (self.root, self.root / workload, d):
+            os.chmod(p, 0o700)
+        return PendingCheckpoint(workload=workload, node=node, id=ckpt_id, dir=d)
+
+    def commit_copy(self, pending: PendingCheckpoint, m: Manifest) -> Manifest:
+        """Write the manifest of a copied checkpoint, last and atomically. The caller checked
+        every byte against ``m`` (its files are not hashed again here)."""
+        if (m.workload, m.id) != (pending.workload, pending.id):
+            raise StoreError(f"manifest {m.workload}/{m.id} does not belong in {pending.dir}")
+        write_json_atomic(pending.dir / MANIFEST, m.model_dump_json(indent=2))
+        return m
+
+    # --- this store as a tier ----------------------------------------------------------------
+    copy_tier = CopyTier.node
+
+    @property
+    def location(self) -> str:
+        """The store's root directory (manifests name its copies by node: ``node:<name>``)."""
+        return str(self.root)
+
+    def _same(self, other: "LocalStore") -> bool:
+        return self.root.resolve() == other.root.resolve()
+
+    def _copy_in(self, src: "LocalStore", m: Manifest, node: str) -> PendingCheckpoint:
+        """Copy the image files of ``src``'s checkpoint ``m`` into a new checkpoint directory here,
+        checking each against the manifest; the caller commits or aborts it."""
+        from_dir = src.images_dir(m)
+        pending = self.begin_copy(m.workload, m.id, node=node)
+        try:
+            for f in m.files:
+                target = pending.images_dir / f.path
+                target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                shutil.copyfile(from_dir / f.path, target)
+                os.chmod(target, 0o600)
+            self.verify_bytes(m)
+        except BaseException as e:
+            self.abort(pending)
+            if isinstance(e, FileNotFoundError):
+                raise ChecksumMismatch(f"checkpoint {m.id} of {m.workload}: {e.filename} is missing in {src.root}",
+                                       fix="restore from an older checkpoint; this one is corrupt") from None
+            if isinstance(e, OSError):
+                raise _store_error(e, pending.dir) from e
+            raise
+        return pending
+
+    def push(self, local: "LocalStore", m: Manifest) -> dict:
+        """Copy checkpoint ``m`` of ``local`` into this store, every file checked against the
+        manifest, the manifest written last. Pushing a store into itself, or a checkpoint this
+        store already holds (and has not failed verification), copies nothing.
+
+        Returns:
+            ``uploaded_bytes`` (copied), ``skipped_bytes``, ``seconds``.
+
+        Raises:
+            ChecksumMismatch: a file of ``local`` is missing or differs (nothing is left here).
+            StorageFull, StoreError: writing here failed (nothing is left here).
+        """
+        t0 = time.perf_counter()
+        if self._same(local) or self.usable_copy(m.workload, m.id) is not None:
+            return {"uploaded_bytes": 0, "skipped_bytes": m.bytes, "seconds": 0.0}
+        current = local.get(m.workload, m.id)
+        self.commit_copy(self._copy_in(local, current, current.node), current)
+        return {"uploaded_bytes": m.bytes, "skipped_bytes": 0, "seconds": round(time.perf_counter() - t0, 3)}
+
+    def pull(self, local: "LocalStore", workload: str, ckpt_id: str, node: str,
+             remote: Manifest | None = None) -> tuple[Manifest, dict]:
+        """Copy a checkpoint of this store into ``local``, the store of ``node`` (every file
+        checked, the manifest written last, listing the new copy ``node:<node>``). A copy in
+        ``local`` that has not failed verification is kept; pulling into this same store
+        returns its own manifest. ``remote``: this store's manifest, when the caller read it.
+
+        Returns:
+            (the manifest in ``local``, ``{"downloaded_bytes", "seconds"}``).
+
+        Raises:
+            CheckpointNotFound: no such checkpoint here.
+            ChecksumMismatch: a file here is missing or differs (nothing is left in ``local``).
+        """
+        t0 = time.perf_counter()
+        if self._same(local):
+            return self.get(workload, ckpt_id), {"downloaded_bytes": 0, "seconds": 0.0}
+        have = local.usable_copy(workload, ckpt_id)
+        if have is not None:
+            return have, {"downloaded_bytes": 0, "seconds": 0.0}
+        remote = remote or self.get(workload, ckpt_id)
+        pending = local._copy_in(self, remote, node)
+        try:
+            m = local.commit_copy(pending, remote.with_copy(CopyTier.node, node))
+        except BaseException:
+            local.abort(pending)
+            raise
+        return m, {"downloaded_bytes": m.bytes, "seconds": round(time.perf_counter() - t0, 3)}
 
     def apply_retention(self, workload: str, rule: "Retention | None" = None, now: datetime | None = None,
                         orphan_grace: timedelta = timedelta(hours=1)) -> list[tuple[str, str]]:
@@ -380,15 +523,40 @@ class LocalStore:
             gone.append((d.name, "orphan bytes without a manifest"))
         return gone
 
+    def prune(self, rule: "Retention | None" = None, now: datetime | None = None,
+              orphan_grace: timedelta = timedelta(hours=1)) -> dict:
+        """``apply_retention`` for every workload with a directory here.
+
+        Returns:
+            ``manifests_deleted`` (``workload``, ``checkpoint``, ``why`` each; orphan bytes
+            too), ``manifests_kept``, ``bytes_freed`` (of the deleted manifests),
+            ``chunks_deleted`` (0: two-tier chunks in ``ROOT/chunks`` are not collected yet).
+        """
+        gone, kept, freed = [], 0, 0
+        for workload in self.workloads():
+            try:
+                _check_name(workload)
+            except ValueError:  # not a workload's directory (lost+found, ...)
+                continue
+            sizes = {m.id: m.bytes for m in self.list(workload)}
+            deleted = self.apply_retention(workload, rule, now, orphan_grace)
+            gone += [{"workload": workload, "checkpoint": i, "why": why} for i, why in deleted]
+            freed += sum(sizes.get(i, 0) for i, _ in deleted)
+            kept += len(sizes) - sum(i in sizes for i, _ in deleted)
+        return {"manifests_deleted": gone, "chunks_deleted": 0, "bytes_freed": freed, "manifests_kept": kept}
+
     def orphans(self, workload: str, older_than: timedelta) -> list[Path]:
-        """Checkpoint directories without a manifest, older than ``older_than``."""
+        """Checkpoint directories (named like a checkpoint id) without a manifest, older than
+        ``older_than``. Other directories are never orphans: ``ROOT/chunks/<xx>`` of two-tier
+        checkpoints must not be mistaken for one."""
         _check_name(workload)
         wdir = self.root / workload
         cutoff = time.time() - older_than.total_seconds()
         if not wdir.exists():
             return []
         return [d for d in wdir.iterdir()
-                if d.is_dir() and not (d / MANIFEST).exists() and d.stat().st_mtime < cutoff]
+                if d.is_dir() and _CKPT_ID_RE.match(d.name) and not (d / MANIFEST).exists()
+                and d.stat().st_mtime < cutoff]
 
 
 def _store_error(e: OSError, where: Path) -> StoreError:

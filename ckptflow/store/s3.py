@@ -4,12 +4,17 @@ Layout in the bucket::
 
     PREFIX/chunks/<sha256>                         one chunk of an image file (CHUNK bytes)
     PREFIX/manifests/<workload>/<checkpoint>.json  the manifest, uploaded last
+    PREFIX/leases/<uuid>.json, PREFIX/locks/prune.json   push leases and the prune lock (see prune)
+
+(The fleet state under ``PREFIX/placements``, ``alerts`` and ``nodes`` is store.fleetstate's
+``S3FleetState``; both reach the bucket through ``S3Objects`` here.)
 
 A checkpoint is pushed from the node's local store (where CRIU wrote it, and where the
 newest copy stays for a fast restore in place) and pulled into another node's local store.
 Chunks are addressed by their sha256, so a second heartbeat of the same worker, and workers
 with the same weights, upload only chunks the bucket does not hold yet. Every downloaded
-chunk is checked against its address before it is written.
+chunk is checked against its address before it is written. ``S3Tier`` implements
+store.tier's ``CheckpointTier``.
 
 Example:
     >>> s3 = S3Tier(bucket="ckpt", endpoint_url="http://127.0.0.1:8333")       # doctest: +SKIP
@@ -23,10 +28,15 @@ import hashlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 from ckptflow.errors import ChecksumMismatch, CheckpointNotFound, StorageUnavailable, StoreError
-from ckptflow.models import CheckpointState, CopyTier, Manifest, _check_ckpt_id, _check_name
-from ckptflow.store.local import LocalStore, write_json_atomic
+from ckptflow.models import CheckpointState, CopyTier, Manifest, _check_ckpt_id, _check_name, utcnow
+from ckptflow.store.local import LocalStore
+
+if TYPE_CHECKING:
+    from ckptflow.policies.retention import Retention
 
 LEASE_TTL_S = 6 * 3600   # a push lease older than this is from a crashed push
 PRUNE_TTL_S = 3600       # a prune lock older than this is from a crashed prune
@@ -34,59 +44,47 @@ CHUNK = 8 << 20      # small enough that a changed KV region re-uploads little, 
 THREADS = 16         # parallel PUT/GET of chunks (I/O bound; the GIL is released)
 
 
-class S3Tier:
-    """Push and pull checkpoints between a node's LocalStore and an S3-compatible bucket."""
+class S3Objects:
+    """The objects under one prefix of one bucket, every call's error typed
+    (``StorageUnavailable``: retry; a missing key: ``ClientError`` NoSuchKey, for the caller to
+    read as "none"). What the S3 tier and the S3 fleet state share; one boto3 client each,
+    or one between them (``client``).
+
+    Args:
+        bucket: the bucket's name.
+        prefix: key prefix inside it (``storage.prefix``, default ``ckptflow``).
+        endpoint_url: S3 endpoint (None: AWS).
+        region: S3 region (default us-east-1).
+        server_side_encryption: SSE mode passed on every PUT (None: none).
+        client: a boto3 S3 client to use instead of a new one.
+        pool: connections the new client keeps (parallel chunk transfers need one each).
+        timeout_s: connect and read timeout of each call.
+        attempts: tries per call (botocore's standard retry mode).
+    """
 
     def __init__(self, bucket: str, prefix: str = "ckptflow", endpoint_url: str | None = None,
-                 region: str | None = None, server_side_encryption: str | None = "AES256",
-                 client=None, threads: int = THREADS, key: bytes | None = None, timeout_s: float = 60,
-                 attempts: int = 5):
-        import boto3
-        from botocore.config import Config
-
-        if key is not None and len(key) != 32:
-            raise StoreError(f"client-side encryption key has {len(key)} bytes; AES-256-GCM needs 32",
-                             fix="generate one with: python -c 'import os,base64;print(base64.b64encode(os.urandom(32)).decode())'")
-        self.key = key
+                 region: str | None = None, server_side_encryption: str | None = "AES256", client=None,
+                 pool: int = 10, timeout_s: float = 60, attempts: int = 5):
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.sse = server_side_encryption
-        self.threads = threads
-        self.s3 = client or boto3.client("s3", endpoint_url=endpoint_url, region_name=region or "us-east-1",
-                                         config=Config(max_pool_connections=threads * 2, connect_timeout=timeout_s,
-                                                       read_timeout=timeout_s,
-                                                       retries={"max_attempts": attempts, "mode": "standard"},
-                                                       # every chunk is checked against its sha256
-                                                       # address here; botocore's own response
-                                                       # checksum would hash each byte a second time
-                                                       response_checksum_validation="when_required"))
+        if client is None:
+            import boto3
+            from botocore.config import Config
 
-    @classmethod
-    def from_storage(cls, storage, key: bytes | None = None) -> "S3Tier":
-        return cls(bucket=storage.bucket, prefix=storage.prefix, endpoint_url=storage.endpoint_url,
-                   region=storage.region, server_side_encryption=storage.server_side_encryption,
-                   key=key if key is not None else _load_key(storage))
+            client = boto3.client("s3", endpoint_url=endpoint_url, region_name=region or "us-east-1",
+                                  config=Config(max_pool_connections=pool, connect_timeout=timeout_s,
+                                                read_timeout=timeout_s,
+                                                retries={"max_attempts": attempts, "mode": "standard"},
+                                                # every chunk is checked against its sha256
+                                                # address here; botocore's own response
+                                                # checksum would hash each byte a second time
+                                                response_checksum_validation="when_required"))
+        self.s3 = client
 
-    # Chunks keep their plaintext sha256 as address (dedup still works); with a key, the object
-    # is nonce || AES-256-GCM(chunk), the address as associated data, so a swapped object fails.
-    def _seal(self, digest: str, data: bytes) -> bytes:
-        if self.key is None:
-            return data
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-        nonce = os.urandom(12)
-        return nonce + AESGCM(self.key).encrypt(nonce, data, digest.encode())
-
-    def _open(self, digest: str, blob: bytes) -> bytes:
-        if self.key is None:
-            return blob
-        from cryptography.exceptions import InvalidTag
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-        try:
-            return AESGCM(self.key).decrypt(blob[:12], blob[12:], digest.encode())
-        except (InvalidTag, ValueError):
-            raise ChecksumMismatch(f"chunk {digest[:16]}... does not decrypt with this node's key",
-                                   fix="the chunk is corrupt or was written with another key") from None
+    @property
+    def location(self) -> str:
+        """``s3://bucket/prefix``: where these objects are, as manifests and messages name it."""
+        return f"s3://{self.bucket}/{self.prefix}"
 
     def _key(self, *parts: str) -> str:
         return "/".join([self.prefix, *parts])
@@ -117,10 +115,103 @@ class S3Tier:
         except ClientError:
             return False
 
+    def _put(self, what: str, key: str, body: bytes) -> None:
+        self._call(what, self.s3.put_object, Bucket=self.bucket, Key=key, Body=body, **self._put_kw())
+
+    def _get(self, what: str, key: str) -> bytes | None:
+        """The object's body, None when there is no such key."""
+        from botocore.exceptions import ClientError
+
+        try:
+            return self._call(what, self.s3.get_object, Bucket=self.bucket, Key=key)["Body"].read()
+        except ClientError:  # NoSuchKey
+            return None
+
+    def _delete(self, key: str) -> None:
+        self._call("delete", self.s3.delete_object, Bucket=self.bucket, Key=key)
+
+    def _keys(self, prefix: str) -> list[dict]:
+        """Every object under ``prefix`` (all pages), errors typed like every other call."""
+        pages = self._call(f"list {prefix}", lambda: list(
+            self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)))
+        return [o for page in pages for o in page.get("Contents", [])]
+
+    def _bodies(self, folder: str) -> dict[str, bytes]:
+        """name (without .json) -> body, for each object in ``PREFIX/folder/``."""
+        return {o["Key"].rsplit("/", 1)[1].removesuffix(".json"):
+                self._call(f"get {folder}", self.s3.get_object, Bucket=self.bucket, Key=o["Key"])["Body"].read()
+                for o in self._keys(self._key(folder) + "/")}
+
+
+class S3Tier(S3Objects):
+    """Push and pull checkpoints between a node's LocalStore and an S3-compatible bucket
+    (store.tier's ``CheckpointTier``; the copies it holds are ``CopyTier.s3``).
+
+    Args:
+        bucket, prefix, endpoint_url, region, server_side_encryption, client, timeout_s,
+            attempts: as ``S3Objects``.
+        threads: parallel PUT/GET of chunks.
+        key: 32-byte client-side encryption key (AES-256-GCM per chunk); None: none.
+
+    Raises:
+        StoreError: ``key`` is not 32 bytes.
+    """
+
+    copy_tier = CopyTier.s3
+
+    def __init__(self, bucket: str, prefix: str = "ckptflow", endpoint_url: str | None = None,
+                 region: str | None = None, server_side_encryption: str | None = "AES256",
+                 client=None, threads: int = THREADS, key: bytes | None = None, timeout_s: float = 60,
+                 attempts: int = 5):
+        if key is not None and len(key) != 32:
+            raise StoreError(f"client-side encryption key has {len(key)} bytes; AES-256-GCM needs 32",
+                             fix="generate one with: python -c 'import os,base64;print(base64.b64encode(os.urandom(32)).decode())'")
+        super().__init__(bucket, prefix, endpoint_url, region, server_side_encryption, client,
+                         pool=threads * 2, timeout_s=timeout_s, attempts=attempts)
+        self.key = key
+        self.threads = threads
+
+    @classmethod
+    def from_storage(cls, storage, key: bytes | None = None) -> "S3Tier":
+        return cls(bucket=storage.bucket, prefix=storage.prefix, endpoint_url=storage.endpoint_url,
+                   region=storage.region, server_side_encryption=storage.server_side_encryption,
+                   key=key if key is not None else _load_key(storage))
+
+    # Chunks keep their plaintext sha256 as address (dedup still works); with a key, the object
+    # is nonce || AES-256-GCM(chunk), the address as associated data, so a swapped object fails.
+    def _seal(self, digest: str, data: bytes) -> bytes:
+        if self.key is None:
+            return data
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        nonce = os.urandom(12)
+        return nonce + AESGCM(self.key).encrypt(nonce, data, digest.encode())
+
+    def _open(self, digest: str, blob: bytes) -> bytes:
+        if self.key is None:
+            return blob
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        try:
+            return AESGCM(self.key).decrypt(blob[:12], blob[12:], digest.encode())
+        except (InvalidTag, ValueError):
+            raise ChecksumMismatch(f"chunk {digest[:16]}... does not decrypt with this node's key",
+                                   fix="the chunk is corrupt or was written with another key") from None
+
     # --- push ------------------------------------------------------------------------------
     def push(self, local: LocalStore, m: Manifest) -> dict:
         """Upload the checkpoint's new chunks in parallel, then its manifest (last), under a
-        lease that keeps ``prune`` from deleting a chunk this push counts on (see prune)."""
+        lease that keeps ``prune`` from deleting a chunk this push counts on (see prune).
+
+        Returns:
+            ``uploaded_bytes``, ``skipped_bytes`` (chunks the bucket held already), ``chunks``,
+            ``seconds``.
+
+        Raises:
+            ChecksumMismatch: the local bytes differ from their manifest (nothing is uploaded).
+            StorageUnavailable: the bucket is unreachable or being pruned (retry later).
+        """
         lease = self._lease()
         try:
             return self._push(local, m)
@@ -154,55 +245,31 @@ class S3Tier:
         local_m = local.add_copy(m, CopyTier.s3, self.location)  # written before the manifest goes up:
         remote = local_m.model_copy(update={"probe": {**local_m.probe, "s3_chunk_size": CHUNK,  # it lists both
                                                       "s3_chunks": chunks}})
-        self._call("put manifest", self.s3.put_object, Bucket=self.bucket,
-                   Key=self._key("manifests", m.workload, f"{m.id}.json"),
-                   Body=remote.model_dump_json(indent=2).encode(), **self._put_kw())
+        self._put("put manifest", self._manifest_key(m.workload, m.id), remote.model_dump_json(indent=2).encode())
         up = sum(n for _, n, new in results if new)
         return {"uploaded_bytes": up, "skipped_bytes": sum(n for _, n, new in results if not new),
                 "chunks": len(results), "seconds": round(time.perf_counter() - t0, 3)}
 
-    @property
-    def location(self) -> str:
-        """Where this tier's copies are, as manifests list it."""
-        return f"s3://{self.bucket}/{self.prefix}"
+    def _manifest_key(self, workload: str, ckpt_id: str) -> str:
+        return self._key("manifests", _check_name(workload), f"{_check_ckpt_id(ckpt_id)}.json")
 
     # --- prune: retention in the bucket, then chunks no manifest references -----------------
     # A push checks which chunks the bucket already holds and uploads only the others, so a
     # chunk deleted between that check and the push's manifest would leave a manifest without
     # its bytes. Push and prune therefore never overlap: a push writes a lease, then looks for
     # the prune lock (and backs off if it is there); prune writes the lock, then looks for
-    # leases (and gives up if any is live). Whichever wrote second sees the other.
+    # leases (and gives up if any is live). Whichever wrote second sees the other. Deleting a
+    # manifest (delete, apply_retention) needs neither: no push counts on another's manifest.
     def _stamp(self, key: str) -> None:
         import json
 
-        self._call("put", self.s3.put_object, Bucket=self.bucket, Key=key,
-                   Body=json.dumps({"at": time.time()}).encode(), **self._put_kw())
+        self._put("put", key, json.dumps({"at": time.time()}).encode())
 
     def _stamp_at(self, key: str) -> float | None:
         import json
 
-        from botocore.exceptions import ClientError
-
-        try:
-            body = self._call("get", self.s3.get_object, Bucket=self.bucket, Key=key)["Body"].read()
-        except ClientError:
-            return None
-        return float(json.loads(body)["at"])
-
-    def _delete(self, key: str) -> None:
-        self._call("delete", self.s3.delete_object, Bucket=self.bucket, Key=key)
-
-    def _keys(self, prefix: str) -> list[dict]:
-        """Every object under ``prefix`` (all pages), errors typed like every other call."""
-        pages = self._call(f"list {prefix}", lambda: list(
-            self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)))
-        return [o for page in pages for o in page.get("Contents", [])]
-
-    def _bodies(self, folder: str) -> dict[str, bytes]:
-        """name (without .json) -> body, for each object in ``PREFIX/folder/``."""
-        return {o["Key"].rsplit("/", 1)[1].removesuffix(".json"):
-                self._call(f"get {folder}", self.s3.get_object, Bucket=self.bucket, Key=o["Key"])["Body"].read()
-                for o in self._keys(self._key(folder) + "/")}
+        body = self._get("get", key)
+        return None if body is None else float(json.loads(body)["at"])
 
     def _lease(self) -> str:
         import uuid
@@ -217,17 +284,53 @@ class S3Tier:
                                      fix="nothing to do: the local copy stands and the next heartbeat pushes it")
         return key
 
-    def prune(self, rule=None, now: float | None = None) -> dict:
+    def delete(self, m: Manifest) -> None:
+        """Delete the bucket's copy of one checkpoint: its manifest (its chunks go at the next
+        ``prune``, once no manifest references them)."""
+        self._delete(self._manifest_key(m.workload, m.id))
+
+    def _retain(self, workload: str, ms: list[Manifest], now: datetime,
+                rule: "Retention | None") -> tuple[list[tuple[str, str]], list[Manifest]]:
+        """Delete the manifests of ``ms`` (one workload's) that the rule names: (deleted, kept)."""
+        from ckptflow.policies.retention import to_delete
+
+        newest_valid = max((m for m in ms if m.state.restorable), key=lambda m: (m.created, m.id), default=None)
+        drop = {m.id: why for m, why in to_delete(ms, now, rule)}
+        if newest_valid is not None and newest_valid.id in drop:
+            raise StoreError(f"retention wanted to delete {newest_valid.id}, the newest valid checkpoint "
+                             f"of {workload} in the bucket")
+        gone, kept = [], []
+        for m in ms:
+            if m.id in drop:
+                self.delete(m)
+                gone.append((m.id, drop[m.id]))
+            else:
+                kept.append(m)
+        return gone, kept
+
+    def apply_retention(self, workload: str, rule: "Retention | None" = None,
+                        now: datetime | None = None) -> list[tuple[str, str]]:
+        """Delete the bucket's manifests of ``workload`` that the retention rule names, never its
+        newest valid one; returns (checkpoint id, why) of each. Chunks stay until ``prune``.
+
+        Raises:
+            StoreError: the rule named the newest valid checkpoint (a policy bug; nothing of it
+                is deleted).
+        """
+        return self._retain(workload, self.manifests(workload), now or utcnow(), rule)[0]
+
+    def prune(self, rule: "Retention | None" = None, now: datetime | float | None = None) -> dict:
         """Apply the retention rule to the bucket's manifests (never the newest valid one of a
         workload), then delete the chunks no remaining manifest references.
 
-        Returns what it deleted, or ``{"skipped": reason}`` while pushes are running.
+        Returns:
+            ``manifests_deleted`` (``workload``, ``checkpoint``, ``why`` each), ``manifests_kept``,
+            ``chunks_deleted``, ``bytes_freed``; or ``{"skipped": reason}`` while pushes are running.
         """
-        from datetime import datetime, timezone
-
-        from ckptflow.policies.retention import to_delete
-
-        now = time.time() if now is None else now
+        if now is None:
+            now = utcnow()
+        elif not isinstance(now, datetime):
+            now = datetime.fromtimestamp(now, timezone.utc)
         lock = self._key("locks", "prune.json")
         self._stamp(lock)
         try:
@@ -241,17 +344,9 @@ class S3Tier:
                 workload, name = o["Key"].rsplit("/", 2)[-2:]
                 by_workload.setdefault(workload, []).append(self.manifest(workload, name.removesuffix(".json")))
             for workload, ms in by_workload.items():
-                newest_valid = max((m for m in ms if m.state.restorable), key=lambda m: (m.created, m.id), default=None)
-                drop = {m.id: why for m, why in to_delete(ms, datetime.fromtimestamp(now, timezone.utc), rule)}
-                if newest_valid is not None and newest_valid.id in drop:
-                    raise StoreError(f"retention wanted to delete {newest_valid.id}, the newest valid checkpoint "
-                                     f"of {workload} in the bucket")
-                for m in ms:
-                    if m.id in drop:
-                        self._delete(self._key("manifests", workload, f"{m.id}.json"))
-                        gone.append({"workload": workload, "checkpoint": m.id, "why": drop[m.id]})
-                    else:
-                        kept.append(m)
+                deleted, still = self._retain(workload, ms, now, rule)
+                gone += [{"workload": workload, "checkpoint": i, "why": why} for i, why in deleted]
+                kept += still
             referenced = {d for m in kept for ds in m.probe.get("s3_chunks", {}).values() for d in ds}
             freed = chunks = 0
             for o in self._keys(self._key("chunks") + "/"):
@@ -264,136 +359,124 @@ class S3Tier:
         finally:
             self._delete(lock)
 
-    # --- where each workload runs now (a migrate moves it off its declared node) ----------
-    def put_placement(self, workload: str, node: str, checkpoint: str) -> None:
-        import json
+    # --- fleet state: kept for callers that still reach it through the tier -----------------
+    # (tests/test_tiers.py, test_invalidate.py, test_verify.py, bench/soak.py). The code and
+    # the key layout are store.fleetstate's S3FleetState; new code opens it with
+    # store.open_fleet_state.
+    @property
+    def fleet_state(self):
+        """The S3FleetState of this bucket and prefix, sharing this tier's client."""
+        from ckptflow.store.fleetstate import S3FleetState
 
-        _check_name(workload)
-        _check_name(node)
-        body = json.dumps({"node": node, "checkpoint": checkpoint, "at": time.time()}).encode()
-        self._call("put placement", self.s3.put_object, Bucket=self.bucket,
-                   Key=self._key("placements", f"{workload}.json"), Body=body, **self._put_kw())
+        return S3FleetState(self.bucket, self.prefix, server_side_encryption=self.sse, client=self.s3)
+
+    def put_placement(self, workload: str, node: str, checkpoint: str) -> None:
+        self.fleet_state.put_placement(workload, node, checkpoint)
 
     def placements(self) -> dict[str, str]:
-        """workload -> node, for every workload a migrate moved."""
-        import json
+        return self.fleet_state.placements()
 
-        return {w: json.loads(body)["node"] for w, body in self._bodies("placements").items()}
-
-    # --- open alerts, one per workload: every node sees (and resolves) the same state ---------
     def put_alert(self, workload: str, alert: dict) -> None:
-        import json
-
-        self._call("put alert", self.s3.put_object, Bucket=self.bucket,
-                   Key=self._key("alerts", f"{_check_name(workload)}.json"), Body=json.dumps(alert).encode(),
-                   **self._put_kw())
+        self.fleet_state.put_alert(workload, alert)
 
     def get_alert(self, workload: str) -> dict | None:
-        import json
-
-        from botocore.exceptions import ClientError
-
-        try:
-            body = self._call("get alert", self.s3.get_object, Bucket=self.bucket,
-                              Key=self._key("alerts", f"{_check_name(workload)}.json"))["Body"].read()
-        except ClientError:  # NoSuchKey: no alert open
-            return None
-        return json.loads(body)
+        return self.fleet_state.get_alert(workload)
 
     def drop_alert(self, workload: str) -> None:
-        self._delete(self._key("alerts", f"{_check_name(workload)}.json"))
+        self.fleet_state.drop_alert(workload)
 
     def alerts(self) -> dict[str, dict]:
-        """workload -> its open alert."""
-        import json
+        return self.fleet_state.alerts()
 
-        return {w: json.loads(body) for w, body in self._bodies("alerts").items()}
-
-    # --- node fingerprints: every node reports here, invalidate reads them all --------------
     def put_node_fingerprint(self, node: str, fp) -> None:
-        _check_name(node)
-        self._call("put fingerprint", self.s3.put_object, Bucket=self.bucket, Key=self._key("nodes", f"{node}.json"),
-                   Body=fp.model_dump_json(indent=2).encode(), **self._put_kw())
+        self.fleet_state.put_node_fingerprint(node, fp)
 
     def node_fingerprints(self) -> dict:
-        from ckptflow.models import Fingerprint
-
-        return {n: Fingerprint.model_validate_json(body) for n, body in self._bodies("nodes").items()}
+        return self.fleet_state.node_fingerprints()
 
     def set_state(self, m: Manifest, state: CheckpointState, reason: str | None = None) -> Manifest:
         """Rewrite the bucket's manifest with a new state (e.g. invalidated), keeping its chunk map."""
         remote = self.manifest(m.workload, m.id).model_copy(update={"state": state, "state_reason": reason})
-        self._call("put manifest", self.s3.put_object, Bucket=self.bucket,
-                   Key=self._key("manifests", m.workload, f"{m.id}.json"),
-                   Body=remote.model_dump_json(indent=2).encode(), **self._put_kw())
+        self._put("put manifest", self._manifest_key(m.workload, m.id), remote.model_dump_json(indent=2).encode())
         return remote
 
-    # --- pull ------------------------------------------------------------------------------
-    def list(self, workload: str) -> list[str]:
+    # --- read ------------------------------------------------------------------------------
+    def ids(self, workload: str) -> list[str]:
+        """Ids of the workload's checkpoints in the bucket, newest first (ids sort by time)."""
         _check_name(workload)
         return sorted((o["Key"].rsplit("/", 1)[1].removesuffix(".json")
                        for o in self._keys(self._key("manifests", workload) + "/")), reverse=True)
 
-    def manifest(self, workload: str, ckpt_id: str) -> Manifest:
-        from botocore.exceptions import ClientError
+    def list(self, workload: str) -> list[str]:
+        """The same as ``ids`` (the name runners.node and older callers use)."""
+        return self.ids(workload)
 
-        _check_name(workload)
-        _check_ckpt_id(ckpt_id)
-        try:
-            body = self._call("get manifest", self.s3.get_object, Bucket=self.bucket,
-                              Key=self._key("manifests", workload, f"{ckpt_id}.json"))["Body"].read()
-        except ClientError:
-            raise CheckpointNotFound(f"no checkpoint {ckpt_id} of {workload} in s3://{self.bucket}/{self.prefix}") from None
+    def manifests(self, workload: str) -> list[Manifest]:
+        """The bucket's manifests of ``workload``, newest first (one GET each)."""
+        return [self.manifest(workload, i) for i in self.ids(workload)]
+
+    def manifest(self, workload: str, ckpt_id: str) -> Manifest:
+        """The bucket's manifest (it lists its chunks in ``probe["s3_chunks"]``).
+
+        Raises:
+            CheckpointNotFound: the bucket holds no such checkpoint.
+        """
+        body = self._get("get manifest", self._manifest_key(workload, ckpt_id))
+        if body is None:
+            raise CheckpointNotFound(f"no checkpoint {ckpt_id} of {workload} in s3://{self.bucket}/{self.prefix}")
         return Manifest.model_validate_json(body)
 
+    # --- pull ------------------------------------------------------------------------------
     def pull(self, local: LocalStore, workload: str, ckpt_id: str, node: str,
              remote: Manifest | None = None) -> tuple[Manifest, dict]:
         """Download a checkpoint into ``local``, the store of ``node`` (manifest written last,
         listing this new copy); every chunk verified. A local copy that already passed is kept;
         one marked ``verify_failed`` is replaced. ``remote``: the bucket's manifest, when the
-        caller read it already."""
-        import shutil
+        caller read it already.
 
+        Returns:
+            (the local manifest, ``{"downloaded_bytes", "seconds"}``).
+
+        Raises:
+            CheckpointNotFound: no such checkpoint in the bucket.
+            ChecksumMismatch: a chunk does not match its address (nothing is left behind).
+            StorageUnavailable: the bucket is unreachable.
+        """
+        have = local.usable_copy(workload, ckpt_id)
+        if have is not None:
+            return have, {"downloaded_bytes": 0, "seconds": 0.0}
         remote = remote or self.manifest(workload, ckpt_id)
         t0 = time.perf_counter()
-        d = local.root / workload / ckpt_id
-        if (d / "manifest.json").exists():
-            have = local.get(workload, ckpt_id)
-            if have.state != CheckpointState.verify_failed:
-                return have, {"downloaded_bytes": 0, "seconds": 0.0}
-            shutil.rmtree(d)  # its bytes are known bad; the bucket's were verified when pushed
-        images = d / "images"
-        images.mkdir(parents=True, exist_ok=True, mode=0o700)
-        for p in (local.root, local.root / workload, d):
-            os.chmod(p, 0o700)
-        size = remote.probe["s3_chunk_size"]
-        jobs = []
-        for f in remote.files:
-            target = images / f.path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with open(target, "wb") as fh:
-                os.posix_fallocate(fh.fileno(), 0, f.size) if f.size else None  # extents up front: parallel writes land in place
-            os.chmod(target, 0o600)
-            jobs += [(f.path, i * size, digest) for i, digest in enumerate(remote.probe["s3_chunks"][f.path])]
-
-        def one(job) -> int:
-            path, off, digest = job
-            body = self._call("get", self.s3.get_object, Bucket=self.bucket, Key=self._key("chunks", digest))["Body"]
-            fd = os.open(images / path, os.O_WRONLY)
-            try:
-                if self.key is None:
-                    n, got_digest = _stream_to(body, fd, off)
-                else:  # AES-GCM opens the whole object at once
-                    data = self._open(digest, body.read())
-                    n, got_digest = os.pwrite(fd, data, off), hashlib.sha256(data).hexdigest()
-            finally:
-                os.close(fd)
-            if got_digest != digest:
-                raise ChecksumMismatch(f"chunk {digest[:16]}... of {path} (offset {off}) from S3 is corrupt",
-                                       fix="the bucket holds damaged data; restore an older checkpoint")
-            return n
-
+        pending = local.begin_copy(workload, ckpt_id, node=node)
+        images = pending.images_dir
         try:
+            size = remote.probe["s3_chunk_size"]
+            jobs = []
+            for f in remote.files:
+                target = images / f.path
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(target, "wb") as fh:
+                    os.posix_fallocate(fh.fileno(), 0, f.size) if f.size else None  # extents up front: parallel writes land in place
+                os.chmod(target, 0o600)
+                jobs += [(f.path, i * size, digest) for i, digest in enumerate(remote.probe["s3_chunks"][f.path])]
+
+            def one(job) -> int:
+                path, off, digest = job
+                body = self._call("get", self.s3.get_object, Bucket=self.bucket, Key=self._key("chunks", digest))["Body"]
+                fd = os.open(images / path, os.O_WRONLY)
+                try:
+                    if self.key is None:
+                        n, got_digest = _stream_to(body, fd, off)
+                    else:  # AES-GCM opens the whole object at once
+                        data = self._open(digest, body.read())
+                        n, got_digest = os.pwrite(fd, data, off), hashlib.sha256(data).hexdigest()
+                finally:
+                    os.close(fd)
+                if got_digest != digest:
+                    raise ChecksumMismatch(f"chunk {digest[:16]}... of {path} (offset {off}) from S3 is corrupt",
+                                           fix="the bucket holds damaged data; restore an older checkpoint")
+                return n
+
             with ThreadPoolExecutor(max_workers=self.threads) as ex:
                 got = sum(ex.map(one, jobs))
             local_m = remote.model_copy(update={"probe": {k: v for k, v in remote.probe.items()
@@ -401,9 +484,9 @@ class S3Tier:
             # Every chunk matched its sha256 address, taken from bytes the pushing node verified
             # against this manifest: the file-level hashes hold without a second read here (and
             # a restore checks them again, in parallel with CRIU).
-            write_json_atomic(d / "manifest.json", local_m.model_dump_json(indent=2))
+            local_m = local.commit_copy(pending, local_m)
         except BaseException:
-            shutil.rmtree(d, ignore_errors=True)  # no manifest without its bytes
+            local.abort(pending)  # no manifest without its bytes
             raise
         return local_m, {"downloaded_bytes": got, "seconds": round(time.perf_counter() - t0, 3)}
 

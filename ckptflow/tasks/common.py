@@ -1,4 +1,4 @@
-"""What every task shares: opening the fleet and the store, and the retry rule.
+"""What every task shares: opening the fleet, its stores and its fleet state, and the retry rule.
 
 A flow resolves the fleet once per run (``open_fleet``) and hands its tasks plain values: the
 fleet's ``FleetScope`` (storage, Slack, retention), the node and the workloads a task acts on.
@@ -17,20 +17,18 @@ from ckptflow.errors import CkptflowError
 from ckptflow.fleet import Fleet, FleetScope, load_fleet
 from ckptflow.runners.node import NodeRunner
 from ckptflow.settings import settings
-from ckptflow.store import open_store, open_tier
+from ckptflow.store import open_fleet_state, open_store, open_tier
 
 
 def open_fleet(fleet_file: str) -> Fleet:
-    """The fleet file, with each workload on the node a migrate last moved it to (recorded in
-    the S3 tier), not the node the file declares."""
+    """The fleet file, with each workload on the node a migrate or a recover elsewhere last
+    moved it to (the placements in the fleet state), not the node the file declares."""
     fleet = load_fleet(Path(fleet_file))
-    t = open_tier(fleet.storage) if fleet.storage.kind.value == "s3" else None
-    if t is not None:
-        nodes = {n.name for n in fleet.nodes}
-        moved = {w: n for w, n in t.placements().items() if n in nodes}
-        for w in fleet.workloads:
-            if w.name in moved:
-                w.node = moved[w.name]
+    nodes = {n.name for n in fleet.nodes}
+    moved = {w: n for w, n in open_fleet_state(fleet.storage).placements().items() if n in nodes}
+    for w in fleet.workloads:
+        if w.name in moved:
+            w.node = moved[w.name]
     return fleet
 
 
@@ -66,8 +64,8 @@ def this_node(fleet: Fleet) -> str | None:
 
 
 def tier(fleet: Fleet | FleetScope):
-    """The fleet's S3 tier (None for local storage), its chunk key read from a Prefect Secret
-    block when the fleet file names one."""
+    """The fleet's shared checkpoint tier (store.open_tier: None when each node has its own
+    store only), its chunk key read from a Prefect Secret block when the fleet file names one."""
     key = None
     if fleet.storage.encryption_key_block:
         import base64
@@ -78,18 +76,17 @@ def tier(fleet: Fleet | FleetScope):
     return open_tier(fleet.storage, key)
 
 
-def fingerprints(fleet: Fleet | FleetScope, s3=None):
-    """Where nodes report their fingerprints and invalidate reads them: the S3 tier of an S3
-    fleet (every node sees every report; ``s3`` if the caller opened it already), else the
-    fleet's shared local store root."""
-    return s3 or tier(fleet) or open_store(fleet.storage)
+def fingerprints(fleet: Fleet | FleetScope, opened=None):
+    """The fleet state (store.open_fleet_state), where nodes report their fingerprints and
+    invalidate reads them all. ``opened``: the fleet's tier, if the caller opened it already
+    (an S3 fleet state shares its connection)."""
+    return open_fleet_state(fleet.storage, opened)
 
 
-def alerter(fleet: Fleet | FleetScope, s3=None) -> Alerter:
-    """The fleet's alerter; open alerts live where every node sees them: the S3 tier of an S3
-    fleet (``s3`` if the caller opened it already), else the fleet's local store root."""
-    return Alerter(fleet.slack, state=s3 or tier(fleet) or open_store(fleet.storage),
-                   prefect_ui_url=fleet.prefect_ui_url)
+def alerter(fleet: Fleet | FleetScope, opened=None) -> Alerter:
+    """The fleet's alerter; open alerts live in the fleet state, where every node sees them.
+    ``opened``: as for ``fingerprints``."""
+    return Alerter(fleet.slack, state=open_fleet_state(fleet.storage, opened), prefect_ui_url=fleet.prefect_ui_url)
 
 
 def retry_if_retryable(task, task_run, state) -> bool:

@@ -1,4 +1,5 @@
-"""Fleet-level steps over the store: fingerprints, invalidation, retention, alerts."""
+"""Fleet-level steps over the stores, the tier and the fleet state: fingerprints,
+invalidation, retention, alerts, placements, templates."""
 
 from __future__ import annotations
 
@@ -9,16 +10,16 @@ from prefect.runtime import flow_run
 
 from ckptflow.alerts import AlertKind
 from ckptflow.fleet import FleetScope, Node
-from ckptflow.models import CheckpointState, Workload
+from ckptflow.models import CheckpointKind, CheckpointState, Workload
 from ckptflow.policies.compat import stale
 from ckptflow.runners.fingerprint import node_fingerprint, workload_fingerprint
-from ckptflow.store import open_store
+from ckptflow.store import open_fleet_state, open_store
 from ckptflow.tasks.common import alerter, fingerprints, tier
 
 
 @task(name="report-node-fingerprint")
 def report_node_fingerprint(scope: FleetScope, node: str | None) -> dict:
-    """Record this node's fingerprint in the store, where the invalidate flow reads it."""
+    """Record this node's fingerprint in the fleet state, where the invalidate flow reads it."""
     if node is None:
         get_run_logger().warning("this machine is no node of fleet %s; set CKPTFLOW_NODE", scope.fleet)
         return {}
@@ -30,7 +31,7 @@ def report_node_fingerprint(scope: FleetScope, node: str | None) -> dict:
 @task(name="invalidate-stale-checkpoints")
 def invalidate_stale(scope: FleetScope, node: str | None, workloads: list[Workload], nodes: list[Node]) -> list[dict]:
     """Mark every checkpoint no eligible node can restore as invalidated, with the reason: the
-    copies in this node's store, and the bucket's copies of the workloads placed on this node.
+    copies in this node's store, and the shared tier's copies of the workloads placed on this node.
 
     ``workloads`` on the nodes placements put them on and ``nodes`` come from the flow, which
     resolved the fleet once.
@@ -48,11 +49,13 @@ def invalidate_stale(scope: FleetScope, node: str | None, workloads: list[Worklo
         eligible = {n: workload_fingerprint(w, reported[n]) for n in by_class[gpu_class[w.node]]}
         for m, why in stale(store.list(w.name), eligible, w.gpu):
             store.set_state(m, CheckpointState.invalidated, why)
-            rows.append({"workload": w.name, "node": m.node, "checkpoint": m.id, "reason": why, "copy": "node"})
+            rows.append({"workload": w.name, "node": m.node, "checkpoint": m.id, "reason": why,
+                         "copy": store.copy_tier.value})
         if t is not None and w.node == node:
-            for m, why in stale([t.manifest(w.name, i) for i in t.list(w.name)], eligible, w.gpu):
+            for m, why in stale(t.manifests(w.name), eligible, w.gpu):
                 t.set_state(m, CheckpointState.invalidated, why)
-                rows.append({"workload": w.name, "node": m.node, "checkpoint": m.id, "reason": why, "copy": "s3"})
+                rows.append({"workload": w.name, "node": m.node, "checkpoint": m.id, "reason": why,
+                             "copy": t.copy_tier.value})
     return rows
 
 
@@ -81,25 +84,34 @@ def alert_invalidations(scope: FleetScope, rows: list[dict], placed: dict[str, s
 
 @task(name="prune-bucket")
 def prune_bucket(scope: FleetScope) -> dict:
-    """Retention in the fleet's bucket, then the chunks no manifest references (store.s3.prune)."""
+    """Retention in the fleet's shared tier, then the bytes no manifest references
+    (``CheckpointTier.prune``; for S3 the chunks, never while a push runs)."""
     t = tier(scope)
     if t is None:
-        return {"skipped": "storage.kind is local: nothing in a bucket to prune"}
+        return {"skipped": "storage.kind is local: no shared tier to prune (invalidate applies retention per node)"}
     return t.prune(scope.retention)
+
+
+@task(name="find-template")
+def find_template(scope: FleetScope, workload: str) -> str | None:
+    """The newest initialised checkpoint (kind template) of ``workload`` in the fleet's shared
+    tier, which scale-up starts replicas from; None when there is none (or no shared tier)."""
+    t = tier(scope)
+    if t is None:
+        return None
+    return next((m.id for m in t.manifests(workload) if m.kind == CheckpointKind.template), None)
 
 
 @task(name="record-placement")
 def record_placement(scope: FleetScope, workload: str, node: str, checkpoint: str | None) -> bool:
-    """The workload now runs on ``node``: heartbeats and recover follow it there (S3 fleets; a
-    local fleet has one node's store and no placements). Returns whether it was recorded."""
-    t = tier(scope)
-    if t is None:
-        return False
-    t.put_placement(workload, node, checkpoint or "cold-start")
+    """The workload now runs on ``node``: heartbeats and recover follow it there (the placement
+    goes to the fleet state: the bucket of an S3 fleet, the store root of a local one).
+    Returns True once recorded."""
+    open_fleet_state(scope.storage).put_placement(workload, node, checkpoint or "cold-start")
     return True
 
 
 @task(name="mark-node-drained")
 def mark_drained(scope: FleetScope, node: str, rows: list[dict]) -> str:
-    """Record on the node's store that ``node`` was drained, and what went where."""
+    """Record on the node's own store that ``node`` was drained, and what went where."""
     return str(open_store(scope.storage, node).mark_drained(node, {"flow_run": str(flow_run.get_id()), "rows": rows}))

@@ -24,15 +24,14 @@ def verify_workload(scope: FleetScope, w: Workload) -> dict:
             return {"workload": workload, "state": VerifyOutcome.skipped.value, "reason": "no unverified valid checkpoint"}
         with node_slot(w.node):
             res = verify_two_tier(node, w, m) if m.kind == CheckpointKind.sessions else verify_checkpoint(node, w, m)
-    row = {"workload": workload, "node": w.node, "checkpoint": m.id, "state": res.state, "reason": res.reason,
+    row = {"workload": workload, "node": w.node, "checkpoint": m.id, "state": res.state.value, "reason": res.reason,
            **{f"{k}_s": v for k, v in res.timings.items()}}
-    outcome = VerifyOutcome(res.state)
-    if outcome == VerifyOutcome.skipped:
+    if res.state == VerifyOutcome.skipped:
         get_run_logger().warning("verify of %s skipped: %s", workload, res.reason)
         return row
-    node.store.set_state(m, CheckpointState(outcome.value), res.reason, verify_timings=res.timings)
+    node.store.set_state(m, CheckpointState(res.state.value), res.reason, verify_timings=res.timings)
     a = alerter(scope)
-    if outcome == VerifyOutcome.verify_failed:
+    if res.state == VerifyOutcome.verify_failed:
         a.send(AlertKind.verify_failed, workload=workload, key=m.id, node=w.node, checkpoint=m.id,
                reason=res.reason, log_tail=res.log_tail, flow_run_id=flow_run.get_id())
     else:
