@@ -90,8 +90,30 @@ def prompt(i: int, n: int) -> str:
 def run_row(name: str, a, weights: Path, tmp: Path, pool: list[str], transparent: bool, host_gib: float) -> dict:
     pid_file = tmp / f"{name}.pid"
     row: dict = {"row": name}
+    launch.require_free_port(PORT)
     t0 = time.perf_counter()
     proc = start(weights, pid_file, pool)
+    node_box: list[NodeRunner] = []
+    try:
+        return _row(name, a, row, t0, pid_file, tmp, transparent, host_gib, node_box)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+        for node in node_box:
+            node.close()
+            import shutil
+
+            shutil.rmtree(node.store.root, ignore_errors=True)
+        time.sleep(2)
+
+
+def _row(name, a, row, t0, pid_file, tmp, transparent, host_gib, node_box) -> dict:
     for i in range(a.sessions):
         launch.complete(PORT, prompt(i, a.tokens), 16, f"s{i}")
     row["cold_start_s"] = round(time.perf_counter() - t0, 2)
@@ -109,67 +131,52 @@ def run_row(name: str, a, weights: Path, tmp: Path, pool: list[str], transparent
         "find": ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="ckptflow.demo.llm_worker")})
     store = LocalStore(tmp / f"store-{name}")
     node = NodeRunner(store)
-    try:
-        if transparent:
-            before = state()
-            m = node.checkpoint(w)
-            row.update(transparent_pause_s=m.timings["pause"], transparent_image_gib=round(m.bytes / GiB, 2))
-            kill(m.pid, node)
-            t0 = time.perf_counter()
-            node.restore(w)
-            row["transparent_restore_s"] = round(time.perf_counter() - t0, 2)
-            row["transparent_bitexact"] = state() == before
-            node.store.delete(m)
-        else:
-            row.update(transparent_pause_s=None, transparent_restore_s=None, transparent_bitexact=None,
-                       transparent_null_reason=(
-                           f"{used:.0f} GiB on the GPU: the CUDA checkpoint brings it into the worker's host "
-                           f"memory and CRIU writes it again ({2 * used:.0f} GiB) on a {host_gib:.0f} GiB host"))
-        log(name, "transparent", row)
-        tt = TwoTierRunner(node)
-        m1 = tt.heartbeat(w)
-        tmpl = store.get(m1.probe["template_workload"], m1.probe["template"])
-        row.update(template_capture=tmpl.timings, template_image_gib=round(tmpl.bytes / GiB, 2),
-                   template_gpu_gib=round(tmpl.gpu_footprint_bytes / GiB, 2),
-                   live_kv_gib=round(m1.probe["session_bytes"] / GiB, 3))
-        launch.complete(PORT, prompt(99, a.changed_tokens), 1, "s0")          # one session grows
-        m2 = tt.heartbeat(w)
-        recs = json.loads((store.images_dir(m2) / "sessions.json").read_text())["sessions"]
-        old = json.loads((store.images_dir(m1) / "sessions.json").read_text())["sessions"]
-        new = {d for t in recs["s0"]["tensors"] for d in t["chunks"]} - {d for t in old["s0"]["tensors"]
-                                                                        for d in t["chunks"]}
-        row.update(session_pause_s=m2.timings["pause"], session_export_s=m2.timings["export"],
-                   session_bytes=m2.probe["moved_bytes"], changed_chunk_bytes=tt.chunks.size(sorted(new)),
-                   changed_gib=round(tt.chunks.size(sorted(new)) / GiB, 3),
-                   changed_sessions=m2.probe["changed_sessions"], live_kv_gib=round(m2.probe["session_bytes"] / GiB, 3))
+    node_box.append(node)
+    if transparent:
         before = state()
-        kill(int(pid_file.read_text()), node)
+        m = node.checkpoint(w)
+        row.update(transparent_pause_s=m.timings["pause"], transparent_image_gib=round(m.bytes / GiB, 2))
+        kill(m.pid, node)
         t0 = time.perf_counter()
-        r = tt.restore(w)
-        row["restore_to_ready_s"] = round(time.perf_counter() - t0, 2)
-        row["restore_phases"] = r.timings
-        row["template_restore_s"] = round(r.timings.get("restore_and_checksum", r.timings.get("restore", 0))
-                                          + r.timings.get("cuda_restore", 0) + r.timings.get("unlock", 0), 2)
-        row["stream_s"] = round(r.timings.get("weights", 0) + r.timings.get("sessions", 0), 2)
-        moved = row.get("weights_gib", 0) + row["live_kv_gib"]
-        row["stream_gib_s"] = round(moved / row["stream_s"], 2) if row["stream_s"] else None
-        row["bitexact"] = state() == before
-        log(name, "two-tier", row)
-    finally:
-        for pid in (proc.pid,):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
-        except (OSError, ValueError):
-            pass
-        node.close()
-        time.sleep(2)
-        import shutil
-
-        shutil.rmtree(store.root, ignore_errors=True)
+        node.restore(w)
+        row["transparent_restore_s"] = round(time.perf_counter() - t0, 2)
+        row["transparent_bitexact"] = state() == before
+        node.store.delete(m)
+    else:
+        row.update(transparent_pause_s=None, transparent_restore_s=None, transparent_bitexact=None,
+                   transparent_null_reason=(
+                       f"{used:.0f} GiB on the GPU: the CUDA checkpoint brings it into the worker's host "
+                       f"memory and CRIU writes it again ({2 * used:.0f} GiB) on a {host_gib:.0f} GiB host"))
+    log(name, "transparent", row)
+    tt = TwoTierRunner(node)
+    m1 = tt.heartbeat(w)
+    tmpl = store.get(m1.probe["template_workload"], m1.probe["template"])
+    row.update(template_capture=tmpl.timings, template_image_gib=round(tmpl.bytes / GiB, 2),
+               template_gpu_gib=round(tmpl.gpu_footprint_bytes / GiB, 2),
+               live_kv_gib=round(m1.probe["session_bytes"] / GiB, 3))
+    launch.complete(PORT, prompt(99, a.changed_tokens), 1, "s0")          # one session grows
+    m2 = tt.heartbeat(w)
+    recs = json.loads((store.images_dir(m2) / "sessions.json").read_text())["sessions"]
+    old = json.loads((store.images_dir(m1) / "sessions.json").read_text())["sessions"]
+    new = {d for t in recs["s0"]["tensors"] for d in t["chunks"]} - {d for t in old["s0"]["tensors"]
+                                                                    for d in t["chunks"]}
+    row.update(session_pause_s=m2.timings["pause"], session_export_s=m2.timings["export"],
+               session_bytes=m2.probe["moved_bytes"], changed_chunk_bytes=tt.chunks.size(sorted(new)),
+               changed_gib=round(tt.chunks.size(sorted(new)) / GiB, 3),
+               changed_sessions=m2.probe["changed_sessions"], live_kv_gib=round(m2.probe["session_bytes"] / GiB, 3))
+    before = state()
+    kill(int(pid_file.read_text()), node)
+    t0 = time.perf_counter()
+    r = tt.restore(w)
+    row["restore_to_ready_s"] = round(time.perf_counter() - t0, 2)
+    row["restore_phases"] = r.timings
+    row["template_restore_s"] = round(r.timings.get("restore_and_checksum", r.timings.get("restore", 0))
+                                      + r.timings.get("cuda_restore", 0) + r.timings.get("unlock", 0), 2)
+    row["stream_s"] = round(r.timings.get("weights", 0) + r.timings.get("sessions", 0), 2)
+    moved = row.get("weights_gib", 0) + row["live_kv_gib"]
+    row["stream_gib_s"] = round(moved / row["stream_s"], 2) if row["stream_s"] else None
+    row["bitexact"] = state() == before
+    log(name, "two-tier", row)
     return row
 
 
