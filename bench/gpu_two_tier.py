@@ -44,12 +44,12 @@ GiB = 2**30
 
 _LIMIT = """
 import json, os, sys, time, torch
-from ckptflow.demo.llm_worker import SLOT, Pinned, read_header, stream_in
+from ckptflow.demo.llm_worker import SLOT, HostBuf, read_header, stream_in
 path = sys.argv[1]
 header, off = read_header(path)
 n = max(h["data_offsets"][1] for k, h in header.items() if k != "__metadata__")
 dst = torch.empty(n, dtype=torch.uint8, device="cuda")
-p = Pinned(); p.ensure(0)
+p = HostBuf()
 fd = os.open(path, os.O_RDONLY)
 items = [(fd, off + o, o, min(SLOT, n - o), None) for o in range(0, n, SLOT)]
 stream_in(items, dst, p)

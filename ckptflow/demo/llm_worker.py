@@ -38,7 +38,8 @@ from ckptflow.demo.worker import PROTOCOL, Metrics, base_args, completion_respon
 
 D, HEADS, VOCAB, MAX_LEN, BLOCK = 4096, 32, 256, 4096, 16
 DH = D // HEADS
-SLOT = 64 << 20                   # pinned slot per in-flight chunk; also the weights' chunk size
+SLOT = 64 << 20                   # the weights' chunk size
+PIECE, RING = 8 << 20, 3          # pinned slots per thread: pinning costs ~1 s/GiB here, so few and small
 THREADS = max(4, min(14, (os.cpu_count() or 8) - 2))
 GRAPH_BATCHES = (1, 2, 4, 8)
 
@@ -77,42 +78,55 @@ def read_header(path: Path) -> tuple[dict, int]:
         return json.loads(f.read(n)), 8 + n
 
 
-class Pinned:
-    """One reusable pinned host buffer; slots for streaming, the whole for export staging."""
+class HostBuf:
+    """Page-locked host memory from the driver (cuMemHostAlloc), freed when asked: torch's
+    caching host allocator would keep it, and a template's image would carry it."""
 
     def __init__(self):
-        self.buf: torch.Tensor | None = None
+        self.ptr, self.n, self.t = 0, 0, None
 
     def ensure(self, nbytes: int) -> torch.Tensor:
-        if self.buf is None or self.buf.numel() < nbytes:
+        if self.n < nbytes:
+            import ctypes
+
+            import numpy as np
+            from cuda.bindings import driver as cu
+
+            from ckptflow.demo.vmm import _ok
+
             self.free()
-            self.buf = torch.empty(max(nbytes, THREADS * 2 * SLOT), dtype=torch.uint8, pin_memory=True)
-        return self.buf
+            self.ptr = int(_ok(cu.cuMemHostAlloc(nbytes, 0)))
+            self.n = nbytes
+            self.t = torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr)))
+        return self.t
 
     def free(self) -> None:
-        self.buf = None
-        if hasattr(torch._C, "_host_emptyCache"):  # else torch keeps it cached (and in the image)
-            torch._C._host_emptyCache()
+        if self.ptr:
+            from cuda.bindings import driver as cu
+
+            self.t = None
+            cu.cuMemFreeHost(self.ptr)
+            self.ptr, self.n = 0, 0
 
 
-def stream_in(items: list[tuple[object, int, int, int, str | None]], dst: torch.Tensor, pinned: Pinned) -> int:
-    """Copy ``items`` = (source, source offset, destination offset, length, sha256 or None) of SLOT-size
-    pieces into the flat GPU tensor ``dst``: THREADS workers, each with two pinned slots and its own
-    stream; a piece is hashed (when a digest is given) before it reaches the GPU.
-    ``source``: a Path (read whole) or an open fd (pread at the offset; piece length from ``n``).
+def stream_in(items: list[tuple[object, int, int, int, str | None]], dst: torch.Tensor, slots: HostBuf) -> int:
+    """Copy ``items`` = (source, source offset, destination offset, length, sha256 or None) into
+    the flat GPU tensor ``dst``: THREADS workers, each with RING pinned PIECE-size slots and its
+    own stream; an item's digest is checked as its pieces pass (a torn one fails the call).
+    ``source``: a Path, or an open fd read at the offset.
 
     Raises:
-        ValueError: a piece is torn (names the digest).
+        ValueError: an item is short or torn (names the digest).
     """
-    buf = pinned.ensure(THREADS * 2 * SLOT)
+    buf = slots.ensure(THREADS * RING * PIECE)
     lock = threading.Lock()
     todo = iter(items)
     moved = [0] * THREADS
 
     def worker(i: int) -> None:
         stream = torch.cuda.Stream()
-        slots = [buf[(2 * i + k) * SLOT:(2 * i + k + 1) * SLOT] for k in range(2)]
-        events: list[torch.cuda.Event | None] = [None, None]
+        ring = [buf[(RING * i + k) * PIECE:(RING * i + k + 1) * PIECE] for k in range(RING)]
+        events: list[torch.cuda.Event | None] = [None] * RING
         k = 0
         with torch.cuda.stream(stream):
             while True:
@@ -121,30 +135,40 @@ def stream_in(items: list[tuple[object, int, int, int, str | None]], dst: torch.
                 if item is None:
                     break
                 src, src_off, dst_off, n, digest = item
-                if events[k] is not None:
-                    events[k].synchronize()
-                view = memoryview(slots[k].numpy())[:n]
-                if isinstance(src, int):
-                    got = os.preadv(src, [view], src_off)
-                else:
-                    with open(src, "rb", buffering=0) as f:
-                        got = f.readinto(view)
-                if got != n:
-                    raise ValueError(f"chunk {str(digest)[:12]}…: read {got} of {n} bytes")
-                if digest is not None and hashlib.sha256(view).hexdigest() != digest:
+                h = hashlib.sha256() if digest is not None else None
+                fd = src if isinstance(src, int) else os.open(src, os.O_RDONLY)
+                try:
+                    for p in range(0, n, PIECE):
+                        m = min(PIECE, n - p)
+                        if events[k] is not None:
+                            events[k].synchronize()
+                        view = memoryview(ring[k].numpy())[:m]
+                        if os.preadv(fd, [view], src_off + p) != m:
+                            raise ValueError(f"chunk {str(digest)[:12]}…: short read")
+                        if h is not None:
+                            h.update(view)
+                        dst[dst_off + p:dst_off + p + m].copy_(ring[k][:m], non_blocking=True)
+                        ev = torch.cuda.Event()
+                        ev.record(stream)
+                        events[k] = ev
+                        k = (k + 1) % RING
+                finally:
+                    if not isinstance(src, int):
+                        os.close(fd)
+                if h is not None and h.hexdigest() != digest:
                     raise ValueError(f"chunk {digest[:12]}… is torn")
-                dst[dst_off:dst_off + n].copy_(slots[k][:n], non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(stream)
-                events[k] = ev
                 moved[i] += n
-                k ^= 1
         stream.synchronize()
 
     with ThreadPoolExecutor(THREADS) as ex:
         for f in [ex.submit(worker, i) for i in range(THREADS)]:
             f.result()
     return sum(moved)
+
+
+def _rss_gib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 2**20
 
 
 def _ln(x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +184,7 @@ class LlmEngine:
         torch.cuda.init()
         self.lock = threading.RLock()            # model state: one request at a time touches it
         self.export_lock = threading.Lock()      # the pinned staging: one export/import at a time
-        self.pinned = Pinned()
+        self.slots, self.staging = HostBuf(), HostBuf()
         self.model_name, self.seed, self.weights_path = model_name, seed, weights
         header, data_off = read_header(weights)
         self.layout = {n: h for n, h in header.items() if n != "__metadata__"}
@@ -172,7 +196,7 @@ class LlmEngine:
         try:
             items = [(fd, data_off + o, o, min(SLOT, self.weights_bytes - o), None)
                      for o in range(0, self.weights_bytes, SLOT)]
-            stream_in(items, self.wflat, self.pinned)
+            stream_in(items, self.wflat, self.slots)
         finally:
             os.close(fd)
         self.load_s = time.perf_counter() - t0
@@ -381,34 +405,48 @@ class LlmEngine:
                 "pool_gib": round(self.nblocks * self.block_bytes / 2**30, 2),
                 "load_s": round(self.load_s, 3), "graph_s": round(self.graph_s, 3), "start_s": round(self.start_s, 3)}
 
+    def _plan(self, only, known: dict[str, set[str]]) -> tuple[list, dict]:
+        """Per session: its blocks' fingerprints; the blocks to copy are those whose fingerprint
+        changed since this engine exported them, or whose chunk the runner does not hold."""
+        plan, snap = [], {}
+        for sid, s in self.sessions.items():
+            if only is not None and sid not in only:
+                continue
+            fps = self._fingerprints(s["blocks"])
+            cache = self.fp_cache.get(sid, {})
+            shas: list[str | None] = []
+            for i, (b, fp) in enumerate(zip(s["blocks"], fps)):
+                hit = cache.get(i)
+                if hit and hit[0] == fp and hit[1] in known.get(sid, ()):
+                    shas.append(hit[1])
+                else:
+                    shas.append(None)
+                    plan.append((sid, i, b, fp))
+            snap[sid] = {"tokens": s["len"], "last": s["last"], "blocks": list(s["blocks"]), "fps": fps,
+                         "shas": shas, "digest": self._digest(s, fps)}
+        return plan, snap
+
     def sessions_export(self, body: dict) -> dict:
         out_dir = Path(body["dir"])
         known = {sid: set(ds) for sid, ds in (body.get("known") or {}).items()}
         only = body.get("sessions")
+        held = 0.0
         with self.export_lock:
-            t0 = time.perf_counter()
-            with self.lock:  # the hold: fingerprints, then only the changed blocks to pinned memory
-                chosen = {sid: s for sid, s in self.sessions.items() if only is None or sid in only}
-                plan, snap = [], {}
-                for sid, s in chosen.items():
-                    fps = self._fingerprints(s["blocks"])
-                    cache = self.fp_cache.get(sid, {})
-                    shas: list[str | None] = []
-                    for i, (b, fp) in enumerate(zip(s["blocks"], fps)):
-                        hit = cache.get(i)
-                        if hit and hit[0] == fp and hit[1] in known.get(sid, ()):
-                            shas.append(hit[1])
-                        else:
-                            shas.append(None)
-                            plan.append((sid, i, b, fp))
-                    snap[sid] = {"tokens": s["len"], "last": s["last"], "blocks": list(s["blocks"]), "fps": fps,
-                                 "shas": shas, "digest": self._digest(s, fps)}
-                buf = self.pinned.ensure(len(plan) * self.block_bytes)
-                pool = self.pool_u8.view(self.nblocks, self.block_bytes)
-                for j, (_, _, b, _) in enumerate(plan):
-                    buf[j * self.block_bytes:(j + 1) * self.block_bytes].copy_(pool[b], non_blocking=True)
-                torch.cuda.synchronize()
-            held = time.perf_counter() - t0
+            while True:
+                t0 = time.perf_counter()
+                with self.lock:  # the hold: fingerprints, then only the changed blocks to pinned memory
+                    plan, snap = self._plan(only, known)
+                    need = len(plan) * self.block_bytes
+                    if self.staging.n >= need:
+                        buf = self.staging.t
+                        pool = self.pool_u8.view(self.nblocks, self.block_bytes)
+                        for j, (_, _, b, _) in enumerate(plan):
+                            buf[j * self.block_bytes:(j + 1) * self.block_bytes].copy_(pool[b], non_blocking=True)
+                        torch.cuda.synchronize()
+                        held += time.perf_counter() - t0
+                        break
+                held += time.perf_counter() - t0
+                self.staging.ensure(need + need // 4)  # pinning is slow: outside the hold, then plan again
 
             def write(j: int) -> tuple[int, str, int]:  # serving goes on meanwhile
                 view = memoryview(buf[j * self.block_bytes:(j + 1) * self.block_bytes].numpy())
@@ -442,19 +480,19 @@ class LlmEngine:
         from ckptflow.demo.tiers import chunk_path
 
         with self.export_lock, self.lock:
-            items = []
+            items, taken = [], set()
             for sid, rec in recs.items():
                 for b, d in zip(rec["blocks"], rec["tensors"][0]["chunks"]):
                     items.append((chunk_path(root, d), 0, b * self.block_bytes, self.block_bytes, d))
-                    if b in self.free_blocks:
-                        self.free_blocks.remove(b)
-            stream_in(items, self.pool_u8, self.pinned)  # every block checked before the session exists
+                    taken.add(b)
+            stream_in(items, self.pool_u8, self.slots)  # every block checked before the session exists
+            self.free_blocks = [b for b in self.free_blocks if b not in taken]
+            digests = {}
             for sid, rec in recs.items():
                 s = self.sessions[sid] = {"len": rec["tokens"], "last": rec["last"], "blocks": list(rec["blocks"])}
                 fps = self._fingerprints(s["blocks"])
                 self.fp_cache[sid] = {i: (fp, d) for i, (fp, d) in enumerate(zip(fps, rec["tensors"][0]["chunks"]))}
-            digests = {sid: self._digest(self.sessions[sid], self._fingerprints(self.sessions[sid]["blocks"]))
-                       for sid in recs}
+                digests[sid] = self._digest(s, fps)
         return {"imported": sorted(recs), "digests": digests}
 
     def template_prepare(self, body: dict) -> dict:
@@ -465,12 +503,12 @@ class LlmEngine:
         release = body.get("release", True)
         with self.export_lock, self.lock:
             t0 = time.perf_counter()
-            buf = self.pinned.ensure(THREADS * 2 * SLOT)
+            buf = self.slots.ensure(THREADS * RING * PIECE)
             offs = list(range(0, self.weights_bytes, SLOT))
             lock, todo, chunks, written = threading.Lock(), iter(enumerate(offs)), [None] * len(offs), [0]
 
             def worker(i: int) -> None:
-                slot = buf[2 * i * SLOT:(2 * i + 1) * SLOT]
+                slot = buf[RING * i * PIECE:(RING * i + 1) * PIECE]
                 stream = torch.cuda.Stream()
                 while True:
                     with lock:
@@ -479,16 +517,21 @@ class LlmEngine:
                         return
                     j, off = item
                     n = min(SLOT, self.weights_bytes - off)
-                    with torch.cuda.stream(stream):
-                        slot[:n].copy_(self.wflat[off:off + n], non_blocking=True)
-                    stream.synchronize()
-                    view = memoryview(slot[:n].numpy())
-                    d = chunks[j] = hashlib.sha256(view).hexdigest()
-                    if d in known or (out_dir / d).exists():
-                        continue
-                    tmp = out_dir / f".{d}.tmp"
+                    h = hashlib.sha256()
+                    tmp = out_dir / f".w{j}.tmp"
                     with open(tmp, "wb") as f:
-                        f.write(view)
+                        for p in range(off, off + n, PIECE):
+                            m = min(PIECE, off + n - p)
+                            with torch.cuda.stream(stream):
+                                slot[:m].copy_(self.wflat[p:p + m], non_blocking=True)
+                            stream.synchronize()
+                            view = memoryview(slot[:m].numpy())
+                            h.update(view)
+                            f.write(view)
+                    d = chunks[j] = h.hexdigest()
+                    if d in known or (out_dir / d).exists():
+                        tmp.unlink()
+                        continue
                     os.replace(tmp, out_dir / d)
                     with lock:
                         written[0] += n
@@ -505,12 +548,16 @@ class LlmEngine:
                 torch.cuda.synchronize()
                 self.wregion.release()
                 self.pregion.release()
-                self.pinned.free()
+                self.slots.free()
+                self.staging.free()
                 torch.cuda.empty_cache()
+                free, total = torch.cuda.mem_get_info()
+                stats = {"gpu_used_gib": round((total - free) / 2**30, 3),
+                         "torch_reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 3), "rss_gib": round(_rss_gib(), 3)}
         rec = {"name": "weights", "dtype": "uint8", "shape": [self.weights_bytes], "nbytes": self.weights_bytes,
                "chunks": chunks}
         return {"tensors": [rec], "written_bytes": written[0], "total_bytes": self.weights_bytes,
-                "phases": {"export": round(export_s, 4)}}
+                "phases": {"export": round(export_s, 4), **(stats if release else {})}}
 
     def template_resume(self, body: dict) -> dict:
         """Map the ranges back at their addresses, zero the pool, stream the weights in (checked)."""
@@ -527,7 +574,7 @@ class LlmEngine:
             self.pool_u8.zero_()
             ph["zero_pool"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            self.pinned.ensure(THREADS * 2 * SLOT)
+            self.slots.ensure(THREADS * RING * PIECE)
             ph["pinned"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             items, off = [], 0
@@ -536,7 +583,7 @@ class LlmEngine:
                     n = min(SLOT, rec["nbytes"] - off)
                     items.append((chunk_path(root, d), 0, off, n, d))
                     off += n
-            loaded = stream_in(items, self.wflat, self.pinned)
+            loaded = stream_in(items, self.wflat, self.slots)
             ph["weights"] = time.perf_counter() - t0
             self.parked = False
         return {"loaded_bytes": loaded, "phases": {k: round(v, 4) for k, v in ph.items()}}
