@@ -52,9 +52,15 @@ dst = torch.empty(n, dtype=torch.uint8, device="cuda")
 p = HostBuf()
 fd = os.open(path, os.O_RDONLY)
 items = [(fd, off + o, o, min(SLOT, n - o), None) for o in range(0, n, SLOT)]
-stream_in(items, dst, p)
-t0 = time.perf_counter(); stream_in(items, dst, p); torch.cuda.synchronize()
-print(json.dumps({"gib_s": n / 2**30 / (time.perf_counter() - t0)}))
+import ckptflow.demo.llm_worker as L
+best = 0
+for piece, ring in ((64 << 20, 2), (8 << 20, 3)):  # the notes' 64 MiB buffers, and the engine's slots
+    L.PIECE, L.RING = piece, ring
+    p.free()
+    stream_in(items, dst, p)
+    t0 = time.perf_counter(); stream_in(items, dst, p); torch.cuda.synchronize()
+    best = max(best, n / 2**30 / (time.perf_counter() - t0))
+print(json.dumps({"gib_s": best}))
 """
 
 

@@ -318,3 +318,72 @@ def _read_counter_raw(pid: int, out: Path) -> str:
     os.kill(pid, signal.SIGUSR1)
     _wait_file(out)
     return out.read_text()
+
+
+# --- the process probes CRIU acts on (runners/process.py, psutil) ---------------------------------
+def test_process_tree_environ_start_time_and_stopped_state(tmp_path):
+    import psutil
+
+    from ckptflow.poll import poll
+    from ckptflow.runners import process
+
+    marker = f"ckptflow-probe-{os.getpid()}"
+    p = subprocess.Popen([sys.executable, "-c", "import subprocess, time; "
+                          "subprocess.Popen(['sh', '-c', 'sleep 60 & wait']); time.sleep(60)", marker],
+                         env={**os.environ, "CKPTFLOW_PROBE_MARK": marker}, start_new_session=True)
+    try:
+        pids = poll(lambda: len(process.tree(p.pid)) == 3 and process.tree(p.pid), 10, 0.02,
+                    what="python -> sh -> sleep")
+        assert pids[0] == p.pid
+        for i, pid in enumerate(pids[1:], 1):                    # parents first, grandchildren included
+            assert psutil.Process(pid).ppid() in pids[:i]
+        assert process.environ(p.pid)["CKPTFLOW_PROBE_MARK"] == marker
+        stat = Path(f"/proc/{p.pid}/stat").read_text()
+        assert process.start_time(p.pid) == int(stat.rsplit(")", 1)[1].split()[19])  # clock ticks, as recorded
+        w = Workload(name="probe", node="n", find=ProcessFinder(cmdline_match=marker))
+        found = process.resolve(w)                               # the /proc scan, by command line
+        assert (found.pid, found.start_time) == (p.pid, process.start_time(p.pid)) and marker in found.cmdline
+        assert process.recheck(w, found) == found
+        os.kill(p.pid, signal.SIGSTOP)
+        poll(lambda: process.pid_stopped(p.pid), 5, 0.01, what="state T")
+        assert process.pid_alive(p.pid)                          # stopped is alive
+        os.kill(p.pid, signal.SIGCONT)
+        poll(lambda: not process.pid_stopped(p.pid), 5, 0.01, what="running again")
+    finally:
+        for pid in reversed(process.tree(p.pid)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait()
+
+
+def test_a_zombie_is_not_alive_but_holds_its_pid_until_reaped(tmp_path, criu):
+    import psutil
+
+    from ckptflow.errors import PidBusy
+    from ckptflow.poll import poll
+    from ckptflow.runners import process
+
+    z = subprocess.Popen(["true"])
+    poll(lambda: psutil.Process(z.pid).status() == psutil.STATUS_ZOMBIE, 5, 0.01, what="a zombie")
+    assert not process.pid_alive(z.pid) and process.pid_taken(z.pid)
+    pid_file = tmp_path / "z.pid"
+    pid_file.write_text(str(z.pid))
+    with pytest.raises(WorkloadNotFound, match="no live process"):
+        process.resolve(Workload(name="z", node="n", find=ProcessFinder(pid_file=str(pid_file))))
+    criu.wait_pid_free(z.pid, timeout_s=5)                       # our child: reaped, then free
+    assert not process.pid_taken(z.pid)
+    z.poll()                                                     # Popen learns it is gone (ECHILD)
+    gone = 999_999_999
+    assert (process.pid_alive(gone), process.pid_stopped(gone), process.start_time(gone), process.environ(gone),
+            process.tree(gone)) == (False, False, None, {}, [gone])
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PidBusy, match=f"PID {live.pid} needed by the image is still in use"):
+            criu.wait_pid_free(live.pid, timeout_s=0.2)
+        assert time.monotonic() - t0 < 2
+    finally:
+        live.kill()
+        live.wait()

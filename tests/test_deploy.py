@@ -1,5 +1,6 @@
 """`ckptflow deploy`: prefect.yaml with the project directory named and checked, and what runs
-each node's Prefect worker in production (systemd units, a privileged Kubernetes DaemonSet)."""
+each node's Prefect worker in production (systemd units, a privileged Kubernetes DaemonSet); the
+deploy itself, through Prefect's client, against a real test server."""
 
 import os
 import shutil
@@ -171,3 +172,73 @@ def test_cli_render_only_writes_every_file_and_says_where(tmp_path, example):
         f"rendered {tmp_path}/example-h200.workers/kubernetes/daemonset.yaml (8 DaemonSets, one per node pool)"]
     assert API in (tmp_path / "example-h200.workers/systemd/ckptflow-prefect-worker-h200-03.service").read_text()
     assert "warning" not in out.stderr
+
+
+# --- deploy itself, through Prefect's client, against a real (test) Prefect server --------------
+def _fleet(tmp_path: Path, name: str, schedules: bool = True) -> Path:
+    data = yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
+    data["fleet"] = name
+    data["nodes"] = [{**data["nodes"][0], "name": f"{name}-node", "work_pool": f"{name}-pool"}]
+    data["workloads"] = [{**w, "node": f"{name}-node"} for w in data["workloads"]]
+    if not schedules:
+        data.pop("schedules", None)
+    f = tmp_path / f"{name}.yaml"
+    f.write_text(yaml.safe_dump(data))
+    return f
+
+
+def _deployments(client, fleet: str) -> dict:
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterTags
+
+    found = client.read_deployments(deployment_filter=DeploymentFilter(tags=DeploymentFilterTags(all_=[f"fleet:{fleet}"])))
+    return {(d.entrypoint, d.name): d for d in found}
+
+
+def test_deploy_creates_what_the_rendered_prefect_yaml_says(tmp_path, prefect_harness):
+    from prefect.client.orchestration import get_client
+
+    from ckptflow.deploy import deploy
+
+    fleet = _fleet(tmp_path, "dep1")
+    out = deploy(fleet, workdir=ROOT)
+    spec = yaml.safe_load(out.read_text())
+    with get_client(sync_client=True) as client:
+        pool = client.read_work_pool("dep1-pool")
+        # The process worker's own job template, so a deployment's env job variable reaches the run.
+        assert pool.type == "process" and "env" in pool.base_job_template["variables"]["properties"]
+        assert client.read_global_concurrency_limit_by_name("ckptflow-node-dep1-node").limit == 1
+        got = _deployments(client, "dep1")
+        assert sorted(got) == sorted((d["entrypoint"], d["name"]) for d in spec["deployments"])
+        for d in spec["deployments"]:
+            dep = got[(d["entrypoint"], d["name"])]
+            assert dep.parameters == d["parameters"] and sorted(dep.tags) == sorted(d["tags"])
+            assert (dep.work_pool_name, dep.job_variables) == (d["work_pool"]["name"], d["work_pool"]["job_variables"])
+            assert dep.pull_steps == spec["pull"]                       # runs start in the project directory
+            assert "fleet_file" in dep.parameter_openapi_schema["properties"]   # read from the flow's code
+            limit = dep.global_concurrency_limit.limit if dep.global_concurrency_limit else None
+            assert limit == d.get("concurrency_limit")
+            want = [s["interval"] for s in d.get("schedules") or []]
+            assert [s.schedule.interval.total_seconds() for s in dep.schedules] == want
+        heartbeat = got[("ckptflow/flows/heartbeat.py:heartbeat", "dep1-node")]
+        assert heartbeat.job_variables == {"env": {"CKPTFLOW_NODE_LIMITS": "1"}}
+        assert [s.schedule.interval.total_seconds() for s in heartbeat.schedules] == [300]
+
+        # Again: updated in place (same ids, one schedule each); a schedule gone from the fleet file goes.
+        deploy(fleet, workdir=ROOT)
+        again = _deployments(client, "dep1")
+        assert {k: d.id for k, d in again.items()} == {k: d.id for k, d in got.items()}
+        assert len(again[("ckptflow/flows/heartbeat.py:heartbeat", "dep1-node")].schedules) == 1
+        deploy(_fleet(tmp_path, "dep1", schedules=False), workdir=ROOT)
+        assert _deployments(client, "dep1")[("ckptflow/flows/heartbeat.py:heartbeat", "dep1-node")].schedules == []
+
+
+def test_deploy_to_a_server_that_is_not_there_is_one_line(tmp_path):
+    from conftest import free_port
+
+    api = f"http://127.0.0.1:{free_port()}/api"
+    out = _ckptflow(ROOT, "deploy", _fleet(tmp_path, "dep2"), PREFECT_API_URL=api)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 2, out.stderr
+    assert lines[0].startswith(f"error: deploy of prefect.dep2.yaml to {api} failed at work pool dep2-pool: ")
+    assert "Connection refused" in lines[0], lines[0]
+    assert lines[1] == "fix: check PREFECT_API_URL points at your Prefect server"

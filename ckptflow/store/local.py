@@ -506,16 +506,23 @@ class LocalStore:
 
         The newest valid checkpoint is never deleted (policies.retention guarantees it, and
         this checks again: a policy bug must not cost the last good checkpoint).
+
+        Returns:
+            (checkpoint id or orphan directory name, why) of each deletion.
+
+        Raises:
+            StoreError: the rule named the newest valid checkpoint (nothing is deleted).
         """
         from ckptflow.policies.retention import to_delete
 
         now = now or utcnow()
         manifests = self.list(workload)
         newest_valid = next((m.id for m in manifests if m.state.restorable), None)
+        drop = to_delete(manifests, now, rule)
+        if any(m.id == newest_valid for m, _ in drop):
+            raise StoreError(f"retention wanted to delete {newest_valid}, the newest valid checkpoint of {workload}")
         gone = []
-        for m, why in to_delete(manifests, now, rule):
-            if m.id == newest_valid:
-                raise StoreError(f"retention wanted to delete {m.id}, the newest valid checkpoint of {workload}")
+        for m, why in drop:
             self.delete(m)
             gone.append((m.id, why))
         for d in self.orphans(workload, orphan_grace):
