@@ -455,14 +455,15 @@ class S3Tier(S3Objects):
             for f in remote.files:
                 target = images / f.path
                 target.parent.mkdir(parents=True, exist_ok=True)
-                with open(target, "wb") as fh:
-                    os.posix_fallocate(fh.fileno(), 0, f.size) if f.size else None  # extents up front: parallel writes land in place
+                with open(target, "wb") as fh:  # extents up front: parallel writes land in place
+                    os.posix_fallocate(fh.fileno(), 0, f.size) if f.size else None
                 os.chmod(target, 0o600)
                 jobs += [(f.path, i * size, digest) for i, digest in enumerate(remote.probe["s3_chunks"][f.path])]
 
             def one(job) -> int:
                 path, off, digest = job
-                body = self._call("get", self.s3.get_object, Bucket=self.bucket, Key=self._key("chunks", digest))["Body"]
+                body = self._call("get", self.s3.get_object, Bucket=self.bucket,
+                                  Key=self._key("chunks", digest))["Body"]
                 fd = os.open(images / path, os.O_WRONLY)
                 try:
                     if self.key is None:
