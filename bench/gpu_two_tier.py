@@ -186,6 +186,70 @@ def _row(name, a, row, t0, pid_file, tmp, transparent, host_gib, node_box) -> di
     return row
 
 
+def run_faults(a, weights: Path, tmp: Path) -> dict:
+    """Torn chunks on the real engine: a torn session chunk is refused before any CRIU call; a
+    torn weight chunk is caught by the engine's GPU check and the half-restored copy killed;
+    with the chunk repaired the same checkpoint restores bit-exact."""
+    from ckptflow.errors import ChecksumMismatch, CkptflowError
+    from ckptflow.runners import process
+
+    pid_file = tmp / "F.pid"
+    launch.require_free_port(PORT)
+    proc = start(weights, pid_file, ["--kv-gib", "4"])
+    node = NodeRunner(LocalStore(tmp / "store-F"))
+    out: dict = {}
+    try:
+        for i in range(2):
+            launch.complete(PORT, prompt(i, 300), 8, f"s{i}")
+        w = launch.demo_workload("tt-f", PORT, pid_file).model_copy(update={
+            "gpu": True, "gpu_footprint_gib": 12, "model_id": "ckptflow-demo-llm",
+            "prepare_url": f"http://127.0.0.1:{PORT}/v1/ckptflow/prepare",
+            "find": ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="ckptflow.demo.llm_worker")})
+        tt = TwoTierRunner(node)
+        m = tt.heartbeat(w)
+        before = state()
+        kill(int(pid_file.read_text()), node)
+        recs = json.loads((node.store.images_dir(m) / "sessions.json").read_text())["sessions"]
+        tmpl = node.store.get(m.probe["template_workload"], m.probe["template"])
+        wrec = json.loads((node.store.images_dir(tmpl) / "weights.json").read_text())
+
+        def tear(digest: str) -> bytes:
+            p = tt.chunks.path(digest)
+            raw = p.read_bytes()
+            p.chmod(0o600)
+            p.write_bytes(raw[:1000] + bytes([raw[1000] ^ 0xFF]) + raw[1001:])
+            return raw
+
+        for case, digest in (("session", recs["s0"]["tensors"][0]["chunks"][0]), ("weights", wrec[0]["chunks"][3])):
+            raw = tear(digest)
+            try:
+                tt.restore(w)
+                out[case] = "NOT REFUSED"
+            except ChecksumMismatch as e:
+                out[case] = f"refused before CRIU: {e.message[:120]}"
+            except CkptflowError as e:
+                out[case] = f"failed after CRIU: {e.message[:160]}"
+            try:
+                out[case + "_left_running"] = process.resolve(w).pid
+            except CkptflowError:
+                out[case + "_left_running"] = None
+            tt.chunks.path(digest).write_bytes(raw)
+        tt.restore(w)
+        out["repaired_bitexact"] = state() == before
+        log("faults", out)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+        node.close()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="A,B")
@@ -196,6 +260,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=1500)
     ap.add_argument("--changed-tokens", type=int, default=1490, help="1490 tokens x 43 layers = 1 GiB of KV")
     ap.add_argument("--images", default="/dev/shm")
+    ap.add_argument("--faults-only", action="store_true", help="only the torn-chunk cases (small weights)")
     a = ap.parse_args()
     os.environ.setdefault("CKPTFLOW_CRIU_NETWORK_LOCK", "skip")
     tmp = Path(tempfile.mkdtemp(prefix="ckptflow-2t-", dir=a.images))
@@ -207,6 +272,17 @@ def main() -> int:
     limit = json.loads(subprocess.run([sys.executable, "-c", _LIMIT, str(weights)], check=True,
                                       capture_output=True, text=True).stdout.strip().splitlines()[-1])["gib_s"]
     log(f"stream limit file -> GPU (no hashing): {limit:.1f} GiB/s")
+    if a.faults_only:
+        faults = run_faults(a, weights, tmp)
+        res = BENCH / "results" / "gpu_two_tier.json"
+        data = json.loads(res.read_text())
+        data["faults"] = faults
+        res.write_text(json.dumps(data, indent=1) + "\n")
+        ok = faults.get("repaired_bitexact") and not faults.get("session_left_running") \
+            and not faults.get("weights_left_running") and faults["session"].startswith("refused before CRIU") \
+            and "torn" in faults["weights"]
+        print(json.dumps(faults, indent=1))
+        return 0 if ok else 1
     host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
     rows = []
     for name in a.rows.split(","):
