@@ -215,7 +215,9 @@ def deploy(fleet_file: Path, *, create_pools: bool = True, ephemeral: bool = Fal
                               "PREFECT_API_URL=...`), or pass --ephemeral to deploy into a throwaway server on purpose")
     import httpx
     from prefect.client.orchestration import get_client
+    from prefect.deployments.runner import DeploymentApplyError
     from prefect.exceptions import PrefectException
+    from pydantic import ValidationError
 
     out = render_prefect_yaml(fleet_file, workdir)
     render_node_workers(fleet_file, workdir, image=image)
@@ -237,8 +239,9 @@ def deploy(fleet_file: Path, *, create_pools: bool = True, ephemeral: bool = Fal
         for d in spec["deployments"]:
             step = f"deployment {d['name']} of {d['entrypoint']}"
             runner_deployment(d, spec["pull"]).apply()
-    except (httpx.HTTPError, PrefectException, RuntimeError, ValueError) as e:
-        # RuntimeError: DeploymentApplyError (the server's own reason); ValueError: a bad field.
+    except (httpx.HTTPError, PrefectException, DeploymentApplyError, ValidationError) as e:
+        # DeploymentApplyError: the server's own reason; PrefectException: a flow file that does
+        # not load (ScriptError), an object the server does not know; ValidationError: a bad field.
         why = " ".join(str(e).split()) or type(e).__name__
         raise ConfigError(f"deploy of {out.name} to {prefect_api_url() or 'a temporary server'} failed at "
                           f"{step}: {why[:500]}", fix="check PREFECT_API_URL points at your Prefect server") from e

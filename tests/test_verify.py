@@ -16,8 +16,10 @@ from ckptflow.store.local import LocalStore
 pytestmark = pytest.mark.criu
 
 
-def _demo_workers():
-    out = subprocess.run(["pgrep", "-f", "ckptflow.demo.worker"], capture_output=True, text=True)
+def _demo_workers(tmp_path):
+    """This test's demo workers and their sandbox copies (same command line: the pid file under
+    ``tmp_path``), not those of other test runs sharing the machine."""
+    out = subprocess.run(["pgrep", "-f", f"ckptflow.demo.worker .*{tmp_path}/"], capture_output=True, text=True)
     return {int(p) for p in out.stdout.split()}
 
 
@@ -33,7 +35,7 @@ def test_verify_beside_live_original(tmp_path, prefect_harness, demo_worker, sla
     w.complete("a session to keep " * 20, 16, "s1")
     fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store", slack=True)
     ckpt = heartbeat(str(fleet))[0]["checkpoint"]
-    digests, pid, workers = w.digests(), w.pid, _demo_workers()
+    digests, pid, workers = w.digests(), w.pid, _demo_workers(tmp_path)
     rows = verify(str(fleet))
     assert rows[0]["state"] == "verified", rows
     assert rows[0]["reason"] == "golden digest and 1 session digest(s) equal"
@@ -41,7 +43,7 @@ def test_verify_beside_live_original(tmp_path, prefect_harness, demo_worker, sla
     assert m.state == CheckpointState.verified and "restore" in m.probe["verify_timings"]
     # The original is untouched, the sandbox is gone.
     assert w.pid == pid and w.proc.poll() is None and w.digests() == digests
-    assert _demo_workers() == workers
+    assert _demo_workers(tmp_path) == workers == {pid}
     assert "ckv-" not in _netns()
     assert slack.requests == []
 
