@@ -214,3 +214,48 @@ def test_one_template_starts_replicas_of_two_workloads_that_continue_exactly(dem
             copy.stop()
         for ns in nss:
             del_netns(ns)
+
+
+_RUNNER = """
+import sys
+from ckptflow.models import Workload
+from ckptflow.runners.node import NodeRunner
+from ckptflow.runners.twotier import TwoTierRunner
+from ckptflow.store.local import LocalStore
+with NodeRunner(LocalStore(sys.argv[1])) as node:
+    TwoTierRunner(node).heartbeat(Workload.model_validate_json(sys.argv[2]))
+"""
+
+
+def test_a_runner_killed_mid_export_leaves_no_manifest_the_worker_serves_on_and_the_next_run_cleans_up(pair, tt):
+    import subprocess
+    import sys
+
+    from tests.helpers.holdproxy import HoldProxy
+
+    live, ref = pair
+    store = tt.store
+    tt.heartbeat(live.workload)
+    before = [m.id for m in store.list(live.workload.name)]
+    _talk(live, ref, turns=(("a", "one more long turn " * 20),))
+    base = live.workload.health_url.rsplit("/", 1)[0]
+    proxy = HoldProxy(base, "/v1/ckptflow/sessions/export")
+    via = live.workload.model_copy(update={"health_url": proxy.url + "/health",
+                                           "metrics_url": proxy.url + "/metrics"})
+    runner = subprocess.Popen([sys.executable, "-c", _RUNNER, str(store.root), via.model_dump_json()],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        assert proxy.in_flight.wait(60), runner.communicate(timeout=5)[0]  # the engine has exported
+        staged = list((tt.chunks.root / ".staging").iterdir())
+        assert [d.name.split("-")[0] for d in staged] == [str(runner.pid)]
+        assert any(staged[0].iterdir())                                       # bytes the runner never adopted
+        runner.kill()
+        runner.wait(10)
+    finally:
+        proxy.close()
+    assert [m.id for m in store.list(live.workload.name)] == before            # no manifest
+    assert live.complete("still there?", 8, "a") == ref.complete("still there?", 8, "a")
+
+    m = tt.heartbeat(live.workload)                                           # the next run goes through
+    assert m.probe["changed_sessions"] == ["a"]
+    assert list((tt.chunks.root / ".staging").iterdir()) == []               # and removed what the dead one left

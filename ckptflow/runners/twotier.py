@@ -35,6 +35,7 @@ from ckptflow.errors import (CheckpointNotFound, CkptflowError, EngineProtocolEr
                              WorkloadRunning)
 from ckptflow.models import CheckpointState, Manifest, Workload
 from ckptflow.policies.sessions import MIN_TOKENS, SessionFacts, decide_sessions
+from ckptflow.poll import NotYet, PollTimeout, poll
 from ckptflow.runners import engine, process
 from ckptflow.runners.fingerprint import workload_fingerprint
 from ckptflow.runners.node import NodeRunner, _write_pid_file
@@ -166,7 +167,8 @@ class TwoTierRunner:
                 r.pop("written_bytes", None)
             (pending.images_dir / SESSIONS_FILE).write_text(json.dumps(
                 {"template": tmpl.id, "template_workload": tmpl.workload, "sessions": recs}))
-            self.chunks.verify([d for ds in _digests(recs).values() for d in ds])  # no manifest without bytes
+            # No manifest without its bytes; each chunk was hashed when adopted (scrubs: verify flow).
+            self.chunks.present([d for ds in _digests(recs).values() for d in ds])
         except BaseException:
             self.store.abort(pending)
             raise
@@ -308,15 +310,18 @@ class TwoTierRunner:
         t["restore"] = time.perf_counter() - t0
         base = tmpl.probe.get("base_url") or engine.base_url(w)
         try:
-            deadline = time.monotonic() + timeout_s
-            while True:  # the copy's server may take a moment to accept in its namespace
+            def answers() -> dict:  # the copy's server may take a moment to accept in its namespace
                 try:
-                    engine.call(w, "/v1/ckptflow/engine", base=base, netns=netns, timeout_s=5)
-                    break
+                    return engine.call(w, "/v1/ckptflow/engine", base=base, netns=netns, timeout_s=5)
                 except EngineProtocolError as e:
-                    if not e.retryable or time.monotonic() > deadline:
+                    if not e.retryable:
                         raise
-                    time.sleep(0.1)
+                    raise NotYet(e.message) from None
+
+            try:
+                poll(answers, timeout_s, 0.1, what=f"the copy's engine at {base} in {netns}")
+            except PollTimeout as e:
+                raise EngineProtocolError(f"workload {w.name}: {e}", retryable=True) from None
             got = self._load(w, weights, recs, t, base=base, netns=netns)
             _check_sessions(w, recs, got, f"a copy from template {tmpl.id} + sessions {m.id}")
         except BaseException:
@@ -334,14 +339,10 @@ class TwoTierRunner:
         Raises:
             ChecksumMismatch: a chunk is missing, or a session chunk is torn.
         """
-        from concurrent.futures import ThreadPoolExecutor
-
         recs = self._records(m)["sessions"]
         weights = json.loads((self.store.images_dir(tmpl) / WEIGHTS_FILE).read_text())
         self.chunks.present([d for r in weights for d in r["chunks"]])
-        todo = list(dict.fromkeys(d for ds in _digests(recs).values() for d in ds))
-        with ThreadPoolExecutor(max(1, min(16, (os.cpu_count() or 2) - 1))) as ex:  # hashlib releases the GIL
-            list(ex.map(lambda d: self.chunks.verify([d]), todo))
+        self.chunks.verify([d for ds in _digests(recs).values() for d in ds])
         return recs, weights
 
     def _load(self, w: Workload, weights: list[dict], recs: dict, t: dict, **where) -> dict[str, str]:

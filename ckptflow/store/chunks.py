@@ -27,12 +27,17 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 from ckptflow.errors import ChecksumMismatch
 
 _HEX = set("0123456789abcdef")
+
+
+def _threads() -> int:
+    return max(1, min(16, (os.cpu_count() or 2) - 1))  # hashlib and file I/O release the GIL
 
 
 class ChunkStore:
@@ -53,7 +58,8 @@ class ChunkStore:
         removed on exit whatever happened (what was not adopted by then is discarded)."""
         base = self.root / ".staging"
         base.mkdir(parents=True, exist_ok=True, mode=0o700)
-        d = Path(tempfile.mkdtemp(dir=base))
+        _sweep(base)
+        d = Path(tempfile.mkdtemp(dir=base, prefix=f"{os.getpid()}-"))
         # The engine process may not run as the runner's user; it only ever writes here.
         os.chmod(d, 0o733)
         try:
@@ -68,15 +74,15 @@ class ChunkStore:
         Raises:
             ChecksumMismatch: a file's content does not hash to its name (it is not adopted).
         """
+        files = [f for f in sorted(staging.iterdir()) if not self.path(f.name).exists()]  # dedup
+        with ThreadPoolExecutor(_threads()) as ex:
+            torn = [f.name for f, d in zip(files, ex.map(_sha256, files)) if d != f.name]
+        if torn:
+            raise ChecksumMismatch(f"chunk {torn[0][:12]}… written by the engine does not match its name",
+                                   fix="the export was torn or the disk is failing; retry the heartbeat")
         n = size = 0
-        for f in sorted(staging.iterdir()):
-            digest = f.name
-            dest = self.path(digest)
-            if dest.exists():
-                continue  # dedup: the same bytes are already here
-            if _sha256(f) != digest:
-                raise ChecksumMismatch(f"chunk {digest[:12]}… written by the engine does not match its name",
-                                       fix="the export was torn or the disk is failing; retry the heartbeat")
+        for f in files:
+            dest = self.path(f.name)
             dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.chmod(f, 0o600)
             os.replace(f, dest)
@@ -102,11 +108,22 @@ class ChunkStore:
         return data
 
     def verify(self, digests: list[str]) -> None:
-        """Check that every chunk is present and whole (before a restore touches anything)."""
-        for d in dict.fromkeys(digests):
-            p = self.path(d)
-            if not p.exists() or _sha256(p) != d:
-                self.read(d)  # raises with the reason
+        """Check that every chunk is present and whole (before a restore touches anything),
+        hashing in parallel.
+
+        Raises:
+            ChecksumMismatch: a chunk is missing or torn (the first one found).
+        """
+        todo = list(dict.fromkeys(digests))
+        self.present(todo)
+
+        def whole(d: str) -> bool:
+            return _sha256(self.path(d)) == d
+
+        with ThreadPoolExecutor(_threads()) as ex:
+            for d, ok in zip(todo, ex.map(whole, todo)):
+                if not ok:
+                    self.read(d)  # raises with the reason
 
     def present(self, digests: list[str]) -> None:
         """Check that every chunk is here (no hashing: for bytes the engine hashes as it loads).
@@ -120,6 +137,20 @@ class ChunkStore:
 
     def size(self, digests: list[str]) -> int:
         return sum(self.path(d).stat().st_size for d in dict.fromkeys(digests))
+
+
+def _sweep(base: Path) -> None:
+    """Remove staging directories of runners that died mid-export (named ``<pid>-…``): what
+    they staged was never adopted, and nothing else will remove it."""
+    for d in base.iterdir():
+        try:
+            os.kill(int(d.name.split("-", 1)[0]), 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except (ValueError, PermissionError):
+            continue  # not ours, or alive under another user
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _sha256(path: Path) -> str:

@@ -10,6 +10,7 @@ from prefect import task
 
 from ckptflow.errors import ConfigError, RestoreFailed, WorkloadNotFound
 from ckptflow.models import CheckpointKind
+from ckptflow.poll import PollTimeout, poll
 from ckptflow.runners import process
 from ckptflow.tasks.common import node_runner, node_slot, open_fleet
 from ckptflow.tasks.common import tier as fleet_tier
@@ -65,10 +66,9 @@ def stop_workload(fleet_file: str, workload: str, grace_s: float = 30) -> dict:
     except WorkloadNotFound:
         return {"stopped": False, "reason": "not running"}
     os.kill(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while process.pid_alive(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if process.pid_alive(proc.pid):
+    try:
+        poll(lambda: not process.pid_alive(proc.pid), grace_s, 0.1, what=f"PID {proc.pid} to exit")
+    except PollTimeout:
         os.kill(proc.pid, signal.SIGKILL)
     return {"stopped": True, "pid": proc.pid}
 
