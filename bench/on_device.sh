@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run a bench on a GPU node that has no ckptflow install and no route to a mirror (the device
 # machines): CRIU from the relocatable bundle (scripts/criu-bundle.sh -> .carry/criu) and the
-# few pure-Python wheels the runners need unpacked in .carry/py (torch, cuda-bindings and
+# few wheels the runners need unpacked in .carry/py (scripts/carry-wheels.sh; torch, cuda-bindings and
 # nvidia-ml-py are the node's own).
 #   bench/on_device.sh python3 bench/gpu_tp.py --configs nccl:2:8
 set -euo pipefail
