@@ -82,10 +82,11 @@ def del_netns(ns: str) -> None:
     subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-# Measured on the H200 (driver 580.159.04): a CRIU copy of a CUDA-checkpointed worker in its
-# own PID namespace is unknown to the driver — cuCheckpointProcessGetState answers
-# CUDA_ERROR_NOT_INITIALIZED for it, asked from the host and from inside the namespace — so
-# its GPU state cannot be restored beside the original.
+# Measured on the H200 (driver 580.159.04, bench/gpu_pidns_probe.py): a CRIU copy of a
+# CUDA-checkpointed worker in its own PID namespace is unknown to the driver —
+# cuCheckpointProcessGetState answers CUDA_ERROR_NOT_INITIALIZED for its host PID from the host
+# and for its own PID from inside its namespaces; with the host's /proc the driver resolves that
+# PID to the live original — so its GPU state cannot be restored beside the original.
 GPU_SANDBOX = ("fingerprint and checksums pass; a GPU checkpoint cannot be restored beside its original "
                "(the driver restores CUDA state only into the PID that took it), so no sandbox run: "
                "prove it by a restore in place (recover) on a drained node")
