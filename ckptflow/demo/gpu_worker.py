@@ -174,9 +174,14 @@ class GpuWorker:
             pos += 1
         return out, pos, (out[-1] if out else last)
 
+    @property
+    def parked(self) -> bool:
+        """Weights released for a template checkpoint (template/prepare), not yet back."""
+        return self.ballast is None
+
     def complete(self, body: dict) -> dict:
         prompt, max_tokens, sid = parse_completion(body)
-        if self.ballast is None:
+        if self.parked:
             raise ValueError("engine is parked for a template checkpoint (weights released); retry shortly")
         t0 = time.perf_counter()
         toks_in = encode(prompt)

@@ -191,6 +191,8 @@ def _one_at_a_time(fn):
 class TpWorker(GpuWorker):
     """Rank 0: the GPU worker's API (sessions, peek, prepare, metrics) over the sharded model."""
 
+    parked = False  # no template protocol for TP groups yet: its weights never leave
+
     def __init__(self, rank0: Rank, model_name: str):  # no GpuWorker.__init__: the model is sharded
         self.r = rank0
         self.model = _Rank0Model(self)
