@@ -53,9 +53,6 @@ class SimDriver:
     def unlock(self, pid):
         return self._call("unlock", pid, ProcessState.LOCKED, ProcessState.RUNNING)
 
-    def restore_thread_id(self, pid):
-        return OK, 1
-
 
 def test_full_heartbeat_sequence_over_several_pids():
     drv = SimDriver([10, 11, 12])

@@ -87,10 +87,6 @@ class WorkloadLoad(BaseModel):
     def tokens_total(self) -> float:
         return self.prompt_tokens_total + self.generation_tokens_total
 
-    @property
-    def in_flight(self) -> float:
-        return self.running + self.waiting
-
 
 def known_engines() -> list[str]:
     return sorted(_NAMES)

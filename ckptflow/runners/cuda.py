@@ -104,10 +104,6 @@ class DriverBackend:
     def unlock(self, pid: int) -> int:
         return int(self.d.cuCheckpointProcessUnlock(pid, None)[0])
 
-    def restore_thread_id(self, pid: int) -> tuple[int, int]:
-        err, tid = self.d.cuCheckpointProcessGetRestoreThreadId(pid)
-        return int(err), int(tid)
-
 
 def _uuid(d: Any, text: str) -> Any:
     """The driver's own CUuuid of the GPU named ``text`` (NVML's "GPU-…" form). The bindings'
@@ -157,9 +153,6 @@ class BinaryBackend:
 
     def unlock(self, pid: int) -> int:
         return self._run("--action", "unlock", "--pid", str(pid))[0]
-
-    def restore_thread_id(self, pid: int) -> tuple[int, int]:
-        return 0, 0
 
 
 def load_backend() -> tuple[Any | None, str]:
