@@ -3,10 +3,26 @@
 Pure (numpy, no I/O). The reference trace and cost model are documented in
 bench/RESULTS.md; change them only with a reason written there.
 
+Every worker of a trace is checkpointed one way (``TraceConfig.checkpoint_mode``), and a named
+cost profile (``PROFILES``) fixes the mode with its calibration:
+
+- ``process-h200``: the whole process (CUDA checkpoint + CRIU). A heartbeat pauses the worker
+  1.3 s per GiB it holds; a restore reads the footprint at 1.25 GiB/s + 5 s. The calibration of
+  the first simulator runs (bench/RESULTS.md, 2026-11-29), and the default.
+- ``two-tier-h200``: a template of the initialised engine plus the session KV it exports
+  (bench/results/gpu_two_tier.json). A heartbeat pauses 0.036 s + 0.036 s per GiB of KV that
+  changed since the previous one; a restore is the template (2.85 s) plus weights and the
+  checkpointed KV streamed at 20.9 GiB/s. KV bytes per token: ``kv_bytes_per_token``.
+
 Example:
-    >>> out = simulate(seed=0)
+    >>> out = simulate(seed=0, cfg=TraceConfig(days=4, nodes=4))
     >>> sorted(out["policies"])[:3]
     ['ckptflow', 'clairvoyant', 'fixed-14400']
+    >>> out["checkpoint_mode"]
+    'process'
+    >>> tt = simulate(seed=0, cfg=profile_config("two-tier-h200", days=4, nodes=4))
+    >>> tt["checkpoint_mode"], tt["policies"]["never"] == out["policies"]["never"]
+    ('two-tier', True)
 """
 
 from __future__ import annotations
@@ -50,6 +66,38 @@ class TraceConfig:
     context_cap_tokens: float = 128_000.0
     request_s: tuple[float, float] = (1.0, 30.0)
     cost: CostModel = field(default_factory=CostModel)
+    checkpoint_mode: str = "process"        # CheckpointMode value of every worker: "process" or "two-tier"
+    # Two-tier only. KV bytes per token: the trace counts tokens (mean 0.87 M live per long-session
+    # worker, ~10k per GiB of footprint), so 64 KiB/token keeps that KV (53 GiB on average) inside
+    # the footprints (an 8B-class GQA model with fp8 KV; a 70B-class bf16 model's share per GPU at
+    # TP 8 is 40 KiB). Weights: the part of the footprint a restore streams besides the KV.
+    kv_bytes_per_token: float = 65_536.0
+    weights_fraction: float = 0.5
+
+    @property
+    def two_tier(self) -> bool:
+        return self.checkpoint_mode == "two-tier"
+
+
+PROFILES: dict[str, dict[str, Any]] = {
+    "process-h200": {"checkpoint_mode": "process"},
+    "two-tier-h200": {"checkpoint_mode": "two-tier"},
+}
+"""Named cost profiles: the TraceConfig fields each one sets (the costs themselves are CostModel's
+fields, which hold both paths' calibrations)."""
+
+
+def profile_config(name: str, **overrides: Any) -> TraceConfig:
+    """The reference trace under the named cost profile (``overrides``: other TraceConfig fields).
+
+    Raises:
+        KeyError: no profile of that name.
+    """
+    try:
+        base = PROFILES[name]
+    except KeyError:
+        raise KeyError(f"unknown cost profile {name!r}; known: {', '.join(PROFILES)}") from None
+    return TraceConfig(**{**base, **overrides})
 
 
 @dataclass
@@ -154,22 +202,74 @@ def at_risk_tokens(cfg: TraceConfig, w: Workload, t: float, tc: float | None) ->
     return float(ctx.sum() - _ctx(cfg, s[before], tc).sum())
 
 
+def moved_tokens(cfg: TraceConfig, w: Workload, ckpts: np.ndarray) -> float:
+    """KV tokens a two-tier schedule moves in all: each heartbeat moves what changed since the
+    previous one, which telescopes per session to its KV at its last heartbeat."""
+    if w.short or not len(ckpts) or not len(w.start):
+        return 0.0
+    i = np.searchsorted(ckpts, w.end, "left") - 1      # the last heartbeat while the session lives
+    ok = i >= 0
+    t_last = ckpts[np.where(ok, i, 0)]
+    ok &= t_last >= w.start
+    return float(_ctx(cfg, w.start[ok], t_last[ok]).sum())
+
+
+def heartbeat_cost(cfg: TraceConfig, w: Workload, ckpts: np.ndarray) -> tuple[float, float]:
+    """(pause GPU-s, bytes written) of a schedule of heartbeats of one worker."""
+    cost = cfg.cost
+    if not cfg.two_tier:
+        return len(ckpts) * cost.pause_s(w.footprint), len(ckpts) * w.footprint * 2**30
+    moved = moved_tokens(cfg, w, ckpts)
+    return (len(ckpts) * cost.session_pause_fixed_s
+            + cost.session_pause_s_per_gib * cost.kv_gib(moved, cfg.kv_bytes_per_token),
+            moved * cfg.kv_bytes_per_token)
+
+
+def pause_of(cfg: TraceConfig, w: Workload, changed_tokens: float) -> float:
+    """Pause of one heartbeat of ``w`` that finds ``changed_tokens`` new KV tokens."""
+    if not cfg.two_tier:
+        return cfg.cost.pause_s(w.footprint)
+    return cfg.cost.session_pause_s(changed_tokens, cfg.kv_bytes_per_token)
+
+
+def restore_of(cfg: TraceConfig, w: Workload, kept_tokens: float) -> float:
+    """Restore of ``w`` from a checkpoint holding ``kept_tokens`` KV tokens that are still live."""
+    if not cfg.two_tier:
+        return cfg.cost.restore_s(w.footprint)
+    return cfg.cost.two_tier_restore_s(cfg.weights_fraction * w.footprint, kept_tokens, cfg.kv_bytes_per_token)
+
+
 # --- cost of one checkpoint schedule -----------------------------------------------------
 def schedule_cost(tr: Trace, w: Workload, ckpts: np.ndarray, *, template: bool = True,
                   drains_short: bool = False) -> dict:
+    """Totals of one worker under one schedule. ``lost_gpu_s`` = ``restart_gpu_s`` (restores or
+    cold starts) + ``reprefill_gpu_s`` (KV not in the newest checkpoint) + retries of short
+    requests; ``kv_kept_gpu_s``: the re-prefill the checkpoints saved (KV restored instead)."""
     cfg, cost = tr.cfg, tr.cfg.cost
-    C = cost.pause_s(w.footprint)
-    lost = 0.0
+    lost = restart = reprefill = kept = 0.0
     for t, maint in tr.events(w):
         i = np.searchsorted(ckpts, t, "right")
         tc = float(ckpts[i - 1]) if i else None
-        lost += cost.restore_s(w.footprint) if template else cost.cold_start_s
-        lost += at_risk_tokens(cfg, w, t, tc) / cost.prefill_tokens_s
+        risk = at_risk_tokens(cfg, w, t, tc)
+        live = live_tokens(cfg, w, t)[0] if tc is not None else risk
+        r = restore_of(cfg, w, live - risk) if template else cost.cold_start_s
+        lost += r + risk / cost.prefill_tokens_s
+        restart += r
+        reprefill += risk / cost.prefill_tokens_s
+        kept += (live - risk) / cost.prefill_tokens_s
         if w.short and not (maint and drains_short):
             lost += sum(cfg.request_s) / 2  # in-flight requests retried
-    pause = len(ckpts) * C
-    return {"lost_gpu_s": lost, "pause_gpu_s": pause, "bytes": len(ckpts) * w.footprint * 2**30,
-            "checkpoints": len(ckpts), "cost": lost + pause}
+    pause, written = heartbeat_cost(cfg, w, ckpts)
+    return {"lost_gpu_s": lost, "pause_gpu_s": pause, "bytes": written,
+            "checkpoints": len(ckpts), "cost": lost + pause,
+            "restart_gpu_s": restart, "reprefill_gpu_s": reprefill, "kv_kept_gpu_s": kept}
+
+
+def node_class(cfg: TraceConfig, mtbf_s: float) -> str:
+    """'preemptible', 'flaky' or 'healthy', by the node's MTBF in the trace."""
+    if mtbf_s == cfg.preemptible_mtbf_h * HOUR:
+        return "preemptible"
+    return "flaky" if mtbf_s == cfg.flaky_mtbf_h * HOUR else "healthy"
 
 
 def fixed_schedule(tr: Trace, tau: float, phase: float) -> np.ndarray:
@@ -218,7 +318,9 @@ def ckptflow_schedule(tr: Trace, w: Workload, params: Mapping[str, Any] | CostBa
                           live_tokens=live, growth_tokens_s=growth,
                           tokens_since_ckpt=at_risk_tokens(cfg, w, t, tc),
                           seconds_since_ckpt=t - (tc or 0.0), now=t,
-                          maintenance=[(ws, we)] if t >= announced else [])
+                          maintenance=[(ws, we)] if t >= announced else [],
+                          checkpoint_mode=cfg.checkpoint_mode, weights_gib=cfg.weights_fraction * w.footprint,
+                          kv_bytes_per_token=cfg.kv_bytes_per_token)
         d = decide(f, "cost-based", params, cfg.cost)
         tau = d.interval_s if d.action == Action.protect and d.interval_s else math.inf
         if d.due and d.action in (Action.protect, Action.checkpoint_now):
@@ -249,7 +351,8 @@ def simulate(seed: int = 0, cfg: TraceConfig | None = None,
     run("never", lambda i, w: np.zeros(0), template=False)
     for tau in FIXED_INTERVALS:
         run(f"fixed-{tau:.0f}", lambda i, w, tau=tau: fixed_schedule(tr, tau, phases[i]))
-    mean_c = float(np.mean([cfg.cost.pause_s(w.footprint) for w in tr.workloads]))
+    # Young's C: the process pause; in two tiers the pause of moving a worker's KV held mid-trace.
+    mean_c = float(np.mean([pause_of(cfg, w, live_tokens(cfg, w, cfg.days * DAY / 2)[0]) for w in tr.workloads]))
     mean_m = float(1 / np.mean(1 / tr.node_mtbf_s))
     tau_yd = young_interval(mean_c, mean_m)
     run("young-daly", lambda i, w: fixed_schedule(tr, tau_yd, phases[i]))
@@ -264,20 +367,33 @@ def simulate(seed: int = 0, cfg: TraceConfig | None = None,
     clair: dict = {}
     for w in tr.workloads:
         ck: list[float] = []
-        C = cfg.cost.pause_s(w.footprint)
         for t, _ in tr.events(w):
-            risk = at_risk_tokens(cfg, w, t, ck[-1] if ck else None) / cfg.cost.prefill_tokens_s
-            if risk > C:
+            tokens = at_risk_tokens(cfg, w, t, ck[-1] if ck else None)
+            if tokens / cfg.cost.prefill_tokens_s > pause_of(cfg, w, tokens):
                 ck.append(t - 1e-3)
         _add(clair, schedule_cost(tr, w, np.array(ck), drains_short=True))
     pol["clairvoyant"] = clair
 
-    run("ckptflow", lambda i, w: ckptflow_schedule(tr, w, params), drains_short=True)
+    # ckptflow, with where its checkpoints went: per node class and traffic.
+    tot: dict = {}
+    protects: dict[str, dict] = {}
+    for w in tr.workloads:
+        part = schedule_cost(tr, w, ckptflow_schedule(tr, w, params), drains_short=True)
+        _add(tot, part)
+        key = f"{node_class(cfg, tr.node_mtbf_s[w.node])}/{'short' if w.short else 'long'}"
+        row = protects.setdefault(key, {"workloads": 0, "with_checkpoints": 0})
+        row["workloads"] += 1
+        row["with_checkpoints"] += int(part["checkpoints"] > 0)
+        _add(row, {k: part[k] for k in ("checkpoints", "pause_gpu_s", "reprefill_gpu_s", "kv_kept_gpu_s")})
+    pol["ckptflow"] = tot
 
-    out = {"seed": seed, "failure_dist": cfg.failure_dist, "workloads": len(tr.workloads),
+    out = {"seed": seed, "failure_dist": cfg.failure_dist, "checkpoint_mode": cfg.checkpoint_mode,
+           "kv_bytes_per_token": cfg.kv_bytes_per_token if cfg.two_tier else None,
+           "workloads": len(tr.workloads),
            "young_daly_interval_s": tau_yd,
            "node_failures": int(sum(len(f) for f in tr.failures)),
-           "policies": {k: {kk: round(vv, 1) for kk, vv in v.items()} for k, v in pol.items()}}
+           "policies": {k: {kk: round(vv, 1) for kk, vv in v.items()} for k, v in pol.items()},
+           "ckptflow_by_class": {k: {kk: round(vv, 1) for kk, vv in v.items()} for k, v in sorted(protects.items())}}
     if with_curve:
         curve = []
         for tau in sorted(set(HINDSIGHT_GRID[1:] + FIXED_INTERVALS)):

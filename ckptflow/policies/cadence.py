@@ -30,6 +30,14 @@ higher-order form applies to C' = C/g. A checkpoint pays off only when its pause
 than the re-prefill it saves: C/tau + lambda*min(g*tau/2, A) < lambda*A, A = live KV in
 GPU-s. Short-request traffic never pays: what is at risk is a retry of a few seconds.
 
+A ``two-tier`` workload (``WorkloadFacts.checkpoint_mode``) is checkpointed as a template of
+the initialised engine plus the session KV it exports, bytes in proportion to what changed
+(bench/gpu_two_tier.py). Its heartbeat pauses C0 + p x (GiB of KV changed since the previous
+one), so the pause is paid at a rate k = p x (GiB of new KV per second) whatever the interval,
+plus C0 per heartbeat; the interval is Daly's for C0 and it pays off only when
+C0/tau + k + lambda*min(g*tau/2, A) < lambda*A. Its restore is the template's fixed cost plus
+weights and live KV streamed at ``stream_gib_s``.
+
 Example:
     >>> facts = WorkloadFacts(name="chat", traffic="long_sessions", footprint_gib=20, mtbf_s=24 * 3600,
     ...                       live_tokens=2e7, growth_tokens_s=2000, tokens_since_ckpt=1e6,
@@ -41,6 +49,19 @@ Example:
     'Daly interval 1.3 h saves 43.8 GPU-s/h (C=26s, M=24.0 h, KV at risk 2000 GPU-s growing 720/h)'
     >>> decide(facts, "cost-based", {"max_interval_s": 1800}).interval_s
     1800.0
+
+An agent worker on a node that fails about daily: its whole process costs more to checkpoint
+than the KV it would save; in two tiers a heartbeat moves only the new KV and pays:
+    >>> agent = WorkloadFacts(name="agent", traffic="long_sessions", footprint_gib=80, mtbf_s=24 * 3600,
+    ...                       live_tokens=1e6, growth_tokens_s=200, tokens_since_ckpt=1e5, seconds_since_ckpt=600.0)
+    >>> decide(agent).reason
+    'checkpoints cost more than they save: 18.2 vs 4.2 GPU-s/h (C=104s, M=24.0 h, KV at risk 100 GPU-s growing 72/h)'
+    >>> agent.checkpoint_mode = "two-tier"
+    >>> d = decide(agent)
+    >>> d.action.value, round(d.interval_s), d.due
+    ('protect', 557, True)
+    >>> d.reason
+    'Daly interval 9.3 min saves 0.5 GPU-s/h (C=0.04s + 0.036 s/GiB x 87.9 GiB/h changed, M=24.0 h, KV at risk 100 GPU-s growing 72/h)'
 """
 
 from __future__ import annotations
@@ -57,20 +78,58 @@ from ckptflow.models import Action, Decision
 INF = math.inf
 
 
+GIB = float(2**30)
+
+
 class CostModel(BaseModel):
-    """Measured and assumed costs; defaults from the H200 measurements in bench/RESULTS.md."""
+    """Measured and assumed costs; defaults from the H200 measurements in bench/RESULTS.md.
+
+    The first five fields are the whole-process path (``checkpoint: process``); the ``session_*``,
+    ``template_restore_s``, ``stream_gib_s`` and ``kv_bytes_per_token`` fields are the two-tier
+    path (``checkpoint: two-tier``), measured on the vLLM-shaped engine of bench/gpu_two_tier.py
+    (bench/results/gpu_two_tier.json, row B: 124 GiB reserved, pool at 90 %). A workload's
+    ``WorkloadFacts.checkpoint_mode`` picks which apply.
+    """
 
     pause_s_per_gib: float = Field(1.3, gt=0, description="Heartbeat pause per GiB of GPU footprint.")
     restore_gib_s: float = Field(1.25, gt=0, description="Restore throughput (CRIU + CUDA), GiB/s.")
     restore_fixed_s: float = Field(5.0, ge=0, description="Fixed part of a restore (health, probes).")
     cold_start_s: float = Field(600.0, gt=0, description="Cold start of a worker: weights, graphs.")
     prefill_tokens_s: float = Field(10_000.0, gt=0, description="Re-prefill rate of lost KV.")
+    session_pause_s_per_gib: float = Field(
+        0.036, ge=0, description="Two-tier heartbeat: pause per GiB of session KV changed since the previous "
+        "heartbeat (H200: 0.036 s holding the engine for 0.987 GiB of changed blocks out of 4.97 GiB live).")
+    session_pause_fixed_s: float = Field(
+        0.036, ge=0, description="Two-tier heartbeat: fixed part of the pause (lock, fingerprints of the live "
+        "blocks, sync). The one measurement cannot be split, so the whole measured pause is charged here too: "
+        "the model overstates it (0.072 s for 1 GiB changed, measured 0.036 s).")
+    template_restore_s: float = Field(
+        2.85, ge=0, description="Two-tier restore, fixed part: CRIU + CUDA restore of the template image "
+        "(2.18 GiB; 2.40 s) and the chunk check (0.45 s), row B.")
+    stream_gib_s: float = Field(
+        20.9, gt=0, description="Two-tier restore: weights and session KV streamed from host to GPU, GiB/s "
+        "(row B 20.9, row A 23.7; limit of the host 32.4).")
+    kv_bytes_per_token: float = Field(
+        131_072.0, gt=0, description="KV bytes per token when the facts do not say: bf16 K and V of 32 layers "
+        "x 8 KV heads x 128 (an 8B-class GQA model, one GPU).", examples=[65_536, 327_680])
 
     def pause_s(self, footprint_gib: float, measured: float | None = None) -> float:
         return measured if measured is not None and measured > 0 else footprint_gib * self.pause_s_per_gib
 
     def restore_s(self, footprint_gib: float) -> float:
         return footprint_gib / self.restore_gib_s + self.restore_fixed_s
+
+    def kv_gib(self, tokens: float, bytes_per_token: float | None = None) -> float:
+        """GiB of KV that ``tokens`` tokens hold."""
+        return tokens * (bytes_per_token or self.kv_bytes_per_token) / GIB
+
+    def session_pause_s(self, changed_tokens: float, bytes_per_token: float | None = None) -> float:
+        """Pause of one two-tier heartbeat that moves ``changed_tokens`` tokens of KV."""
+        return self.session_pause_fixed_s + self.session_pause_s_per_gib * self.kv_gib(changed_tokens, bytes_per_token)
+
+    def two_tier_restore_s(self, weights_gib: float, kv_tokens: float, bytes_per_token: float | None = None) -> float:
+        """Restore of a two-tier checkpoint: template, then weights and ``kv_tokens`` of sessions streamed in."""
+        return self.template_restore_s + (weights_gib + self.kv_gib(kv_tokens, bytes_per_token)) / self.stream_gib_s
 
 
 @dataclass(slots=True)
@@ -92,6 +151,33 @@ class WorkloadFacts:
     maintenance: list[tuple[float, float]] = field(default_factory=list)
     unsupported: str | None = None             # why the worker, as started, cannot be checkpointed
     gone: str | None = None                    # why its process cannot be found: the worker is lost
+    checkpoint_mode: str = "process"           # CheckpointMode value: "process" or "two-tier"
+    weights_gib: float | None = None           # two-tier: weights a restore streams (None: the footprint)
+    kv_bytes_per_token: float | None = None    # two-tier: None = CostModel.kv_bytes_per_token
+
+    @property
+    def two_tier(self) -> bool:
+        return self.checkpoint_mode == "two-tier"
+
+
+def heartbeat_pause_s(f: WorkloadFacts, cost: CostModel, changed_tokens: float | None = None) -> float:
+    """Pause of a heartbeat now: the whole process's (measured, else by footprint), or in two tiers
+    the fixed part plus the KV changed since the last checkpoint (``changed_tokens``, default
+    what the facts say is new). ``measured_pause_s`` applies to the process path only: a two-tier
+    pause depends on what changed, not on the last one."""
+    if not f.two_tier:
+        return cost.pause_s(f.footprint_gib, f.measured_pause_s)
+    if changed_tokens is None:
+        changed_tokens = f.live_tokens if f.tokens_since_ckpt is None else f.tokens_since_ckpt
+    return cost.session_pause_s(max(changed_tokens, 0.0), f.kv_bytes_per_token)
+
+
+def restore_estimate_s(f: WorkloadFacts, cost: CostModel) -> float:
+    """Restore of the workload's newest checkpoint, by its checkpoint mode."""
+    if not f.two_tier:
+        return cost.restore_s(f.footprint_gib)
+    weights = f.weights_gib if f.weights_gib is not None else f.footprint_gib
+    return cost.two_tier_restore_s(weights, f.live_tokens, f.kv_bytes_per_token)
 
 
 def young_interval(c: float, m: float) -> float:
@@ -140,7 +226,12 @@ def _is_short(f: WorkloadFacts, short_request_s: float) -> bool:
 def cost_based_interval(f: WorkloadFacts, cost: CostModel, min_s: float = 0.0, max_s: float = INF
                         ) -> tuple[float, str]:
     """Interval for one workload (INF = not worth checkpointing) and the reason with numbers."""
-    c = cost.pause_s(f.footprint_gib, f.measured_pause_s)
+    if f.two_tier:
+        # Fixed pause per heartbeat, plus a pause rate k for moving the new KV (paid whatever tau).
+        c = cost.session_pause_fixed_s
+        k = cost.session_pause_s_per_gib * cost.kv_gib(max(f.growth_tokens_s, 0.0), f.kv_bytes_per_token)
+    else:
+        c, k = cost.pause_s(f.footprint_gib, f.measured_pause_s), 0.0
     g = f.growth_tokens_s / cost.prefill_tokens_s
     a = f.live_tokens / cost.prefill_tokens_s
     lam = 1.0 / f.mtbf_s
@@ -149,10 +240,18 @@ def cost_based_interval(f: WorkloadFacts, cost: CostModel, min_s: float = 0.0, m
     # Whether checkpoints pay off is judged at the optimum; the rule's bounds then only move
     # the interval (an operator's max_interval_s must not turn protection off).
     opt = daly_interval(c / g, f.mtbf_s)
-    with_ckpt = c / opt + lam * min(g * opt / 2, a) if opt > 0 else INF
+    if opt > 0:
+        with_ckpt = c / opt + k + lam * min(g * opt / 2, a)
+    else:  # no fixed pause (two tiers, C0 = 0): the limit tau -> 0
+        with_ckpt = k if k > 0 else INF
     tau = min(max(opt, min_s), max_s)
     without = lam * a
-    numbers = (f"C={c:.0f}s, M={_fmt(f.mtbf_s)}, KV at risk {a:.0f} GPU-s growing {g * 3600:.0f}/h")
+    if f.two_tier:
+        per_h = cost.kv_gib(f.growth_tokens_s * 3600, f.kv_bytes_per_token)
+        pause = f"C={c:.2f}s + {cost.session_pause_s_per_gib:.3f} s/GiB x {per_h:.1f} GiB/h changed"
+    else:
+        pause = f"C={c:.0f}s"
+    numbers = (f"{pause}, M={_fmt(f.mtbf_s)}, KV at risk {a:.0f} GPU-s growing {g * 3600:.0f}/h")
     if with_ckpt >= without:
         return INF, (f"checkpoints cost more than they save: {with_ckpt * 3600:.1f} vs "
                      f"{without * 3600:.1f} GPU-s/h ({numbers})")
@@ -252,7 +351,8 @@ def decide_cost_based(f: WorkloadFacts, params: CostBasedParams, cost: CostModel
     max_s = params.max_interval_s
     short_request_s = params.short_request_s
     burst_factor = params.burst_factor
-    c = cost.pause_s(f.footprint_gib, f.measured_pause_s)
+    c = heartbeat_pause_s(f, cost)  # two tiers: the pause of moving what is new now
+    cs = f"{c:.2f}" if f.two_tier else f"{c:.0f}"
     lead_s = params.maintenance_lead_s if params.maintenance_lead_s is not None else max(900.0, 3 * c)
     at_risk_tokens = f.live_tokens if f.tokens_since_ckpt is None else f.tokens_since_ckpt
     at_risk_s = at_risk_tokens / cost.prefill_tokens_s
@@ -266,18 +366,22 @@ def decide_cost_based(f: WorkloadFacts, params: CostBasedParams, cost: CostModel
         if not short and at_risk_s > c and (f.seconds_since_ckpt is None or f.seconds_since_ckpt > f.now - m[1] + lead_s):
             return Decision(workload=f.name, action=Action.checkpoint_now, due=True,
                             reason=f"maintenance in {mins:.0f} min: {at_risk_s:.0f} s of re-prefill at risk "
-                                   f"> {c:.0f} s pause")
+                                   f"> {cs} s pause")
         why = ("short requests finish" if short else
-               f"at risk {at_risk_s:.0f} s <= pause {c:.0f} s or already checkpointed")
+               f"at risk {at_risk_s:.0f} s <= pause {cs} s or already checkpointed")
         return Decision(workload=f.name, action=Action.drain, reason=f"maintenance in {mins:.0f} min: drain ({why})")
     if short:
         retry = f.mean_request_s if f.mean_request_s is not None else short_request_s / 2
+        if f.two_tier:
+            return Decision(workload=f.name, action=Action.skip,
+                            reason=f"short requests (mean {retry:.0f} s): no session KV worth a heartbeat; "
+                                   "the template restores the worker")
         return Decision(workload=f.name, action=Action.skip,
                         reason=f"short requests (mean {retry:.0f} s): a retry costs less than a {c:.0f} s pause")
     if f.seconds_since_ckpt is None:
         return Decision(workload=f.name, action=Action.checkpoint_now, due=True,
                         reason=f"no valid checkpoint: a failure would cost a {cost.cold_start_s:.0f} s cold start "
-                               f"instead of a {cost.restore_s(f.footprint_gib):.0f} s restore")
+                               f"instead of a {restore_estimate_s(f, cost):.0f} s restore")
     if f.tokens_since_ckpt is not None and f.tokens_since_ckpt <= 0:
         return Decision(workload=f.name, action=Action.skip,
                         reason=f"nothing new since the last checkpoint {_fmt(f.seconds_since_ckpt)} ago")
