@@ -259,3 +259,19 @@ def test_a_runner_killed_mid_export_leaves_no_manifest_the_worker_serves_on_and_
     m = tt.heartbeat(live.workload)                                           # the next run goes through
     assert m.probe["changed_sessions"] == ["a"]
     assert list((tt.chunks.root / ".staging").iterdir()) == []               # and removed what the dead one left
+
+
+def test_the_policy_reads_a_two_tier_workload_as_two_tier_with_its_own_sizes(pair, tt):
+    from ckptflow.models import CheckpointMode
+    from ckptflow.runners.facts import collect_facts
+
+    live, _ = pair
+    w = live.workload.model_copy(update={"checkpoint": CheckpointMode.two_tier})
+    m = tt.heartbeat(w)
+    tmpl = _template(tt, m)
+    recs = json.loads((tt.store.images_dir(m) / SESSIONS_FILE).read_text())["sessions"]
+    f = collect_facts(w, tt.store)
+    assert f.checkpoint_mode == "two-tier" and f.measured_pause_s == m.timings["pause"]
+    assert f.weights_gib == tmpl.probe["weights_bytes"] / 2**30
+    assert f.kv_bytes_per_token == sum(r["total_bytes"] for r in recs.values()) / sum(r["tokens"] for r in recs.values())
+    assert collect_facts(live.workload, tt.store).checkpoint_mode == "process"

@@ -6,6 +6,7 @@ decides from it without any I/O of its own.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from datetime import datetime
@@ -73,12 +74,33 @@ def collect_facts(w: Workload, store: LocalStore, *, mtbf_s: float | None = None
         growth = since_tokens / since_s if since_s > 0 else 0.0
     footprint = w.gpu_footprint_gib or (m.bytes / 2**30 if m else 0.0)
     pause = None
-    if m is not None:
+    two_tier: dict = {}
+    if m is not None and m.kind == "sessions":  # what a two-tier heartbeat and restore cost this workload
+        pause = m.timings.get("pause")
+        two_tier = _two_tier_sizes(store, m)
+    elif m is not None:
         pause = sum(v for k, v in m.timings.items() if k in ("lock", "cuda_checkpoint", "dump", "cuda_restore"))
-    return WorkloadFacts(
+    return WorkloadFacts(checkpoint_mode=w.checkpoint.value, **two_tier,
         name=w.name, traffic=w.traffic.value, footprint_gib=footprint, measured_pause_s=pause,
         live_tokens=live, growth_tokens_s=growth, tokens_since_ckpt=since_tokens, seconds_since_ckpt=since_s,
         newest_invalidated=bool(newest) and newest[0].state == CheckpointState.invalidated,
         mean_request_s=load.mean_request_s if load else None, now=now, maintenance=list(maintenance),
         unsupported=tp_unsupported(w) if w.gpu else None, gone=gone,
         **({"mtbf_s": mtbf_s} if mtbf_s else {}))
+
+
+def _two_tier_sizes(store: LocalStore, m) -> dict:
+    """Weights a restore streams (from the template) and KV bytes per token (from the sessions'
+    records); {} where the checkpoint does not say."""
+    out: dict = {}
+    try:
+        recs = json.loads((store.images_dir(m) / "sessions.json").read_text())["sessions"]
+        tokens = sum(r.get("tokens", 0) for r in recs.values())
+        if tokens:
+            out["kv_bytes_per_token"] = sum(r.get("total_bytes", 0) for r in recs.values()) / tokens
+        tmpl = store.get(m.probe["template_workload"], m.probe["template"])
+        if tmpl.probe.get("weights_bytes"):
+            out["weights_gib"] = tmpl.probe["weights_bytes"] / 2**30
+    except (OSError, KeyError, ValueError, CheckpointNotFound):
+        pass
+    return out
