@@ -312,19 +312,24 @@ def deploy(fleet_file: Path = FLEET_ARG,
 @app.command()
 def simulate(seed: int = typer.Option(0, help="Trace seed."),
              failures: str = typer.Option("exponential", help="exponential or weibull"),
+             profile: str = typer.Option("process-h200", help="Cost profile: process-h200 (whole-process "
+                                         "checkpoints) or two-tier-h200 (template + sessions)."),
              as_json: bool = typer.Option(False, "--json", help="Print JSON: {policies: {name: {cost, ...}}}.")) -> None:
     """Replay the reference fleet trace under every policy (what-if simulator)."""
     import json
 
-    from ckptflow.sim import TraceConfig, simulate as run
+    from ckptflow.sim import PROFILES, profile_config, simulate as run
 
     if failures not in ("exponential", "weibull"):
         raise typer.BadParameter(f"must be exponential or weibull, not {failures!r}", param_hint="--failures")
-    out = run(seed, TraceConfig(failure_dist=failures))
+    if profile not in PROFILES:
+        raise typer.BadParameter(f"must be one of {', '.join(PROFILES)}, not {profile!r}", param_hint="--profile")
+    out = run(seed, profile_config(profile, failure_dist=failures))
     if as_json:
         print(json.dumps(out, indent=1))
         return
-    table = Table(title=f"policies on the reference trace (seed {seed}, {failures} failures), GPU-hours / 30 days")
+    table = Table(title=f"policies on the reference trace (seed {seed}, {failures} failures, {profile}), "
+                        "GPU-hours / 30 days")
     for col in ("policy", "total cost", "lost", "pause", "checkpoints", "TiB written"):
         table.add_column(col, justify="right" if col != "policy" else "left")
     for name, p in sorted(out["policies"].items(), key=lambda kv: kv[1]["cost"]):

@@ -194,3 +194,16 @@ def test_status_reads_at_80_columns_without_cutting_names():
     assert p.returncode == 0, p.stderr
     assert "demo-chat" in p.stdout and "workload" in p.stdout
     assert max(len(line) for line in p.stdout.splitlines()) <= 80
+
+
+def test_simulate_profile_two_tier_costs_less_and_a_wrong_profile_is_named():
+    import json
+
+    costs = {}
+    for profile in ("process-h200", "two-tier-h200"):
+        out = _run("simulate", "--seed", "0", "--profile", profile, "--json")
+        assert out.returncode == 0, out.stderr[-2000:]
+        costs[profile] = json.loads(out.stdout)["policies"]["ckptflow"]["cost"]
+    assert costs["two-tier-h200"] < costs["process-h200"] / 2
+    bad = _run("simulate", "--profile", "gpu-magic")
+    assert bad.returncode == 2 and "--profile" in bad.stderr and "two-tier-h200" in bad.stderr
