@@ -264,6 +264,8 @@ class Soak:
     # -- setup ----------------------------------------------------------------------------------
     def start(self, stack: ExitStack) -> None:
         from ckptflow.demo import launch
+        from ckptflow.fleet import Storage
+        from ckptflow.store import open_fleet_state
         from ckptflow.store.local import LocalStore
         from ckptflow.store.s3 import S3Tier
 
@@ -287,11 +289,13 @@ class Soak:
         self.s3_args = json.dumps({"bucket": "soak", "endpoint": self.s3.endpoint})
         import yaml
 
+        storage = {"kind": "s3", "path": str(self.store.root), "bucket": "soak", "prefix": "ckptflow",
+                   "endpoint_url": self.s3.endpoint}
+        self.state = open_fleet_state(Storage(**storage), self.tier)   # the flows' open alerts
         self.fleet_file = self.root / "fleet.yaml"
         self.fleet_file.write_text(yaml.safe_dump({
             "fleet": "soak",
-            "storage": {"kind": "s3", "path": str(self.store.root), "bucket": "soak", "prefix": "ckptflow",
-                        "endpoint_url": self.s3.endpoint},
+            "storage": storage,
             "nodes": [{"name": "local", "work_pool": "local"}],
             "workloads": [self.w.model_dump(mode="json", exclude_none=True)],
             "slack": {"webhook_url_env": "CKPTFLOW_SOAK_SLACK"},
@@ -645,8 +649,8 @@ class Soak:
         out = {"cycles": len(self.rows), **self.totals, **alert_counts([r["body"] for r in self.slack.requests]), **self.stuck_flow_runs(),
                "leaked_temp_dirs": len(tmp_left), "leaked_netns": len(leaked_ns),
                "stopped_left_at_end": len(stopped(self.marker)),
-               "open_alerts_at_end": len(self.tier.alerts()),
-               "leases_left": len(self.tier._keys(self.tier._key("leases") + "/")),
+               "open_alerts_at_end": len(self.state.alerts()),
+               "leases_left": len(self.tier.leases()),
                "wall_s": round(wall_s, 1),
                "cycle_s_median": round(statistics.median(r.get("seconds", 0) for r in self.rows), 2)
                if self.rows else 0}

@@ -8,6 +8,7 @@ import yaml
 from ckptflow.errors import IncompatibleCheckpoint
 from ckptflow.models import CheckpointState, Fingerprint, ProcessFinder, Workload
 from ckptflow.runners.fingerprint import workload_fingerprint
+from ckptflow.store.fleetstate import LocalFleetState
 from ckptflow.store.local import LocalStore
 
 BASE = Fingerprint(arch="x86_64", kernel="6.18.44", glibc="2.36", criu="4.2.1", python="3.12.3",
@@ -36,10 +37,10 @@ def _fleet(tmp_path, workloads):
 
 @pytest.fixture
 def fleet_with_checkpoints(tmp_path):
-    store = LocalStore(tmp_path / "store")
+    store, state = LocalStore(tmp_path / "store"), LocalFleetState(tmp_path / "store")
     nodes = {"a1": BASE, "a2": BASE, "b1": H100}
     for n, fp in nodes.items():
-        store.put_node_fingerprint(n, fp)
+        state.put_node_fingerprint(n, fp)
     ids = {}
     for w in _workloads():
         for _ in range(2):
@@ -71,10 +72,10 @@ def test_nothing_changed_invalidates_nothing(prefect_harness, fleet_with_checkpo
 def test_driver_upgrade_on_one_node(prefect_harness, fleet_with_checkpoints):
     tmp_path, store, ids = fleet_with_checkpoints
     # a1 upgraded: a2 (same class) can still restore w1's checkpoints, so nothing goes...
-    store.put_node_fingerprint("a1", BASE.model_copy(update={"driver": "590.48.01"}))
+    LocalFleetState(tmp_path / "store").put_node_fingerprint("a1", BASE.model_copy(update={"driver": "590.48.01"}))
     assert _run(tmp_path)["invalidated"] == []
     # ...but b1 is the only H100 node: w3's checkpoints can no longer restore anywhere.
-    store.put_node_fingerprint("b1", H100.model_copy(update={"driver": "590.48.01"}))
+    LocalFleetState(tmp_path / "store").put_node_fingerprint("b1", H100.model_copy(update={"driver": "590.48.01"}))
     rows = _run(tmp_path)["invalidated"]
     assert _invalidated(store) == {"w1": [], "w2": [], "w3": sorted(ids["w3"]), "w4": []}
     assert all("driver: '580.159.04' -> '590.48.01'" in r["reason"] for r in rows)
@@ -84,7 +85,7 @@ def test_driver_upgrade_on_one_node(prefect_harness, fleet_with_checkpoints):
 def test_criu_upgrade_on_the_h200_nodes(prefect_harness, fleet_with_checkpoints):
     tmp_path, store, ids = fleet_with_checkpoints
     for n in ("a1", "a2"):
-        store.put_node_fingerprint(n, BASE.model_copy(update={"criu": "4.3"}))
+        LocalFleetState(tmp_path / "store").put_node_fingerprint(n, BASE.model_copy(update={"criu": "4.3"}))
     _run(tmp_path)
     assert _invalidated(store) == {"w1": sorted(ids["w1"]), "w2": sorted(ids["w2"]), "w3": [],
                                    "w4": sorted(ids["w4"])}
@@ -176,6 +177,7 @@ def test_manifest_without_fingerprint_is_checked_with_a_warning(tmp_path, demo_w
 @pytest.mark.criu
 def test_s3_fleet_reads_every_nodes_report_from_the_bucket_and_retires_bucket_copies(tmp_path, prefect_harness, s3):
     from ckptflow.flows.invalidate import invalidate
+    from ckptflow.store.fleetstate import S3FleetState
     from ckptflow.store.s3 import S3Tier
 
     w = Workload(name="w1", node="a1", find=ProcessFinder(pid_file="/run/w1.pid"), engine="vllm",
@@ -188,18 +190,19 @@ def test_s3_fleet_reads_every_nodes_report_from_the_bucket_and_retires_bucket_co
                   {"name": "a2", "work_pool": "a2", "gpu_class": "H200"}],
         "workloads": [w.model_dump(mode="json", exclude_none=True)]}))
     tier = S3Tier("ckpt-inval", endpoint_url=s3.endpoint)
+    state = S3FleetState("ckpt-inval", endpoint_url=s3.endpoint, client=tier.s3)
     a1 = LocalStore(tmp_path / "store" / "a1")
     p = a1.begin("w1", node="a1")
     (p.images_dir / "pages-1.img").write_bytes(b"x" * 4096)
     m = a1.commit(p, fingerprint=workload_fingerprint(w, BASE))   # taken before a1's upgrade
     tier.push(a1, m)
 
-    tier.put_node_fingerprint("a2", BASE)            # a2, reported from another machine, not upgraded
+    state.put_node_fingerprint("a2", BASE)            # a2, reported from another machine, not upgraded
     res = invalidate(str(f), node="a1")              # a1 reports this machine: kernel, CRIU... differ
     assert res["invalidated"] == []                  # a2 can still restore it: nothing retired
-    assert set(tier.node_fingerprints()) == {"a1", "a2"}
+    assert set(state.node_fingerprints()) == {"a1", "a2"}
 
-    tier.put_node_fingerprint("a2", BASE.model_copy(update={"kernel": "6.19.0"}))   # a2 upgraded too
+    state.put_node_fingerprint("a2", BASE.model_copy(update={"kernel": "6.19.0"}))   # a2 upgraded too
     res = invalidate(str(f), node="a1")
     assert sorted((r["copy"], r["checkpoint"]) for r in res["invalidated"]) == [("node", m.id), ("s3", m.id)]
     assert a1.get("w1", m.id).state == CheckpointState.invalidated

@@ -20,7 +20,7 @@ from ckptflow.fleet import Storage
 from ckptflow.models import CheckpointState, CopyTier, Fingerprint, utcnow
 from ckptflow.policies.retention import Retention
 from ckptflow.store import open_fleet_state, open_store, open_tier
-from ckptflow.store.fleetstate import FleetState
+from ckptflow.store.fleetstate import FleetState, LocalFleetState
 from ckptflow.store.local import LocalStore
 from ckptflow.store.tier import CheckpointTier
 
@@ -281,7 +281,7 @@ def test_local_layout_is_unchanged(tmp_path):
     drained = open_store(storage, "a1").mark_drained("a1", {"rows": []})
     assert drained == root / ".nodes" / "a1.drained"
     assert set(state.node_fingerprints()) == {"a1"}              # the drained mark is no fingerprint
-    assert LocalStore(root).get_alert("chat") == {"kind": "worker_gone"}   # the store's old names read it
+    assert LocalFleetState(root).get_alert("chat") == {"kind": "worker_gone"}   # a state opened on the root reads it
 
 
 def test_s3_layout_is_unchanged(s3, tmp_path):
@@ -298,7 +298,7 @@ def test_s3_layout_is_unchanged(s3, tmp_path):
     shared.put_placement("chat", "node-b", "cold-start")
     keys = sorted(o["Key"] for o in s3.client.list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/")["Contents"])
     assert keys == [f"{prefix}/alerts/chat.json", f"{prefix}/nodes/a1.json", f"{prefix}/placements/chat.json"]
-    assert tier.placements() == {"chat": "node-b"} and tier.get_alert("chat") == {"kind": "worker_gone"}
+    assert shared.placements() == {"chat": "node-b"} and shared.get_alert("chat") == {"kind": "worker_gone"}
 
 
 def test_a_local_fleet_has_no_shared_tier(tmp_path):

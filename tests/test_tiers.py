@@ -188,12 +188,12 @@ def test_node_verify_follows_placements(tmp_path, s3, prefect_harness):
     """Node deployments pass their node, not a list frozen at deploy time: after a migrate the
     workload is verified by the node it runs on now."""
     from ckptflow.flows.verify import verify
-    from ckptflow.store.s3 import S3Tier
+    from ckptflow.store.fleetstate import S3FleetState
 
     bucket = "ckpt-verify-follows"
     fleet_file = _two_node_s3_fleet(tmp_path, s3, [_declared(tmp_path, "chat")], bucket)
     assert [r["workload"] for r in verify(str(fleet_file), node="node-a")] == ["chat"]
-    S3Tier(bucket, endpoint_url=s3.endpoint).put_placement("chat", "node-b", "c1")    # what migrate records
+    S3FleetState(bucket, endpoint_url=s3.endpoint).put_placement("chat", "node-b", "c1")    # what migrate records
     assert verify(str(fleet_file), node="node-a") == []
     assert [r["workload"] for r in verify(str(fleet_file), node="node-b")] == ["chat"]
 

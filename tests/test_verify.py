@@ -11,6 +11,7 @@ import pytest
 
 from conftest import SlackCapture, write_fleet
 from ckptflow.models import CheckpointState
+from ckptflow.store.fleetstate import LocalFleetState
 from ckptflow.store.local import LocalStore
 
 pytestmark = pytest.mark.criu
@@ -262,14 +263,14 @@ def test_dead_worker_alert_opens_once_and_recover_resolves_it(tmp_path, prefect_
     assert _texts(slack) == [f":skull: Worker chat on local is gone: {row['error']}"]  # once, not per heartbeat
     fields = [f["text"] for f in slack.requests[0]["body"]["blocks"][1]["fields"]]
     assert f"*Newest valid checkpoint*\n{ckpt}" in fields
-    assert LocalStore(tmp_path / "store").get_alert("chat")["kind"] == "worker_gone"
+    assert LocalFleetState(tmp_path / "store").get_alert("chat")["kind"] == "worker_gone"
 
     recover(str(fleet), "chat")
     assert _texts(slack)[1] == f":white_check_mark: chat recovered on local: restored from checkpoint {ckpt}"
     resolves = [b["text"]["text"] for b in slack.requests[1]["body"]["blocks"]
                 if b.get("text", {}).get("text", "").startswith("*Resolves*")]
     assert resolves == [f"*Resolves*\n{row['error']}"]
-    assert LocalStore(tmp_path / "store").get_alert("chat") is None
+    assert LocalFleetState(tmp_path / "store").get_alert("chat") is None
     heartbeat(str(fleet))                     # running again: nothing to say
     assert len(slack.requests) == 2
     # The same failure again is a new incident, not a repeat: it alerts.
@@ -342,12 +343,12 @@ def test_slack_texts_are_cut_to_the_limit_with_a_pointer_to_the_flow_run(tmp_pat
 def test_alert_state_lives_in_the_bucket_for_every_node(tmp_path, s3, slack):
     from ckptflow.alerts import Alerter
     from ckptflow.fleet import Slack
-    from ckptflow.store.s3 import S3Tier
+    from ckptflow.store.fleetstate import S3FleetState
 
     cfg = Slack(webhook_url_env="CKPTFLOW_TEST_SLACK_WEBHOOK")
     bucket = s3.bucket("alerts-shared")
-    node_a = Alerter(cfg, state=S3Tier(bucket, endpoint_url=s3.endpoint))
-    node_b = Alerter(cfg, state=S3Tier(bucket, endpoint_url=s3.endpoint))
+    node_a = Alerter(cfg, state=S3FleetState(bucket, endpoint_url=s3.endpoint))
+    node_b = Alerter(cfg, state=S3FleetState(bucket, endpoint_url=s3.endpoint))
     ctx = dict(node="node-a", checkpoint=None, fallback=None, log_tail="", flow_run_id=None)
     assert node_a.send("restore_failed", workload="chat", key="disk", reason="disk", **ctx)
     assert not node_b.send("restore_failed", workload="chat", key="disk", reason="disk", **ctx)   # same reason

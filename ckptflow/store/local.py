@@ -355,34 +355,6 @@ class LocalStore:
         write_json_atomic(path, json.dumps(record))
         return path
 
-    # --- fleet state kept under this root: the code is store.fleetstate's LocalFleetState ----
-    # (kept for callers that still reach it through the store: tests/test_verify.py,
-    # test_invalidate.py; new code opens it with store.open_fleet_state)
-    @property
-    def fleet_state(self):
-        """The LocalFleetState under this store's root."""
-        from ckptflow.store.fleetstate import LocalFleetState
-
-        return LocalFleetState(self.root)
-
-    def put_alert(self, workload: str, alert: dict) -> None:
-        self.fleet_state.put_alert(workload, alert)
-
-    def get_alert(self, workload: str) -> dict | None:
-        return self.fleet_state.get_alert(workload)
-
-    def drop_alert(self, workload: str) -> None:
-        self.fleet_state.drop_alert(workload)
-
-    def alerts(self) -> dict[str, dict]:
-        return self.fleet_state.alerts()
-
-    def put_node_fingerprint(self, node: str, fp: Fingerprint) -> None:
-        self.fleet_state.put_node_fingerprint(node, fp)
-
-    def node_fingerprints(self) -> dict[str, Fingerprint]:
-        return self.fleet_state.node_fingerprints()
-
     # --- copies of checkpoints from another tier (S3Tier.pull, LocalStore.pull / push) --------
     def usable_copy(self, workload: str, ckpt_id: str) -> Manifest | None:
         """This store's copy of a checkpoint, unless there is none or it failed verification

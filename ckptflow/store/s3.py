@@ -284,6 +284,11 @@ class S3Tier(S3Objects):
                                      fix="nothing to do: the local copy stands and the next heartbeat pushes it")
         return key
 
+    def leases(self) -> list[str]:
+        """Keys of the push leases in the bucket (live ones and those a crashed push left;
+        ``prune`` tells them apart by age, ``LEASE_TTL_S``). None once every push is done."""
+        return [o["Key"] for o in self._keys(self._key("leases") + "/")]
+
     def delete(self, m: Manifest) -> None:
         """Delete the bucket's copy of one checkpoint: its manifest (its chunks go at the next
         ``prune``, once no manifest references them)."""
@@ -334,8 +339,7 @@ class S3Tier(S3Objects):
         lock = self._key("locks", "prune.json")
         self._stamp(lock)
         try:
-            live = [o["Key"] for o in self._keys(self._key("leases") + "/")
-                    if (self._stamp_at(o["Key"]) or 0) > time.time() - LEASE_TTL_S]
+            live = [k for k in self.leases() if (self._stamp_at(k) or 0) > time.time() - LEASE_TTL_S]
             if live:
                 return {"skipped": f"{len(live)} push(es) in progress; prune again later"}
             kept, gone = [], []
@@ -358,41 +362,6 @@ class S3Tier(S3Objects):
                     "manifests_kept": len(kept)}
         finally:
             self._delete(lock)
-
-    # --- fleet state: kept for callers that still reach it through the tier -----------------
-    # (tests/test_tiers.py, test_invalidate.py, test_verify.py, bench/soak.py). The code and
-    # the key layout are store.fleetstate's S3FleetState; new code opens it with
-    # store.open_fleet_state.
-    @property
-    def fleet_state(self):
-        """The S3FleetState of this bucket and prefix, sharing this tier's client."""
-        from ckptflow.store.fleetstate import S3FleetState
-
-        return S3FleetState(self.bucket, self.prefix, server_side_encryption=self.sse, client=self.s3)
-
-    def put_placement(self, workload: str, node: str, checkpoint: str) -> None:
-        self.fleet_state.put_placement(workload, node, checkpoint)
-
-    def placements(self) -> dict[str, str]:
-        return self.fleet_state.placements()
-
-    def put_alert(self, workload: str, alert: dict) -> None:
-        self.fleet_state.put_alert(workload, alert)
-
-    def get_alert(self, workload: str) -> dict | None:
-        return self.fleet_state.get_alert(workload)
-
-    def drop_alert(self, workload: str) -> None:
-        self.fleet_state.drop_alert(workload)
-
-    def alerts(self) -> dict[str, dict]:
-        return self.fleet_state.alerts()
-
-    def put_node_fingerprint(self, node: str, fp) -> None:
-        self.fleet_state.put_node_fingerprint(node, fp)
-
-    def node_fingerprints(self) -> dict:
-        return self.fleet_state.node_fingerprints()
 
     def set_state(self, m: Manifest, state: CheckpointState, reason: str | None = None) -> Manifest:
         """Rewrite the bucket's manifest with a new state (e.g. invalidated), keeping its chunk map."""
