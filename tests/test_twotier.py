@@ -231,7 +231,7 @@ def test_a_runner_killed_mid_export_leaves_no_manifest_the_worker_serves_on_and_
     import subprocess
     import sys
 
-    from tests.helpers.holdproxy import HoldProxy
+    from holdproxy import HoldProxy
 
     live, ref = pair
     store = tt.store

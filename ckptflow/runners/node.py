@@ -29,6 +29,7 @@ from ckptflow.models import CheckpointKind, CheckpointState, Fingerprint, Manife
 from ckptflow.policies.compat import diff
 from ckptflow.policies.multigpu import FIX as TP_FIX
 from ckptflow.policies.tiers import LocalCopy, restore_order
+from ckptflow.poll import PollTimeout, poll
 from ckptflow.runners import engine, process
 from ckptflow.runners.criu import CriuRunner
 from ckptflow.runners.engine import probe, read_load
@@ -242,6 +243,14 @@ class NodeRunner:
             live = process.resolve(w)
         except (WorkloadNotFound, UndeclaredProcess):  # gone, or its stale pid file names another program
             live = None
+        criu = process.restoring_criu(live.pid) if live is not None else None
+        if criu is not None:  # a restore whose runner died: let its CRIU finish (the copy is then left stopped)
+            log.warning("workload %s: PID %d is still being restored by CRIU (PID %d) of an interrupted "
+                        "restore; waiting for it", w.name, live.pid, criu)
+            try:
+                poll(lambda: process.restoring_criu(live.pid) is None, 60, 0.05, what=f"CRIU {criu} to finish")
+            except PollTimeout:
+                os.kill(criu, signal.SIGKILL)
         if live is not None and process.pid_stopped(live.pid):
             # Restores leave the process stopped until its checksums pass. Holding the workload
             # lock, a stopped declared worker can only be what an interrupted restore left behind.

@@ -93,6 +93,17 @@ def _status(pid: int) -> str | None:
         return None
 
 
+def restoring_criu(pid: int) -> int | None:
+    """The PID of the ``criu`` still restoring ``pid`` (its parent until ``restore -d`` ends),
+    e.g. one whose runner was killed mid-restore; None otherwise."""
+    p = _proc(pid)
+    try:
+        parent = p.parent() if p else None
+        return parent.pid if parent is not None and parent.name() == "criu" else None
+    except psutil.Error:
+        return None
+
+
 def pid_stopped(pid: int) -> bool:
     """True while the process is stopped (state T), e.g. left by an interrupted restore."""
     return _status(pid) == psutil.STATUS_STOPPED
