@@ -160,13 +160,18 @@ def test_prune_never_takes_two_tier_chunks_for_orphans(store):
     import hashlib
     from datetime import timedelta
 
-    from ckptflow.store.chunks import ChunkStore
+    import json
+
+    from ckptflow.store.chunks import REFS_FILE, ChunkStore
 
     m = _fake_checkpoint(store)
-    digest = hashlib.sha256(b"kv").hexdigest()
+    digest, unused = hashlib.sha256(b"kv").hexdigest(), hashlib.sha256(b"old kv").hexdigest()
     with ChunkStore(store.root).staging() as stage:
         (stage / digest).write_bytes(b"kv")
+        (stage / unused).write_bytes(b"old kv")
         ChunkStore(store.root).adopt(stage)
+    (store.images_dir(m) / REFS_FILE).write_text(json.dumps([digest]))   # m names one of them
     res = store.prune(orphan_grace=timedelta(0))
     assert res["manifests_deleted"] == [] and res["manifests_kept"] == 1
     assert ChunkStore(store.root).read(digest) == b"kv" and store.ids("w") == [m.id]
+    assert res["chunks_deleted"] == 1 and not ChunkStore(store.root).has(unused)   # nothing names it

@@ -275,3 +275,48 @@ def test_the_policy_reads_a_two_tier_workload_as_two_tier_with_its_own_sizes(pai
     assert f.weights_gib == tmpl.probe["weights_bytes"] / 2**30
     assert f.kv_bytes_per_token == sum(r["total_bytes"] for r in recs.values()) / sum(r["tokens"] for r in recs.values())
     assert collect_facts(live.workload, tt.store).checkpoint_mode == "process"
+
+
+def test_chunks_no_checkpoint_names_are_collected_and_the_rest_still_restores_exactly(pair, tt):
+    from datetime import timedelta
+
+    from ckptflow.policies.retention import Retention
+    from ckptflow.store.chunks import REFS_FILE
+
+    live, ref = pair
+    store, name = tt.store, live.workload.name
+    tt.heartbeat(live.workload)
+    for turn in ("first long turn " * 12, "second long turn " * 12):
+        _talk(live, ref, turns=(("a", turn),))
+        tt.heartbeat(live.workload)
+    everything = {f.name for f in tt.chunks.root.glob("??/*")}
+    # Young chunks are left alone (a heartbeat may be between adopting and its manifest).
+    assert store.collect_chunks()["chunks_deleted"] == 0
+    store.apply_retention(name, Retention(keep=1))
+    remaining = store.list(name)
+    named = {d for m in [*remaining, *store.list(_template(tt, remaining[0]).workload)]
+             for d in json.loads((store.images_dir(m) / REFS_FILE).read_text())}
+    got = store.collect_chunks(grace=timedelta(0))
+    left = {f.name for f in tt.chunks.root.glob("??/*")}
+    assert left == named and got["chunks_deleted"] == len(everything - named) > 0
+    assert got["bytes_freed"] > 0
+
+    os.kill(live.pid, signal.SIGKILL)
+    live.proc.wait()
+    tt.restore(live.workload)
+    assert live.digests() == ref.digests()
+    assert live.complete("after the collect", 12, "a") == ref.complete("after the collect", 12, "a")
+
+
+def test_chunks_are_not_collected_while_a_checkpoint_does_not_list_them(pair, tt):
+    from datetime import timedelta
+
+    from ckptflow.store.chunks import REFS_FILE
+
+    live, _ = pair
+    m = tt.heartbeat(live.workload)
+    (tt.store.images_dir(m) / REFS_FILE).unlink()   # as written before chunk lists existed
+    before = {f.name for f in tt.chunks.root.glob("??/*")}
+    got = tt.store.collect_chunks(grace=timedelta(0))
+    assert "does not list its chunks" in got["skipped"] and m.id in got["skipped"]
+    assert {f.name for f in tt.chunks.root.glob("??/*")} == before

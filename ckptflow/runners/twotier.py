@@ -39,7 +39,7 @@ from ckptflow.poll import NotYet, PollTimeout, poll
 from ckptflow.runners import engine, process
 from ckptflow.runners.fingerprint import workload_fingerprint
 from ckptflow.runners.node import NodeRunner, _write_pid_file
-from ckptflow.store.chunks import ChunkStore
+from ckptflow.store.chunks import REFS_FILE, ChunkStore
 
 if TYPE_CHECKING:
     from ckptflow.runners.criu import SandboxCopy
@@ -134,6 +134,7 @@ class TwoTierRunner:
                                      for sid, n in held.items()], min_tokens=self.min_session_tokens)
         keep = {d.id: old[d.id] for d in decisions if d.protect and not d.export}
         export = [d.id for d in decisions if d.export]
+        self.chunks.touch([d for ds in _digests(old).values() for d in ds])  # relied on: young for GC
         if recs is None:
             recs = {}
             if export:
@@ -167,6 +168,8 @@ class TwoTierRunner:
                 r.pop("written_bytes", None)
             (pending.images_dir / SESSIONS_FILE).write_text(json.dumps(
                 {"template": tmpl.id, "template_workload": tmpl.workload, "sessions": recs}))
+            (pending.images_dir / REFS_FILE).write_text(json.dumps(sorted({d for ds in _digests(recs).values()
+                                                                            for d in ds})))
             # No manifest without its bytes; each chunk was hashed when adopted (scrubs: verify flow).
             self.chunks.present([d for ds in _digests(recs).values() for d in ds])
         except BaseException:
@@ -196,6 +199,7 @@ class TwoTierRunner:
             moved = self.chunks.adopt(stage)[1]
             t["export"] = time.perf_counter() - t0
         known = [d for m in self.store.list(name) for d in m.probe.get("weight_chunks", [])]
+        self.chunks.touch(known)  # the engine skips these: they must outlive a collect meanwhile
         with self.chunks.staging() as stage:
             t0 = time.perf_counter()
             weights = engine.call(w, "/v1/ckptflow/template/prepare", {"dir": str(stage), "known": known})
@@ -214,6 +218,8 @@ class TwoTierRunner:
                     pid, footprint, gpu_pids = res.pid, 0, []
                     t["dump"] = res.seconds
                 (pending.images_dir / WEIGHTS_FILE).write_text(json.dumps(weights["tensors"]))
+                (pending.images_dir / REFS_FILE).write_text(json.dumps(sorted({d for r in weights["tensors"]
+                                                                                for d in r["chunks"]})))
             except BaseException:
                 if pending is not None:
                     self.store.abort(pending)

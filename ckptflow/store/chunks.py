@@ -34,6 +34,7 @@ from pathlib import Path
 from ckptflow.errors import ChecksumMismatch
 
 _HEX = set("0123456789abcdef")
+REFS_FILE = "chunks.json"   # in a checkpoint's images dir: the chunk digests it names (what GC keeps)
 
 
 def _threads() -> int:
@@ -74,7 +75,12 @@ class ChunkStore:
         Raises:
             ChecksumMismatch: a file's content does not hash to its name (it is not adopted).
         """
-        files = [f for f in sorted(staging.iterdir()) if not self.path(f.name).exists()]  # dedup
+        files = []
+        for f in sorted(staging.iterdir()):
+            if self.path(f.name).exists():  # dedup: relied on again, so young for collect()
+                self.touch([f.name])
+            else:
+                files.append(f)
         with ThreadPoolExecutor(_threads()) as ex:
             torn = [f.name for f, d in zip(files, ex.map(_sha256, files)) if d != f.name]
         if torn:
@@ -134,6 +140,39 @@ class ChunkStore:
         for d in dict.fromkeys(digests):
             if not self.path(d).exists():
                 self.read(d)  # raises with the reason
+
+    def touch(self, digests: list[str]) -> None:
+        """Mark chunks as relied on now (an export that skips them because they are here, a
+        dedup): ``collect`` leaves chunks touched within its grace period alone."""
+        for d in dict.fromkeys(digests):
+            try:
+                os.utime(self.path(d))
+            except FileNotFoundError:
+                pass
+
+    def collect(self, referenced: set[str], grace_s: float = 3600, now: float | None = None) -> tuple[int, int]:
+        """Delete the chunks no checkpoint names (``referenced``) and nobody touched within
+        ``grace_s`` (a heartbeat between adopting its chunks and writing its manifest, or
+        relying on chunks already here). Returns (chunks deleted, bytes freed)."""
+        import time
+
+        now = time.time() if now is None else now
+        n = size = 0
+        if not self.root.is_dir():
+            return 0, 0
+        for sub in self.root.iterdir():
+            if len(sub.name) != 2 or not set(sub.name) <= _HEX:
+                continue  # .staging and anything not ours
+            for f in sub.iterdir():
+                if f.name in referenced:
+                    continue
+                st = f.stat()
+                if now - st.st_mtime < grace_s:
+                    continue
+                f.unlink()
+                n += 1
+                size += st.st_size
+        return n, size
 
     def size(self, digests: list[str]) -> int:
         return sum(self.path(d).stat().st_size for d in dict.fromkeys(digests))

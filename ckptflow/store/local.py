@@ -509,7 +509,7 @@ class LocalStore:
         Returns:
             ``manifests_deleted`` (``workload``, ``checkpoint``, ``why`` each; orphan bytes
             too), ``manifests_kept``, ``bytes_freed`` (of the deleted manifests),
-            ``chunks_deleted`` (0: two-tier chunks in ``ROOT/chunks`` are not collected yet).
+            ``chunks_deleted`` (two-tier chunks no remaining checkpoint names: collect_chunks).
         """
         gone, kept, freed = [], 0, 0
         for workload in self.workloads():
@@ -522,7 +522,37 @@ class LocalStore:
             gone += [{"workload": workload, "checkpoint": i, "why": why} for i, why in deleted]
             freed += sum(sizes.get(i, 0) for i, _ in deleted)
             kept += len(sizes) - sum(i in sizes for i, _ in deleted)
-        return {"manifests_deleted": gone, "chunks_deleted": 0, "bytes_freed": freed, "manifests_kept": kept}
+        chunks = self.collect_chunks(orphan_grace)
+        return {"manifests_deleted": gone, "chunks_deleted": chunks.get("chunks_deleted", 0),
+                "bytes_freed": freed + chunks.get("bytes_freed", 0), "manifests_kept": kept,
+                **({"chunks_skipped": chunks["skipped"]} if "skipped" in chunks else {})}
+
+    def collect_chunks(self, grace: timedelta = timedelta(hours=1)) -> dict:
+        """Delete two-tier chunks (``ROOT/chunks``) that no checkpoint here names any more and
+        nobody relied on within ``grace``. Refuses (``skipped``) while a template or session
+        checkpoint does not list its chunks (written before chunk lists existed): its chunks
+        would look unused.
+
+        Returns:
+            ``chunks_deleted``, ``bytes_freed``, ``chunks_kept``; or ``{"skipped": why}``.
+        """
+        from ckptflow.store.chunks import REFS_FILE, ChunkStore
+
+        referenced: set[str] = set()
+        for workload in self.workloads():
+            try:
+                manifests = self.list(workload)
+            except ValueError:  # not a workload's directory
+                continue
+            for m in manifests:
+                refs = self.images_dir(m) / REFS_FILE
+                if refs.exists():
+                    referenced.update(json.loads(refs.read_text()))
+                elif m.kind in (CheckpointKind.template, CheckpointKind.sessions):
+                    return {"skipped": f"{m.workload}/{m.id} ({m.kind}) does not list its chunks; "
+                                       "delete it or take a new heartbeat before chunks are collected"}
+        n, freed = ChunkStore(self.root).collect(referenced, grace.total_seconds())
+        return {"chunks_deleted": n, "bytes_freed": freed, "chunks_kept": len(referenced)}
 
     def orphans(self, workload: str, older_than: timedelta) -> list[Path]:
         """Checkpoint directories (named like a checkpoint id) without a manifest, older than

@@ -66,6 +66,12 @@ def apply_retention(scope: FleetScope, node: str | None, workloads: list[str]) -
             for name in workloads for ckpt, why in store.apply_retention(name, scope.retention)]
 
 
+@task(name="collect-chunks")
+def collect_chunks(scope: FleetScope, node: str | None) -> dict:
+    """The node's two-tier chunks that no checkpoint left on it names (after retention)."""
+    return open_store(scope.storage, node).collect_chunks()
+
+
 @task(name="alert-invalidations")
 def alert_invalidations(scope: FleetScope, rows: list[dict], placed: dict[str, str]) -> int:
     """One alert per workload whose set of invalidation reasons changed. ``placed``: each
