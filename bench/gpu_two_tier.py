@@ -89,6 +89,18 @@ def start(weights: Path, pid_file: Path, pool: list[str]) -> subprocess.Popen:
     return proc
 
 
+def stop(proc: subprocess.Popen, pid_file: Path) -> None:
+    """Kill the engine we started and whatever a restore put under its pid file."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+
+
 def prompt(i: int, n: int) -> str:
     return (f"session {i}: " + "abcdefghijklmnopqrstuvwxyz " * (n // 27 + 1))[:n]
 
@@ -103,14 +115,7 @@ def run_row(name: str, a, weights: Path, tmp: Path, pool: list[str], transparent
     try:
         return _row(name, a, row, t0, pid_file, tmp, transparent, host_gib, node_box)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
-        except (OSError, ValueError):
-            pass
+        stop(proc, pid_file)
         for node in node_box:
             node.close()
             import shutil
@@ -238,14 +243,7 @@ def run_faults(a, weights: Path, tmp: Path) -> dict:
         out["repaired_bitexact"] = state() == before
         log("faults", out)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
-        except (OSError, ValueError):
-            pass
+        stop(proc, pid_file)
         node.close()
     return out
 

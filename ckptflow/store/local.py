@@ -156,7 +156,9 @@ class LocalStore:
     # --- writing -----------------------------------------------------------------------
     def begin(self, workload: str, *, node: str) -> PendingCheckpoint:
         _check_name(workload)
-        ckpt_id = new_checkpoint_id()
+        return self._pending(workload, new_checkpoint_id(), node)
+
+    def _pending(self, workload: str, ckpt_id: str, node: str) -> PendingCheckpoint:
         d = self.root / workload / ckpt_id
         try:
             os.makedirs(d / IMAGES, mode=0o700)
@@ -375,13 +377,7 @@ class LocalStore:
         if d.exists():
             (d / MANIFEST).unlink(missing_ok=True)
             shutil.rmtree(d)
-        try:
-            os.makedirs(d / IMAGES, mode=0o700)
-        except OSError as e:
-            raise _store_error(e, d) from e
-        for p in (self.root, self.root / workload, d):
-            os.chmod(p, 0o700)
-        return PendingCheckpoint(workload=workload, node=node, id=ckpt_id, dir=d)
+        return self._pending(workload, ckpt_id, node)
 
     def commit_copy(self, pending: PendingCheckpoint, m: Manifest) -> Manifest:
         """Write the manifest of a copied checkpoint, last and atomically. The caller checked
