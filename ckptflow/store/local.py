@@ -158,15 +158,15 @@ class LocalStore:
         _check_name(workload)
         return self._pending(workload, new_checkpoint_id(), node)
 
-    def _pending(self, workload: str, ckpt_id: str, node: str) -> PendingCheckpoint:
-        d = self.root / workload / ckpt_id
+    def _pending(self, workload: str, checkpoint: str, node: str) -> PendingCheckpoint:
+        d = self.root / workload / checkpoint
         try:
             os.makedirs(d / IMAGES, mode=0o700)
         except OSError as e:
             raise _store_error(e, d) from e
         for p in (self.root, self.root / workload, d):
             os.chmod(p, 0o700)
-        return PendingCheckpoint(workload=workload, node=node, id=ckpt_id, dir=d)
+        return PendingCheckpoint(workload=workload, node=node, id=checkpoint, dir=d)
 
     def commit(self, pending: PendingCheckpoint, *, timings: dict[str, float] | None = None,
                fingerprint: Fingerprint | None = None, probe: dict[str, Any] | None = None,
@@ -222,12 +222,12 @@ class LocalStore:
                 out.append(Manifest.model_validate_json(mpath.read_text()))
         return sorted(out, key=lambda m: (m.created, m.id), reverse=True)
 
-    def get(self, workload: str, ckpt_id: str) -> Manifest:
+    def get(self, workload: str, checkpoint: str) -> Manifest:
         _check_name(workload)
-        _check_ckpt_id(ckpt_id)
-        mpath = self.root / workload / ckpt_id / MANIFEST
+        _check_ckpt_id(checkpoint)
+        mpath = self.root / workload / checkpoint / MANIFEST
         if not mpath.exists():
-            raise CheckpointNotFound(f"no checkpoint {ckpt_id} of workload {workload} in {self.root}",
+            raise CheckpointNotFound(f"no checkpoint {checkpoint} of workload {workload} in {self.root}",
                                      fix="`ckptflow ls` lists the checkpoints there are")
         return Manifest.model_validate_json(mpath.read_text())
 
@@ -249,13 +249,13 @@ class LocalStore:
         """The same as ``list`` (the tier interface's name)."""
         return self.list(workload)
 
-    def manifest(self, workload: str, ckpt_id: str) -> Manifest:
+    def manifest(self, workload: str, checkpoint: str) -> Manifest:
         """The same as ``get`` (the tier interface's name).
 
         Raises:
             CheckpointNotFound: no such checkpoint here.
         """
-        return self.get(workload, ckpt_id)
+        return self.get(workload, checkpoint)
 
     def images_dir(self, m: Manifest) -> Path:
         return self.root / m.workload / m.id / IMAGES
@@ -358,26 +358,26 @@ class LocalStore:
         return path
 
     # --- copies of checkpoints from another tier (S3Tier.pull, LocalStore.pull / push) --------
-    def usable_copy(self, workload: str, ckpt_id: str) -> Manifest | None:
+    def usable_copy(self, workload: str, checkpoint: str) -> Manifest | None:
         """This store's copy of a checkpoint, unless there is none or it failed verification
         (a copy from a tier then replaces it: the tier's bytes were checked when pushed)."""
         try:
-            have = self.get(workload, ckpt_id)
+            have = self.get(workload, checkpoint)
         except CheckpointNotFound:
             return None
         return None if have.state == CheckpointState.verify_failed else have
 
-    def begin_copy(self, workload: str, ckpt_id: str, *, node: str) -> PendingCheckpoint:
+    def begin_copy(self, workload: str, checkpoint: str, *, node: str) -> PendingCheckpoint:
         """An empty checkpoint directory with a given id, for a copy from a tier to write its
         image files into; whatever was there (a copy that failed verification, orphan bytes)
         is removed first. Finish with ``commit_copy``, or ``abort``."""
         _check_name(workload)
-        _check_ckpt_id(ckpt_id)
-        d = self.root / workload / ckpt_id
+        _check_ckpt_id(checkpoint)
+        d = self.root / workload / checkpoint
         if d.exists():
             (d / MANIFEST).unlink(missing_ok=True)
             shutil.rmtree(d)
-        return self._pending(workload, ckpt_id, node)
+        return self._pending(workload, checkpoint, node)
 
     def commit_copy(self, pending: PendingCheckpoint, m: Manifest) -> Manifest:
         """Write the manifest of a copied checkpoint, last and atomically. The caller checked
@@ -439,7 +439,7 @@ class LocalStore:
         self.commit_copy(self._copy_in(local, current, current.node), current)
         return {"uploaded_bytes": m.bytes, "skipped_bytes": 0, "seconds": round(time.perf_counter() - t0, 3)}
 
-    def pull(self, local: "LocalStore", workload: str, ckpt_id: str, node: str,
+    def pull(self, local: "LocalStore", workload: str, checkpoint: str, node: str,
              remote: Manifest | None = None) -> tuple[Manifest, dict]:
         """Copy a checkpoint of this store into ``local``, the store of ``node`` (every file
         checked, the manifest written last, listing the new copy ``node:<node>``). A copy in
@@ -455,11 +455,11 @@ class LocalStore:
         """
         t0 = time.perf_counter()
         if self._same(local):
-            return self.get(workload, ckpt_id), {"downloaded_bytes": 0, "seconds": 0.0}
-        have = local.usable_copy(workload, ckpt_id)
+            return self.get(workload, checkpoint), {"downloaded_bytes": 0, "seconds": 0.0}
+        have = local.usable_copy(workload, checkpoint)
         if have is not None:
             return have, {"downloaded_bytes": 0, "seconds": 0.0}
-        remote = remote or self.get(workload, ckpt_id)
+        remote = remote or self.get(workload, checkpoint)
         pending = local._copy_in(self, remote, node)
         try:
             m = local.commit_copy(pending, remote.with_copy(CopyTier.node, node))

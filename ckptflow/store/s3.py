@@ -250,8 +250,8 @@ class S3Tier(S3Objects):
         return {"uploaded_bytes": up, "skipped_bytes": sum(n for _, n, new in results if not new),
                 "chunks": len(results), "seconds": round(time.perf_counter() - t0, 3)}
 
-    def _manifest_key(self, workload: str, ckpt_id: str) -> str:
-        return self._key("manifests", _check_name(workload), f"{_check_ckpt_id(ckpt_id)}.json")
+    def _manifest_key(self, workload: str, checkpoint: str) -> str:
+        return self._key("manifests", _check_name(workload), f"{_check_ckpt_id(checkpoint)}.json")
 
     # --- prune: retention in the bucket, then chunks no manifest references -----------------
     # A push checks which chunks the bucket already holds and uploads only the others, so a
@@ -384,19 +384,19 @@ class S3Tier(S3Objects):
         """The bucket's manifests of ``workload``, newest first (one GET each)."""
         return [self.manifest(workload, i) for i in self.ids(workload)]
 
-    def manifest(self, workload: str, ckpt_id: str) -> Manifest:
+    def manifest(self, workload: str, checkpoint: str) -> Manifest:
         """The bucket's manifest (it lists its chunks in ``probe["s3_chunks"]``).
 
         Raises:
             CheckpointNotFound: the bucket holds no such checkpoint.
         """
-        body = self._get("get manifest", self._manifest_key(workload, ckpt_id))
+        body = self._get("get manifest", self._manifest_key(workload, checkpoint))
         if body is None:
-            raise CheckpointNotFound(f"no checkpoint {ckpt_id} of {workload} in s3://{self.bucket}/{self.prefix}")
+            raise CheckpointNotFound(f"no checkpoint {checkpoint} of {workload} in s3://{self.bucket}/{self.prefix}")
         return Manifest.model_validate_json(body)
 
     # --- pull ------------------------------------------------------------------------------
-    def pull(self, local: LocalStore, workload: str, ckpt_id: str, node: str,
+    def pull(self, local: LocalStore, workload: str, checkpoint: str, node: str,
              remote: Manifest | None = None) -> tuple[Manifest, dict]:
         """Download a checkpoint into ``local``, the store of ``node`` (manifest written last,
         listing this new copy); every chunk verified. A local copy that already passed is kept;
@@ -411,12 +411,12 @@ class S3Tier(S3Objects):
             ChecksumMismatch: a chunk does not match its address (nothing is left behind).
             StorageUnavailable: the bucket is unreachable.
         """
-        have = local.usable_copy(workload, ckpt_id)
+        have = local.usable_copy(workload, checkpoint)
         if have is not None:
             return have, {"downloaded_bytes": 0, "seconds": 0.0}
-        remote = remote or self.manifest(workload, ckpt_id)
+        remote = remote or self.manifest(workload, checkpoint)
         t0 = time.perf_counter()
-        pending = local.begin_copy(workload, ckpt_id, node=node)
+        pending = local.begin_copy(workload, checkpoint, node=node)
         images = pending.images_dir
         try:
             size = remote.probe["s3_chunk_size"]

@@ -50,7 +50,7 @@ class CheckpointTier(Protocol):
     """What a checkpoint tier does. Arguments everywhere:
 
     - ``workload``: the workload's name (``models.Name``; a bad one raises ValueError);
-    - ``ckpt_id``: a checkpoint id (``YYYYmmddTHHMMSSZ-xxxxxxxx``, sorts by creation time);
+    - ``checkpoint``: a checkpoint id (``YYYYmmddTHHMMSSZ-xxxxxxxx``, sorts by creation time);
     - ``local``: the LocalStore of the node a checkpoint is copied from or to;
     - ``m``: a checkpoint's manifest (``models.Manifest``).
 
@@ -72,7 +72,7 @@ class CheckpointTier(Protocol):
         """Ids of the workload's checkpoints here (those with a manifest), newest first."""
         ...
 
-    def manifest(self, workload: str, ckpt_id: str) -> Manifest:
+    def manifest(self, workload: str, checkpoint: str) -> Manifest:
         """One checkpoint's manifest here. Raises CheckpointNotFound."""
         ...
 
@@ -87,7 +87,7 @@ class CheckpointTier(Protocol):
         here) and ``seconds``."""
         ...
 
-    def pull(self, local: "LocalStore", workload: str, ckpt_id: str, node: str,
+    def pull(self, local: "LocalStore", workload: str, checkpoint: str, node: str,
              remote: Manifest | None = None) -> tuple[Manifest, dict]:
         """Copy a checkpoint from here into ``local``, the store of ``node``; every byte checked,
         the manifest (listing the copy ``node:<node>``) written last. A copy in ``local`` that
