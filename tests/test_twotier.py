@@ -320,3 +320,32 @@ def test_chunks_are_not_collected_while_a_checkpoint_does_not_list_them(pair, tt
     got = tt.store.collect_chunks(grace=timedelta(0))
     assert "does not list its chunks" in got["skipped"] and m.id in got["skipped"]
     assert {f.name for f in tt.chunks.root.glob("??/*")} == before
+
+
+def test_prune_drops_a_replaced_template_and_its_sessions_keeps_the_bound_one_and_still_restores(pair, tt):
+    from datetime import timedelta
+
+    from ckptflow.policies.retention import Retention
+
+    live, ref = pair
+    store, name = tt.store, live.workload.name
+    m1 = tt.heartbeat(live.workload)
+    old = _template(tt, m1)
+    store.set_state(old, CheckpointState.invalidated, "driver changed")       # what invalidate does
+    m2 = tt.heartbeat(live.workload)                                           # a new template
+    new = _template(tt, m2)
+    old_image = {f.name for f in store.images_dir(old).iterdir()}
+    rule = Retention(invalidated_grace_h=0)
+    res = store.prune(rule, orphan_grace=timedelta(0))
+    deleted = {(r["workload"], r["checkpoint"]) for r in res["manifests_deleted"]}
+    assert (old.workload, old.id) in deleted and (name, m1.id) in deleted       # both invalidated
+    assert [t.id for t in store.list(new.workload)] == [new.id]                 # the bound one stays
+    assert old_image and not store.images_dir(old).exists()
+    assert res["bytes_freed"] > 0
+
+    _talk(live, ref, turns=(("b", "after the prune"),))
+    tt.heartbeat(live.workload)
+    os.kill(live.pid, signal.SIGKILL)
+    live.proc.wait()
+    tt.restore(live.workload)
+    assert live.digests() == ref.digests()

@@ -7,14 +7,14 @@ from prefect.artifacts import create_table_artifact
 from prefect.utilities.annotations import quote
 
 from ckptflow.tasks.common import open_fleet, this_node
-from ckptflow.tasks.fleet import (alert_invalidations, apply_retention, collect_chunks, invalidate_stale,
+from ckptflow.tasks.fleet import (alert_invalidations, apply_retention, collect_two_tier, invalidate_stale,
                                   report_node_fingerprint)
 
 
 @flow(name="invalidate", log_prints=True)
 def invalidate(fleet_file: str, node: str | None = None) -> dict:
     """Report this node's fingerprint, invalidate stale checkpoints, alert once, apply retention,
-    free the two-tier chunks no checkpoint names any more.
+    drop the two-tier templates nothing needs and the chunks no checkpoint names any more.
 
     Schedule it (fleet file ``schedules.invalidate``) on every node: each run refreshes its
     node's fingerprint; a driver, CUDA, kernel, CRIU, engine or model change then retires
@@ -32,5 +32,5 @@ def invalidate(fleet_file: str, node: str | None = None) -> dict:
     placed = {w.name: w.node for w in fleet.workloads}
     alerts = alert_invalidations(scope, rows, {r["workload"]: placed[r["workload"]] for r in rows}) if rows else 0
     deleted = apply_retention(scope, node, [w.name for w in fleet.workloads])
-    chunks = collect_chunks(scope, node)  # what the deleted session checkpoints alone named
-    return {"invalidated": rows, "alerts": alerts, "deleted": deleted, "chunks": chunks}
+    two_tier = collect_two_tier(scope, node)  # templates no one needs, chunks nothing names
+    return {"invalidated": rows, "alerts": alerts, "deleted": deleted, "two_tier": two_tier}

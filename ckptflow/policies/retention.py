@@ -56,3 +56,45 @@ def to_delete(manifests: list[Manifest], now: datetime, rule: Retention | None =
         if not m.state.restorable and now - m.created > grace:
             out.append((m, f"{m.state.value} for more than {rule.invalidated_grace_h:g} h"))
     return out
+
+
+def templates_to_delete(templates: list[Manifest], bound: set[str], now: datetime,
+                        rule: Retention | None = None) -> list[tuple[Manifest, str]]:
+    """Two-tier templates of one name (several source workloads may share it) to delete, each
+    with the reason. A template is kept while it is the newest restorable one of its source
+    workload (``probe.template_source``) or a restorable session checkpoint is bound to it
+    (``bound``: template ids); invalidated or failed ones go after the grace period like any
+    checkpoint. The keep-N and age rules do not apply: they would take a template another
+    workload's sessions still need.
+
+    Example:
+        >>> from datetime import timezone
+        >>> now = datetime(2026, 11, 30, 12, tzinfo=timezone.utc)
+        >>> def t(h, source, state=CheckpointState.complete):
+        ...     return Manifest(id=f"20261130T0{h}0000Z-0000000{h}", workload="template-ab12", node="n1",
+        ...                     created=now - timedelta(hours=10 - h), state=state, kind="template",
+        ...                     probe={"template_source": source})
+        >>> ts = [t(1, "chat"), t(2, "chat"), t(3, "api"), t(4, "chat", CheckpointState.invalidated)]
+        >>> [(m.id[-2:], why) for m, why in templates_to_delete(ts, bound={ts[0].id}, now=now,
+        ...                                                     rule=Retention(invalidated_grace_h=1))]
+        [('04', 'invalidated for more than 1 h')]
+        >>> [(m.id[-2:], why) for m, why in templates_to_delete(ts, bound=set(), now=now,
+        ...                                                     rule=Retention(invalidated_grace_h=24))]
+        [('01', 'replaced by a newer template of chat and no session checkpoint is bound to it')]
+    """
+    rule = rule or Retention()
+    grace = timedelta(hours=rule.invalidated_grace_h)
+    newest_first = sorted(templates, key=lambda m: (m.created, m.id), reverse=True)
+    newest_of: dict[str, str] = {}
+    for m in newest_first:
+        if m.state.restorable:
+            newest_of.setdefault(str(m.probe.get("template_source")), m.id)
+    out = []
+    for m in newest_first:
+        if not m.state.restorable:
+            if now - m.created > grace:
+                out.append((m, f"{m.state.value} for more than {rule.invalidated_grace_h:g} h"))
+        elif m.id not in bound and newest_of.get(str(m.probe.get("template_source"))) != m.id:
+            out.append((m, f"replaced by a newer template of {m.probe.get('template_source')} "
+                           "and no session checkpoint is bound to it"))
+    return out

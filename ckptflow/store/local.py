@@ -513,15 +513,43 @@ class LocalStore:
                 _check_name(workload)
             except ValueError:  # not a workload's directory (lost+found, ...)
                 continue
-            sizes = {m.id: m.bytes for m in self.list(workload)}
+            listed = self.list(workload)
+            if listed and all(m.kind == CheckpointKind.template for m in listed):
+                continue  # templates: retain_templates below (keep-N would take ones still bound)
+            sizes = {m.id: m.bytes for m in listed}
             deleted = self.apply_retention(workload, rule, now, orphan_grace)
             gone += [{"workload": workload, "checkpoint": i, "why": why} for i, why in deleted]
             freed += sum(sizes.get(i, 0) for i, _ in deleted)
             kept += len(sizes) - sum(i in sizes for i, _ in deleted)
+        gone += self.retain_templates(rule, now)
         chunks = self.collect_chunks(orphan_grace)
         return {"manifests_deleted": gone, "chunks_deleted": chunks.get("chunks_deleted", 0),
                 "bytes_freed": freed + chunks.get("bytes_freed", 0), "manifests_kept": kept,
                 **({"chunks_skipped": chunks["skipped"]} if "skipped" in chunks else {})}
+
+    def _groups(self) -> Iterator[tuple[str, list[Manifest]]]:
+        for workload in self.workloads():
+            try:
+                yield workload, self.list(workload)
+            except ValueError:  # not a workload's directory
+                continue
+
+    def retain_templates(self, rule: "Retention | None" = None, now: datetime | None = None) -> list[dict]:
+        """Delete two-tier templates nothing needs any more (policies.retention.templates_to_delete:
+        kept while the newest of their source workload or bound to a restorable session
+        checkpoint here). Returns ``workload``, ``checkpoint``, ``why`` of each deletion."""
+        from ckptflow.policies.retention import templates_to_delete
+
+        groups = dict(self._groups())
+        bound = {m.probe.get("template") for ms in groups.values() for m in ms
+                 if m.kind == CheckpointKind.sessions and m.state.restorable}
+        gone = []
+        for workload, ms in groups.items():
+            if ms and all(m.kind == CheckpointKind.template for m in ms):
+                for m, why in templates_to_delete(ms, bound, now or utcnow(), rule):
+                    self.delete(m)
+                    gone.append({"workload": workload, "checkpoint": m.id, "why": why})
+        return gone
 
     def collect_chunks(self, grace: timedelta = timedelta(hours=1)) -> dict:
         """Delete two-tier chunks (``ROOT/chunks``) that no checkpoint here names any more and
@@ -535,11 +563,7 @@ class LocalStore:
         from ckptflow.store.chunks import REFS_FILE, ChunkStore
 
         referenced: set[str] = set()
-        for workload in self.workloads():
-            try:
-                manifests = self.list(workload)
-            except ValueError:  # not a workload's directory
-                continue
+        for _, manifests in self._groups():
             for m in manifests:
                 refs = self.images_dir(m) / REFS_FILE
                 if refs.exists():

@@ -66,10 +66,12 @@ def apply_retention(scope: FleetScope, node: str | None, workloads: list[str]) -
             for name in workloads for ckpt, why in store.apply_retention(name, scope.retention)]
 
 
-@task(name="collect-chunks")
-def collect_chunks(scope: FleetScope, node: str | None) -> dict:
-    """The node's two-tier chunks that no checkpoint left on it names (after retention)."""
-    return open_store(scope.storage, node).collect_chunks()
+@task(name="collect-two-tier")
+def collect_two_tier(scope: FleetScope, node: str | None) -> dict:
+    """After retention on the node: the two-tier templates nothing needs any more, then the
+    chunks no checkpoint left names."""
+    store = open_store(scope.storage, node)
+    return {"templates_deleted": store.retain_templates(scope.retention), **store.collect_chunks()}
 
 
 @task(name="alert-invalidations")
