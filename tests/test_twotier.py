@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -349,3 +350,53 @@ def test_prune_drops_a_replaced_template_and_its_sessions_keeps_the_bound_one_an
     live.proc.wait()
     tt.restore(live.workload)
     assert live.digests() == ref.digests()
+
+
+def test_a_capture_whose_prepare_call_fails_gives_the_engine_its_weights_and_sessions_back(pair, tt, monkeypatch):
+    from ckptflow.runners import engine
+
+    live, ref = pair
+    real = engine.call
+
+    def late(w, path, body=None, *a, **k):  # the engine did release, but the answer never arrived
+        got = real(w, path, body, *a, **k)
+        if path == "/v1/ckptflow/template/prepare":
+            raise EngineProtocolError(f"workload {w.name}: {path} failed: timed out", retryable=True)
+        return got
+
+    monkeypatch.setattr(engine, "call", late)
+    with pytest.raises(EngineProtocolError, match="timed out"):
+        tt.heartbeat(live.workload)
+    monkeypatch.setattr(engine, "call", real)
+    assert engine.engine_info(live.workload)["parked"] is False
+    assert tt.store.list(live.workload.name) == []                             # no manifest
+    assert live.complete("still serving?", 8, "a") == ref.complete("still serving?", 8, "a")
+
+
+def test_a_runner_that_died_with_the_engine_parked_is_cleaned_up_by_the_next_heartbeat(pair, tt):
+    import tempfile
+
+    from ckptflow.runners import engine
+
+    live, ref = pair
+    tt.heartbeat(live.workload)                                                # sessions as of here
+    base = tt.chunks.root / ".staging"
+    dead = _exited_pid()
+    stage = Path(tempfile.mkdtemp(dir=base, prefix=f"{dead}-"))
+    os.chmod(stage, 0o733)
+    engine.call(live.workload, "/v1/ckptflow/template/prepare", {"dir": str(stage), "known": []})
+    info = engine.engine_info(live.workload)
+    assert info["parked"] and info["parked_with"]["dir"] == str(stage)     # as the dead runner left it
+    m = tt.heartbeat(live.workload)
+    assert engine.engine_info(live.workload)["parked"] is False and m.kind == "sessions"
+    assert live.digests() == ref.digests()                                     # rolled back to the checkpoint = unchanged
+    assert live.complete("and now?", 8, "b") == ref.complete("and now?", 8, "b")
+
+
+def _exited_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid

@@ -146,6 +146,7 @@ class GpuWorker:
         self.ballast = torch.arange(n, dtype=torch.int64, device=self.model.dev)
         self.ballast.mul_(0x9E3779B97F4A7C15 - 2**64).bitwise_xor_(seed)
         self.seed, self.ballast_bytes = seed, int(self.ballast.numel() * 8)
+        self.parked_with: dict | None = None
         if self.model.dev.type == "cuda":
             torch.cuda.synchronize()
 
@@ -245,6 +246,7 @@ class GpuWorker:
                                          self.ballast_bytes]).encode()).hexdigest()[:16]
         return {"protocol": PROTOCOL, "engine": "ckptflow-demo-gpu", "model": self.model_name, "template_key": key,
                 "parked": self.ballast is None and self.ballast_bytes > 0,
+                **({"parked_with": self.parked_with} if self.ballast is None else {}),
                 "sessions": {k: s["len"] for k, s in self.sessions.items()}}
 
     def _kv(self, s: dict) -> list[tuple[str, torch.Tensor]]:
@@ -297,6 +299,7 @@ class GpuWorker:
                                          int(body.get("chunk_bytes", WEIGHT_CHUNK)), known, threads=IO_THREADS)
             tensors.append(rec)
         if body.get("release", True):
+            self.parked_with = {"dir": str(out_dir), "tensors": tensors}  # whoever unparks us needs it
             self.ballast = None
             self.sessions.clear()
             self.model.k.zero_()

@@ -214,7 +214,7 @@ class LlmEngine:
         self.free_blocks = list(range(self.nblocks - 1, 0, -1))   # block 0 stays zero: the padding block
         self.sessions: dict[str, dict] = {}      # id -> {"len", "last", "blocks": [ids]}
         self.fp_cache: dict[str, dict[int, tuple[int, str]]] = {}   # id -> block index -> (fingerprint, sha)
-        self.parked = False
+        self.parked, self.parked_with = False, None
         self.ar = torch.arange(MAX_LEN, device=self.dev)
         g = torch.Generator(device="cpu").manual_seed(seed ^ 0x5EED)
         self.fp_weights = torch.randint(1, 2**31 - 1, (max(self.block_bytes, SLOT) // 4,), generator=g,
@@ -420,6 +420,7 @@ class LlmEngine:
                                          os.path.getsize(self.weights_path)], sort_keys=True).encode()).hexdigest()[:16]
         return {"protocol": PROTOCOL, "engine": "ckptflow-demo-llm", "model": self.model_name, "template_key": key,
                 "parked": self.parked, "sessions": self.session_lengths(),
+                **({"parked_with": self.parked_with} if self.parked else {}),
                 "weights_gib": round(self.weights_bytes / 2**30, 2),
                 "pool_gib": round(self.nblocks * self.block_bytes / 2**30, 2),
                 "load_s": round(self.load_s, 3), "graph_s": round(self.graph_s, 3), "start_s": round(self.start_s, 3)}
@@ -583,6 +584,8 @@ class LlmEngine:
                          "torch_reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 3), "rss_gib": round(_rss_gib(), 3)}
         rec = {"name": "weights", "dtype": "uint8", "shape": [self.weights_bytes], "nbytes": self.weights_bytes,
                "chunks": chunks, "fingerprints": wfps}
+        if release:
+            self.parked_with = {"dir": str(out_dir), "tensors": [rec]}  # whoever unparks us needs it
         return {"tensors": [rec], "written_bytes": written[0], "total_bytes": self.weights_bytes,
                 "phases": {"export": round(export_s, 4), **(stats if release else {})}}
 

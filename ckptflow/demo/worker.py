@@ -110,7 +110,7 @@ class Worker:
         n = ballast_mib * (1 << 20) // 8
         self.ballast = np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) ^ np.uint64(seed)
         self.ballast_bytes = self.ballast.nbytes
-        self.parked = False
+        self.parked, self.parked_with = False, None
         self.metrics = Metrics(model_name)
 
     def complete(self, body: dict) -> dict:
@@ -166,6 +166,7 @@ class Worker:
                                         sort_keys=True).encode()).hexdigest()[:16]
         return {"protocol": PROTOCOL, "engine": "ckptflow-demo", "model": self.model_name,
                 "template_key": key, "parked": self.parked,
+                **({"parked_with": self.parked_with} if self.parked else {}),
                 "sessions": {k: len(v.tokens) for k, v in self.sessions.items()}}
 
     def sessions_export(self, body: dict) -> dict:
@@ -224,6 +225,7 @@ class Worker:
             self._set_weights({k: None for k in self._weights()})
             self.sessions.clear()
             self.parked = True
+            self.parked_with = {"dir": str(out_dir), "tensors": tensors}  # whoever unparks us needs it
             import gc
 
             gc.collect()
@@ -234,7 +236,7 @@ class Worker:
         root = Path(body["dir"])
         ws = {r["name"]: import_tensor(r, root) for r in body["tensors"]}
         self._set_weights(ws)
-        self.parked = False
+        self.parked, self.parked_with = False, None
         return {"loaded_bytes": sum(a.nbytes for a in ws.values()), "seconds": round(time.perf_counter() - t0, 4)}
 
 

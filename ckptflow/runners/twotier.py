@@ -107,6 +107,10 @@ class TwoTierRunner:
         """
         with self.store.lock(w.name):
             info = engine.engine_info(w)
+            if info.get("parked"):  # a capture whose runner died after the engine released its weights
+                prev = next((m for m in self._sessions_of(w) if m.state.restorable), None)
+                self._unpark_interrupted(w, self._records(prev)["sessions"] if prev else {})
+                info = engine.engine_info(w)
             name = self.template_name(w, info)
             tmpl = self.template_for(name, source=w.name)
             if tmpl is not None:
@@ -202,7 +206,11 @@ class TwoTierRunner:
         self.chunks.touch(known)  # the engine skips these: they must outlive a collect meanwhile
         with self.chunks.staging() as stage:
             t0 = time.perf_counter()
-            weights = engine.call(w, "/v1/ckptflow/template/prepare", {"dir": str(stage), "known": known})
+            try:
+                weights = engine.call(w, "/v1/ckptflow/template/prepare", {"dir": str(stage), "known": known})
+            except CkptflowError:  # the engine may have released its weights before the call failed
+                self._unpark_interrupted(w, recs)
+                raise
             t["prepare"] = time.perf_counter() - t0
             for k, v in (weights.get("phases") or {}).items():
                 t[f"prepare_{k}"] = v
@@ -242,6 +250,36 @@ class TwoTierRunner:
 
     def _unpark(self, w: Workload, tensors: list[dict], recs: dict) -> None:
         self._load(w, tensors, recs, {})
+
+    def _unpark_interrupted(self, w: Workload, recs: dict) -> None:
+        """Give a parked engine its weights back from where it says it wrote them (adopted into
+        the store first), then the sessions ``recs``: those just exported, or after a runner
+        died, the workload's newest session checkpoint (the sessions roll back to it, as after
+        a crash).
+
+        Raises:
+            EngineProtocolError: the engine is parked and cannot be given its weights back.
+        """
+        try:
+            info = engine.engine_info(w)
+        except CkptflowError:
+            return  # gone or not answering: nothing to give back to
+        if not info.get("parked"):
+            return
+        with_ = info.get("parked_with") or {}
+        log.warning("workload %s: the engine was left parked by an interrupted template capture; "
+                    "giving it its weights back from %s", w.name, with_.get("dir"))
+        try:
+            src = Path(with_["dir"])
+            if src.is_dir() and src.parent == self.chunks.root / ".staging":
+                self.chunks.adopt(src)
+            self.chunks.present([d for r in with_["tensors"] for d in r["chunks"]])
+            self._load(w, with_["tensors"], recs, {})
+        except (KeyError, TypeError, CkptflowError) as e:
+            raise EngineProtocolError(f"workload {w.name}: the engine is parked (weights released by an "
+                                      f"interrupted template capture) and cannot be given them back: "
+                                      f"{getattr(e, 'message', e)}",
+                                      fix="restart the worker (cold start); it holds no sessions now") from None
 
     # --- restore ----------------------------------------------------------------------------
     def restore(self, w: Workload) -> TwoTierResult:
