@@ -121,3 +121,36 @@ def test_scale_up_starts_a_warm_replica_beside_the_original(tmp_path, prefect_ha
     finally:
         copy.stop()
         subprocess.run(["ip", "netns", "del", res["netns"]])
+
+
+def test_a_two_tier_workload_of_a_lost_node_comes_back_on_another_from_s3(tmp_path, prefect_harness, demo_worker, s3):
+    """The heartbeat flow pushes a two-tier checkpoint (template once, then changed chunks) and
+    recover-node brings the workload back on node-b from the bucket, continuing exactly."""
+    import os
+    import shutil
+    import signal
+
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.recover import recover_node
+    from ckptflow.models import CheckpointMode
+
+    w, ref = demo_worker("tt", ballast_mib=16), demo_worker("ref", ballast_mib=16)
+    w.workload = w.workload.model_copy(update={"checkpoint": CheckpointMode.two_tier})
+    fleet = _two_node_fleet(tmp_path, s3, [w.workload], "ckpt-2t-node")
+    for x in (w, ref):
+        x.complete("a long agent transcript " * 30, 16, "agent")
+    first = heartbeat(fleet, force=True)[0]
+    assert first["ok"] and first["template_uploaded_bytes"] > 16 << 20, first
+    for x in (w, ref):
+        x.complete("one more step", 8, "agent")
+    second = heartbeat(fleet, force=True)[0]
+    assert second["ok"] and "template_uploaded_bytes" not in second and 0 < second["uploaded_bytes"] < 16 << 20
+
+    os.kill(w.pid, signal.SIGKILL)                            # node-a is gone, its store with it
+    w.proc.wait()
+    shutil.rmtree(tmp_path / "store" / "node-a")
+    rows = recover_node(fleet, "node-a", via_deployments=False)
+    assert [(r["workload"], r["target"], r["action"]) for r in rows] == \
+        [("tt", "node-b", f"restored {second['checkpoint']}")], rows
+    assert w.digests() == ref.digests()
+    assert w.complete("next step", 24, "agent") == ref.complete("next step", 24, "agent")

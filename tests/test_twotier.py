@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import shutil
 from pathlib import Path
 
 import pytest
@@ -400,3 +401,40 @@ def _exited_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
     return p.pid
+
+
+def test_two_tier_checkpoints_go_through_s3_and_restore_on_another_node(pair, tt, tmp_path, s3):
+    from ckptflow.store.s3 import S3Tier
+
+    live, ref = pair
+    tier = S3Tier(s3.bucket("ckpt-2t"), endpoint_url=s3.endpoint)
+    m1 = tt.heartbeat(live.workload)
+    first = tt.push(m1, tier)
+    tmpl = _template(tt, m1)
+    assert first["template_uploaded_bytes"] > BALLAST_MIB << 20                 # weights go up once
+    _talk(live, ref, turns=(("a", "a turn after the first push " * 4),))
+    m2 = tt.heartbeat(live.workload)
+    at_m2 = ref.digests()
+    second = tt.push(m2, tier)
+    assert "template_uploaded_bytes" not in second                               # the bucket has it
+    assert 0 < second["uploaded_bytes"] < first["template_uploaded_bytes"] / 10  # only what changed
+    assert tier.ids(tmpl.workload) == [tmpl.id] and tier.ids(live.workload.name) == [m2.id, m1.id]
+
+    os.kill(live.pid, signal.SIGKILL)                                          # the node is lost
+    live.proc.wait()
+    with NodeRunner(LocalStore(tmp_path / "node-b")) as other:
+        r = TwoTierRunner(other).restore(live.workload, tier=tier)
+        assert r.manifest.id == m2.id and r.template.id == tmpl.id and "fetch" in r.timings
+        assert live.digests() == ref.digests()
+        for sid in ("a", "b"):
+            assert live.complete("on the new node", 12, sid) == ref.complete("on the new node", 12, sid)
+        # The bucket keeps every chunk a kept checkpoint names, and frees the rest.
+        tier.delete(tier.manifest(live.workload.name, m1.id))
+        res = tier.prune()
+        assert res["manifests_kept"] == 2
+        os.kill(live.pid, signal.SIGKILL)
+        live.proc.wait()
+        shutil.rmtree(other.store.root)
+    with NodeRunner(LocalStore(tmp_path / "node-c")) as third:
+        TwoTierRunner(third).restore(live.workload, tier=tier)
+        assert live.digests() == at_m2                                          # m1's removal cost m2 nothing

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 from pathlib import Path
 
 from ckptflow.errors import (CheckpointNotFound, CkptflowError, EngineProtocolError, IncompatibleCheckpoint,
-                             RestoreFailed, UndeclaredProcess, UnsupportedWorkload, WorkloadNotFound,
-                             WorkloadRunning)
+                             RestoreFailed, StorageUnavailable, UndeclaredProcess, UnsupportedWorkload,
+                             WorkloadNotFound, WorkloadRunning)
 from ckptflow.models import CheckpointState, Manifest, Workload
 from ckptflow.policies.sessions import MIN_TOKENS, SessionFacts, decide_sessions
 from ckptflow.poll import NotYet, PollTimeout, poll
@@ -281,9 +281,36 @@ class TwoTierRunner:
                                       f"{getattr(e, 'message', e)}",
                                       fix="restart the worker (cold start); it holds no sessions now") from None
 
+    # --- shared tier --------------------------------------------------------------------------
+    def push(self, m: Manifest, tier) -> dict:
+        """Copy session checkpoint ``m`` to the shared ``tier`` (store.tier.CheckpointTier),
+        its template first when the tier lacks it; each with the chunks it names (weights once
+        per model, then only changed session chunks: the tier skips chunks it holds)."""
+        tmpl = self.store.get(m.probe["template_workload"], m.probe["template"])
+        out: dict = {}
+        if tmpl.id not in tier.ids(tmpl.workload):
+            out["template_uploaded_bytes"] = tier.push(self.store, tmpl)["uploaded_bytes"]
+        return tier.push(self.store, m) | out
+
+    def fetch(self, w: Workload, tier) -> Manifest | None:
+        """Pull ``w``'s newest restorable session checkpoint from ``tier`` (and its template)
+        into this node's store when it is newer than any here: what a restore on another node
+        needs. Returns the pulled session manifest, or None when this node has the newest."""
+        here = next((m for m in self._sessions_of(w) if m.state.restorable), None)
+        for cid in tier.ids(w.name):  # newest first
+            if here is not None and here.id >= cid:
+                return None
+            rm = tier.manifest(w.name, cid)
+            if rm.kind != "sessions" or not rm.state.restorable:
+                continue
+            tier.pull(self.store, rm.probe["template_workload"], rm.probe["template"], w.node)
+            return tier.pull(self.store, w.name, cid, w.node, remote=rm)[0]
+        return None
+
     # --- restore ----------------------------------------------------------------------------
-    def restore(self, w: Workload) -> TwoTierResult:
-        """Template image, then weights, then ``w``'s newest session checkpoint.
+    def restore(self, w: Workload, tier=None) -> TwoTierResult:
+        """Template image, then weights, then ``w``'s newest session checkpoint (pulled first
+        from ``tier``, the shared tier, when it holds a newer one than this node).
 
         Raises:
             IncompatibleCheckpoint: the session checkpoint's template is gone, invalidated or of
@@ -299,8 +326,15 @@ class TwoTierRunner:
             if live is not None:
                 raise WorkloadRunning(f"workload {w.name} is running (PID {live.pid}); refusing to restore over it",
                                       fix="stop it first")
-            m, tmpl = self._newest(w)
             t: dict[str, float] = {}
+            if tier is not None:
+                t0 = time.perf_counter()
+                try:
+                    self.fetch(w, tier)
+                except StorageUnavailable as e:  # this node's own copies may still do
+                    log.warning("workload %s: shared tier unreachable, restoring from this node: %s", w.name, e)
+                t["fetch"] = time.perf_counter() - t0
+            m, tmpl = self._newest(w)
             t0 = time.perf_counter()
             recs, weights = self._checked_records(m, tmpl)
             t["chunks_checked"] = time.perf_counter() - t0

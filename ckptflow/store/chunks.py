@@ -141,6 +141,31 @@ class ChunkStore:
             if not self.path(d).exists():
                 self.read(d)  # raises with the reason
 
+    def put(self, digest: str, data: bytes) -> int:
+        """Store ``data`` under its digest (a chunk from another tier), checked first; written
+        atomically, 0600. Returns the bytes written (0 when the chunk was here).
+
+        Raises:
+            ChecksumMismatch: ``data`` does not hash to ``digest`` (nothing written).
+        """
+        dest = self.path(digest)
+        if dest.exists():
+            return 0
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise ChecksumMismatch(f"chunk {digest[:12]}… arrived torn (its bytes do not match its name)",
+                                   fix="the copy it came from is damaged; use an older checkpoint")
+        dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".in-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, dest)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return len(data)
+
     def touch(self, digests: list[str]) -> None:
         """Mark chunks as relied on now (an export that skips them because they are here, a
         dedup): ``collect`` leaves chunks touched within its grace period alone."""

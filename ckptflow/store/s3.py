@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +33,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 from ckptflow.errors import ChecksumMismatch, CheckpointNotFound, StorageUnavailable, StoreError
-from ckptflow.models import CheckpointState, CopyTier, Manifest, _check_ckpt_id, _check_name, utcnow
+from ckptflow.models import CheckpointKind, CheckpointState, CopyTier, Manifest, _check_ckpt_id, _check_name, utcnow
 from ckptflow.store.local import LocalStore
 
 if TYPE_CHECKING:
@@ -237,14 +238,33 @@ class S3Tier(S3Objects):
                        ChecksumSHA256=_b64(hashlib.sha256(body).hexdigest()), **self._put_kw())
             return digest, len(data), True
 
+        # A two-tier checkpoint names chunks outside its images (weights, session KV): they go up
+        # under their own sha256, as image chunks do, so a pull can rebuild the node's chunk store.
+        from ckptflow.store.chunks import REFS_FILE, ChunkStore
+
+        refs = json.loads((images / REFS_FILE).read_text()) if (images / REFS_FILE).exists() else []
+        outside = ChunkStore(local.root)
+
+        def one_outside(digest: str) -> tuple[str, int, bool]:
+            key = self._key("chunks", digest)
+            if self._exists(key):
+                return digest, outside.path(digest).stat().st_size, False
+            data = outside.read(digest)  # checked against its name before it leaves the node
+            body = self._seal(digest, data)
+            self._call("put", self.s3.put_object, Bucket=self.bucket, Key=key, Body=body,
+                       ChecksumSHA256=_b64(hashlib.sha256(body).hexdigest()), **self._put_kw())
+            return digest, len(data), True
+
         with ThreadPoolExecutor(max_workers=self.threads) as ex:
             results = list(ex.map(one, jobs))
+            results += list(ex.map(one_outside, refs))
         chunks: dict[str, list[str]] = {}
         for (path, _, _), (digest, _, _) in zip(jobs, results):
             chunks.setdefault(path, []).append(digest)
         local_m = local.add_copy(m, CopyTier.s3, self.location)  # written before the manifest goes up:
         remote = local_m.model_copy(update={"probe": {**local_m.probe, "s3_chunk_size": CHUNK,  # it lists both
-                                                      "s3_chunks": chunks}})
+                                                      "s3_chunks": chunks,
+                                                      **({"s3_outside_chunks": refs} if refs else {})}})
         self._put("put manifest", self._manifest_key(m.workload, m.id), remote.model_dump_json(indent=2).encode())
         up = sum(n for _, n, new in results if new)
         return {"uploaded_bytes": up, "skipped_bytes": sum(n for _, n, new in results if not new),
@@ -313,6 +333,16 @@ class S3Tier(S3Objects):
                 kept.append(m)
         return gone, kept
 
+    def _retain_templates(self, ms: list[Manifest], bound: set, now: datetime,
+                          rule: "Retention | None") -> tuple[list[tuple[str, str]], list[Manifest]]:
+        from ckptflow.policies.retention import templates_to_delete
+
+        drop = {m.id: why for m, why in templates_to_delete(ms, bound, now, rule)}
+        for m in ms:
+            if m.id in drop:
+                self.delete(m)
+        return [(i, why) for i, why in drop.items()], [m for m in ms if m.id not in drop]
+
     def apply_retention(self, workload: str, rule: "Retention | None" = None,
                         now: datetime | None = None) -> list[tuple[str, str]]:
         """Delete the bucket's manifests of ``workload`` that the retention rule names, never its
@@ -347,11 +377,17 @@ class S3Tier(S3Objects):
             for o in self._keys(self._key("manifests") + "/"):
                 workload, name = o["Key"].rsplit("/", 2)[-2:]
                 by_workload.setdefault(workload, []).append(self.manifest(workload, name.removesuffix(".json")))
+            bound = {m.probe.get("template") for ms in by_workload.values() for m in ms
+                     if m.kind == CheckpointKind.sessions and m.state.restorable}
             for workload, ms in by_workload.items():
-                deleted, still = self._retain(workload, ms, now, rule)
+                if ms and all(m.kind == CheckpointKind.template for m in ms):  # keep-N would take bound ones
+                    deleted, still = self._retain_templates(ms, bound, now, rule)
+                else:
+                    deleted, still = self._retain(workload, ms, now, rule)
                 gone += [{"workload": workload, "checkpoint": i, "why": why} for i, why in deleted]
                 kept += still
             referenced = {d for m in kept for ds in m.probe.get("s3_chunks", {}).values() for d in ds}
+            referenced |= {d for m in kept for d in m.probe.get("s3_outside_chunks", [])}
             freed = chunks = 0
             for o in self._keys(self._key("chunks") + "/"):
                 if o["Key"].rsplit("/", 1)[1] not in referenced:
@@ -411,6 +447,8 @@ class S3Tier(S3Objects):
             ChecksumMismatch: a chunk does not match its address (nothing is left behind).
             StorageUnavailable: the bucket is unreachable.
         """
+        from ckptflow.store.chunks import ChunkStore
+
         have = local.usable_copy(workload, checkpoint)
         if have is not None:
             return have, {"downloaded_bytes": 0, "seconds": 0.0}
@@ -447,8 +485,19 @@ class S3Tier(S3Objects):
                                            fix="the bucket holds damaged data; restore an older checkpoint")
                 return n
 
+            outside = ChunkStore(local.root)
+
+            def one_outside(digest: str) -> int:
+                if outside.has(digest):
+                    outside.touch([digest])
+                    return 0
+                body = self._call("get", self.s3.get_object, Bucket=self.bucket,
+                                  Key=self._key("chunks", digest))["Body"].read()
+                return outside.put(digest, self._open(digest, body))
+
             with ThreadPoolExecutor(max_workers=self.threads) as ex:
                 got = sum(ex.map(one, jobs))
+                got += sum(ex.map(one_outside, remote.probe.get("s3_outside_chunks", [])))
             local_m = remote.model_copy(update={"probe": {k: v for k, v in remote.probe.items()
                                                           if not k.startswith("s3_")}}).with_copy(CopyTier.node, node)
             # Every chunk matched its sha256 address, taken from bytes the pushing node verified

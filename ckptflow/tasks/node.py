@@ -71,12 +71,10 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
             log.info("checkpoint %s (%s) of %s: %.1f MiB, pause %.2f s", m.id, m.kind, name, m.bytes / 2**20,
                      m.timings.get("pause", 0.0))
             pushed = {}
-            if tier is not None and m.kind == "sessions":
-                # The S3 tier carries process images; chunks of two-tier checkpoints stay on the node.
-                pushed = {"upload_skipped": "two-tier checkpoints are not pushed to S3 yet"}
-            elif tier is not None:
-                try:
-                    pushed = tier.push(runner.store, m)
+            if tier is not None:
+                try:  # a session checkpoint goes up with its template (once) and the chunks it names
+                    pushed = (TwoTierRunner(runner).push(m, tier) if m.kind == "sessions"
+                              else tier.push(runner.store, m))
                 except CkptflowError as e:  # the local copy stands; the next heartbeat pushes again
                     log.error("upload of %s to S3 failed: %s", m.id, e)
                     pushed = {"upload_error": str(e).splitlines()[0]}
@@ -96,7 +94,7 @@ def restore_workload(fleet_file: str, workload: str, node: str | None = None) ->
         w = w.model_copy(update={"node": node})
     with node_slot(w.node), node_runner(fleet, w.node) as runner:
         if w.checkpoint == CheckpointMode.two_tier:
-            tt = TwoTierRunner(runner).restore(w)
+            tt = TwoTierRunner(runner).restore(w, tier=fleet_tier(fleet))
             return {"workload": workload, "node": w.node, "checkpoint": tt.manifest.id, "template": tt.template.id,
                     "pid": tt.pid, "timings": tt.timings, "bytes": tt.manifest.probe.get("session_bytes", 0),
                     "downloaded_bytes": 0, "copies": [], "skipped": [],
