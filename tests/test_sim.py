@@ -62,10 +62,9 @@ def test_a_two_tier_heartbeat_moves_only_what_changed_since_the_previous_one():
 
 # --- the policy with two-tier costs ---------------------------------------------------------------
 def agent(**kw):
-    base = dict(name="a", traffic="long_sessions", footprint_gib=80, mtbf_s=24 * H, live_tokens=1e6,
-                growth_tokens_s=200, tokens_since_ckpt=1e5, seconds_since_ckpt=600.0, now=1e6)
-    base.update(kw)
-    return WorkloadFacts(**base)
+    from test_policies import facts  # the same facts, an agent on a preemptible node
+
+    return facts(**{"name": "a", "mtbf_s": 24 * H, "live_tokens": 1e6, "growth_tokens_s": 200, **kw})
 
 
 def test_two_tiers_protect_what_the_whole_process_cannot_afford():
