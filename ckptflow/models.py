@@ -173,6 +173,13 @@ class Workload(BaseModel):
         False, description="Checkpoint established TCP connections too (CRIU --tcp-established).")
     labels: dict[str, str] = Field(default_factory=dict, description="Free labels for policy rules.")
 
+    @model_validator(mode="after")
+    def _two_tier_single_process(self) -> "Workload":
+        if self.checkpoint == CheckpointMode.two_tier and self.tensor_parallel > 1:
+            raise ValueError("checkpoint: two-tier is not supported with tensor_parallel > 1 yet (no "
+                             "templates for TP groups); use checkpoint: process for this workload")
+        return self
+
 
 class CheckpointState(str, Enum):
     complete = "complete"

@@ -77,6 +77,8 @@ MISTAKES = [
      "policies[0].params.max_interval_s", "valid number"),
     ("policy bounds crossed", lambda d: d["policies"][0].update(params={"min_interval_s": 600, "max_interval_s": 60}),
      "policies[0].params", "min_interval_s 600 is above max_interval_s 60"),
+    ("two tiers for a TP group", lambda d: d["workloads"][0].update(tensor_parallel=2, checkpoint="two-tier"),
+     "workloads[0]", "two-tier is not supported with tensor_parallel > 1 yet"),
 ]
 
 
