@@ -234,6 +234,10 @@ class Child:
         """SIGKILL the child's process group; return the PIDs that were in it."""
         from ckptflow.runners.process import tree
 
+        try:  # frozen first: a CRIU of the group cannot fork a task between the snapshot and the kill
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
         group = tree(self.proc.pid)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
