@@ -172,10 +172,10 @@ class TwoTierRunner:
                 r.pop("written_bytes", None)
             (pending.images_dir / SESSIONS_FILE).write_text(json.dumps(
                 {"template": tmpl.id, "template_workload": tmpl.workload, "sessions": recs}))
-            (pending.images_dir / REFS_FILE).write_text(json.dumps(sorted({d for ds in _digests(recs).values()
-                                                                            for d in ds})))
+            named = sorted({d for ds in _digests(recs).values() for d in ds})
+            (pending.images_dir / REFS_FILE).write_text(json.dumps(named))
             # No manifest without its bytes; each chunk was hashed when adopted (scrubs: verify flow).
-            self.chunks.present([d for ds in _digests(recs).values() for d in ds])
+            self.chunks.present(named)
         except BaseException:
             self.store.abort(pending)
             raise
@@ -226,8 +226,8 @@ class TwoTierRunner:
                     pid, footprint, gpu_pids = res.pid, 0, []
                     t["dump"] = res.seconds
                 (pending.images_dir / WEIGHTS_FILE).write_text(json.dumps(weights["tensors"]))
-                (pending.images_dir / REFS_FILE).write_text(json.dumps(sorted({d for r in weights["tensors"]
-                                                                                for d in r["chunks"]})))
+                digests = [d for r in weights["tensors"] for d in r["chunks"]]
+                (pending.images_dir / REFS_FILE).write_text(json.dumps(sorted(set(digests))))
             except BaseException:
                 if pending is not None:
                     self.store.abort(pending)
@@ -236,7 +236,6 @@ class TwoTierRunner:
         t0 = time.perf_counter()
         self._unpark(w, weights["tensors"], recs)
         t["unpark"] = time.perf_counter() - t0
-        digests = [d for r in weights["tensors"] for d in r["chunks"]]
         tmpl = self.store.commit(pending, kind="template", pid=pid, gpu_footprint_bytes=footprint, gpu_pids=gpu_pids,
                                  fingerprint=workload_fingerprint(w, self.node.node_fp),
                                  timings={k: round(v, 4) for k, v in t.items()},
