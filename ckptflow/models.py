@@ -113,6 +113,28 @@ class GoldenRequest(BaseModel):
     field: str = Field("choices.0.text", description="Dotted path of the part of the answer to compare.")
 
 
+class CriuOptions(BaseModel):
+    """What CRIU must be told for engines whose process tree holds more than private memory and
+    sockets. ``engine: vllm`` turns all of them on unless the fleet file says otherwise
+    (docs/engines/vllm.md says why each one is needed)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    link_remap: bool = Field(
+        False, description="CRIU --link-remap: files open under a name that was since replaced, such as "
+        "glibc's named semaphores in /dev/shm (vLLM's multiprocessing).")
+    ext_unix_sk: bool = Field(
+        False, description="CRIU --ext-unix-sk: UNIX sockets whose peer is outside the tree (vLLM's ZMQ IPC).")
+    file_locks: bool = Field(False, description="CRIU --file-locks: POSIX/flock locks held by the tree.")
+    devshm: bool = Field(
+        False, description="Carry the /dev/shm files the tree maps (vLLM's shared-memory rings, its "
+        "semaphore) in the image, as they were at the dump, and put them back before a restore: "
+        "another node has none, and after a SIGKILL the node's copies are newer than the image.")
+
+
+VLLM_CRIU = CriuOptions(link_remap=True, ext_unix_sk=True, file_locks=True, devshm=True)
+
+
 class CheckpointMode(StrEnum):
     """How a workload is checkpointed."""
 
@@ -171,7 +193,16 @@ class Workload(BaseModel):
         "what changed (the engine must speak ckptflow's protocol).", examples=["two-tier"])
     tcp_established: bool = Field(
         False, description="Checkpoint established TCP connections too (CRIU --tcp-established).")
+    criu: CriuOptions = Field(default_factory=CriuOptions,
+                              description="CRIU options the engine's tree needs (engine: vllm sets them all).",
+                              examples=[{"link_remap": True, "devshm": True}])
     labels: dict[str, str] = Field(default_factory=dict, description="Free labels for policy rules.")
+
+    @model_validator(mode="after")
+    def _engine_criu_defaults(self) -> "Workload":
+        if self.engine == Engine.vllm and "criu" not in self.model_fields_set:
+            self.criu = VLLM_CRIU.model_copy()
+        return self
 
     @model_validator(mode="after")
     def _two_tier_single_process(self) -> "Workload":

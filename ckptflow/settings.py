@@ -71,6 +71,9 @@ class Settings(BaseModel):
         None, validation_alias="CKPTFLOW_LLAMACPP_PREFIX",
         description="Install directory of llama.cpp's llama-server (default: the one "
         "scripts/install-llamacpp.sh made).")
+    vllm_prefix: str | None = Field(
+        None, validation_alias="CKPTFLOW_VLLM_PREFIX",
+        description="A virtualenv with vLLM (default: the one scripts/install-vllm.sh made).")
     tp_stacks: str | None = Field(
         None, validation_alias="CKPTFLOW_TP_STACKS",
         description="Demo TP worker only: a directory where `kill -USR1 <rank>` writes that rank's Python "

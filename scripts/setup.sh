@@ -63,3 +63,7 @@ else
   echo "setup: warning: cmake/g++/make are missing and installing them needs root; the llama.cpp" \
        "tests will skip until 'sudo apt-get install cmake build-essential && ./scripts/install-llamacpp.sh'" >&2
 fi
+
+# vLLM's CPU build (pinned) in its own virtualenv for the real-engine vLLM tests (~3 min once,
+# then cached under .ckptflow/vllm/).
+./scripts/install-vllm.sh

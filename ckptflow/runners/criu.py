@@ -15,17 +15,27 @@ Facts this module relies on (measured, see README "CRIU"):
   (iptables is not installed).
 - `-L` must name an existing directory; an empty one loads no plugin (CRIU's cuda plugin
   fails on the H200 nodes: the CUDA runner drives the driver API itself).
+- A regular file the tree writes (a log opened with `>` or `>>`) that grew after the dump
+  fails the restore (`File … has bad size`): the restore hands the tree that file, opened
+  for appending, with `--inherit-fd` instead of letting CRIU reopen and size-check it.
+- CRIU cannot dump io_uring (uvloop's libuv in vLLM's API server maps a ring): refused
+  before the dump, with the node setting that avoids it.
+- The dump's own flags (link-remap, external UNIX sockets, file locks) must be repeated on
+  restore: they are recorded beside the image (CRIU_FLAGS_FILE) and read back from there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
+import sys
 import tempfile
 import time
 import weakref
@@ -34,9 +44,10 @@ from pathlib import Path
 
 import psutil
 
-from ckptflow.errors import CriuError, CriuTimeout, PidBusy, RunnerUnavailable
-from ckptflow.models import Workload
+from ckptflow.errors import CriuError, CriuTimeout, PidBusy, RunnerUnavailable, UnsupportedWorkload
+from ckptflow.models import CriuOptions, Workload
 from ckptflow.poll import PollTimeout, poll
+from ckptflow.runners import devshm
 from ckptflow.runners.process import DeclaredProcess, pid_alive, pid_taken, recheck, resolve, tree
 from ckptflow.settings import settings
 
@@ -224,15 +235,15 @@ class CriuRunner:
 
     # --- the calls ---------------------------------------------------------------------
     def _run(self, args: list[str], log: Path, timeout_s: float | None, what: str,
-             exe: str | None = None) -> float:
-        cmd = [exe or self.criu_bin, *args]
+             exe: str | None = None, pass_fds: tuple[int, ...] = (), prefix: list[str] | None = None) -> float:
+        cmd = [*(prefix or []), exe or self.criu_bin, *args]
         t0 = time.perf_counter()
         # Output goes to a file, not a pipe: criu-ns leaves criu running as the sandbox's init,
         # and a pipe it inherited would keep this call waiting for as long as the copy lives.
         with tempfile.TemporaryFile(mode="w+") as out:
             try:
                 proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                      timeout=timeout_s or self.timeout_s)
+                                      timeout=timeout_s or self.timeout_s, pass_fds=pass_fds)
             except subprocess.TimeoutExpired:
                 raise CriuTimeout(f"criu {what} timed out after {timeout_s or self.timeout_s:.0f} s",
                                   cmd=cmd, log_tail=_tail(log)) from None
@@ -250,7 +261,7 @@ class CriuRunner:
         args = ["-D", str(images_dir), "-o", str(log), "-v4", "-L", str(self.plugin_dir)]
         if tcp_established:
             args += ["--tcp-established", "--network-lock", self.network_lock]
-        return args
+        return args + _recorded(images_dir).get("flags", [])
 
     def dump(self, workload: Workload, images_dir: Path, *, leave_running: bool,
              proc: DeclaredProcess | None = None, timeout_s: float | None = None) -> DumpResult:
@@ -264,12 +275,24 @@ class CriuRunner:
             CriuError, CriuTimeout: CRIU failed; the process keeps running if leave_running.
         """
         proc = recheck(workload, proc) if proc else resolve(workload)
+        pids = tree(proc.pid)
+        holder = io_uring_holder(pids)
+        if holder:  # before any freeze: CRIU would fail half-way with a cryptic mapfile error
+            raise UnsupportedWorkload(
+                f"workload {workload.name}: PID {holder[0]} ({holder[1]}) holds an io_uring instance, which "
+                "CRIU cannot dump", fix="run `sysctl -w kernel.io_uring_disabled=2` on the node and restart the "
+                "worker (uvloop/libuv then falls back to epoll; docs/engines/vllm.md); for torch.distributed's "
+                "TCPStore start it with USE_LIBUV=0")
         images_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _record(images_dir, workload.criu, written_files(pids))
         log = self.log_dir / f"dump-{workload.name}-{proc.pid}-{time.time_ns()}.log"
         args = ["dump", "-t", str(proc.pid), *self._common(images_dir, log, workload.tcp_established),
                 "--ghost-limit", self.ghost_limit]
         if leave_running:
             args.append("--leave-running")
+        if workload.criu.devshm and devshm.needed(pids):  # runs while the tree is frozen, before CRIU drops its link-remaps
+            script = devshm.action_script(self._tmp() / f"post-dump-{time.time_ns()}.sh", images_dir, proc.pid)
+            args += ["--action-script", str(script)]
         # Kept beside the image: a restore on this node frees these ports of the dead worker's
         # orphaned connections first, instead of discovering them one failed attempt at a time.
         (images_dir / LISTEN_PORTS_FILE).write_text(json.dumps({"listen_ports": sorted(listen_ports(proc.pid))}))
@@ -312,6 +335,8 @@ class CriuRunner:
         fork_wait_s = 0.0
         while True:
             self.wait_pid_free(old_pid)
+            # The dumped tree is gone (its PID is free): its /dev/shm files are ours to reset.
+            devshm.put_back(images_dir)
             log = self.log_dir / f"restore-{old_pid}-{time.time_ns()}.log"
             pidfile = self.log_dir / f"restore-{old_pid}-{time.time_ns()}.pid"
             args = ["restore", "-d", "--pidfile", str(pidfile),
@@ -319,7 +344,8 @@ class CriuRunner:
             if leave_stopped:
                 args.append("--leave-stopped")
             try:
-                self._run(args, log, timeout_s, "restore")
+                with _inherited_outputs(images_dir) as (inherit, fds):
+                    self._run(args + inherit, log, timeout_s, "restore", pass_fds=fds)
                 return int(pidfile.read_text().strip())
             except CriuError:
                 # A listening port of the image still has TIME_WAIT connections of the dead
@@ -356,7 +382,18 @@ class CriuRunner:
         args = ["restore", "-d", "--pidfile", str(pidfile), *self._common(images_dir, log, False)]
         if netns:
             args += ["--join-ns", f"net:/var/run/netns/{netns}"]
-        self._run(args, log, timeout_s, "restore (sandbox)", exe=criu_ns)
+        prefix = None
+        if devshm.saved(images_dir):
+            # The original still maps its /dev/shm files: the copy gets a /dev/shm of its own
+            # (a private mount namespace with a fresh tmpfs), filled from the image.
+            prefix = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                      'mount -t tmpfs -o mode=1777 ckptflow-sandbox-shm /dev/shm && '
+                      '"$0" -I -c "import sys; sys.path.insert(0, sys.argv[2]); from ckptflow.runners import devshm; '
+                      'devshm.put_back(__import__(\'pathlib\').Path(sys.argv[1]))" "$1" "$2" && shift 3 && exec "$@"',
+                      sys.executable, str(images_dir), str(Path(devshm.__file__).resolve().parents[2]), "--"]
+        # Its outputs go nowhere: the original's log is not the copy's to write (nor to size-check).
+        with _inherited_outputs(images_dir, sink=os.devnull) as (inherit, fds):
+            self._run(args + inherit, log, timeout_s, "restore (sandbox)", exe=criu_ns, pass_fds=fds, prefix=prefix)
         try:
             poll(pidfile.exists, 10, 0.05, what=f"{pidfile}")
             pid = int(pidfile.read_text().strip())
@@ -370,6 +407,89 @@ class CriuRunner:
         if self._finalizer is not None:
             self._finalizer()
         self._own_tmp = self._finalizer = None
+
+
+CRIU_FLAGS_FILE = "ckptflow-criu.json"
+
+
+def _recorded(images_dir: Path) -> dict:
+    try:
+        return json.loads((images_dir / CRIU_FLAGS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _record(images_dir: Path, opts: CriuOptions, outputs: list[str]) -> None:
+    flags = [f for f, on in (("--link-remap", opts.link_remap), ("--ext-unix-sk", opts.ext_unix_sk),
+                             ("--file-locks", opts.file_locks)) if on]
+    (images_dir / CRIU_FLAGS_FILE).write_text(json.dumps({"flags": flags, "outputs": outputs}))
+
+
+def io_uring_holder(pids: list[int]) -> tuple[int, str] | None:
+    """(PID, name) of the first process of ``pids`` with an io_uring fd or mapping, or None."""
+    for pid in pids:
+        links = []
+        for sub in ("fd", "map_files"):
+            try:
+                entries = os.listdir(f"/proc/{pid}/{sub}")
+            except OSError:
+                continue
+            for e in entries:
+                try:
+                    links.append(os.readlink(f"/proc/{pid}/{sub}/{e}"))
+                except OSError:
+                    continue
+        if any("io_uring" in link for link in links):
+            try:
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:
+                name = "?"
+            return pid, name
+    return None
+
+
+def written_files(pids: list[int]) -> list[str]:
+    """Regular files the processes hold open write-only (their logs), by path."""
+    out: set[str] = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                path = os.readlink(f"/proc/{pid}/fd/{fd}")
+                flags = int(Path(f"/proc/{pid}/fdinfo/{fd}").read_text().split("flags:")[1].split()[0], 8)
+                regular = stat.S_ISREG(os.stat(f"/proc/{pid}/fd/{fd}").st_mode)
+            except (OSError, IndexError, ValueError):
+                continue
+            if regular and flags & os.O_ACCMODE == os.O_WRONLY and path.startswith("/") \
+                    and not path.endswith(" (deleted)"):
+                out.add(path)
+    return sorted(out)
+
+
+@contextlib.contextmanager
+def _inherited_outputs(images_dir: Path, sink: str | None = None):
+    """``--inherit-fd`` arguments (and the fds to pass) handing the restored tree its output
+    files opened for appending (or ``sink``), so a log that grew since the dump cannot fail it."""
+    args: list[str] = []
+    fds: list[int] = []
+    try:
+        for path in _recorded(images_dir).get("outputs", []):
+            try:
+                if sink is None:
+                    Path(path).parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(sink or path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+            except OSError as e:
+                log.warning("cannot reopen %s for the restored worker (%s); CRIU will try itself", path, e)
+                continue
+            fds.append(fd)
+            args += ["--inherit-fd", f"fd[{fd}]:{path.lstrip('/')}"]
+        yield args, tuple(fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 TMP_PREFIX = "ckptflow-criu-"  # + the owner's PID, so a killed owner's directory can be told apart

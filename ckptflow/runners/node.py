@@ -30,7 +30,7 @@ from ckptflow.policies.compat import diff
 from ckptflow.policies.multigpu import FIX as TP_FIX
 from ckptflow.policies.tiers import LocalCopy, restore_order
 from ckptflow.poll import PollTimeout, poll
-from ckptflow.runners import engine, process
+from ckptflow.runners import devshm, engine, process
 from ckptflow.runners.criu import CriuRunner
 from ckptflow.runners.engine import probe, read_load
 from ckptflow.runners.facts import tp_unsupported
@@ -168,6 +168,8 @@ class NodeRunner:
         except BaseException:
             self.store.abort(pending)
             raise
+        if not leave_running:  # the worker is gone from here; its /dev/shm files travel in the image
+            devshm.remove(pending.images_dir)
         kind = kind or ("heartbeat" if leave_running else "migrate")
         return self.store.commit(pending, timings=timings, probe=state, kind=kind, pid=pid,
                                  gpu_footprint_bytes=footprint, gpu_pids=gpu_pids,
