@@ -1,0 +1,761 @@
+"""vLLM 0.26.0 on the H200: cold start, whole-process checkpoint/restore, and two tiers (issue #21).
+
+Model: a seeded random Llama-3-8B-shaped bf16 model (hidden 4096, 32 layers, 32 heads / 8 KV
+heads, intermediate 14336, vocab 128256; ~15 GiB) written here from torch tensors (config.json +
+safetensors shards), served with ``--skip-tokenizer-init`` and token-id prompts at temperature 0
+with ``return_token_ids``.
+
+Rows:
+  a  cold start to first token (empty vLLM / inductor / triton caches), with vLLM's own phases
+     parsed from its log (imports, engine process, weights, torch.compile, KV cache, CUDA graphs).
+  b  the same engine, whole process through ckptflow's NodeRunner (engine: vllm): CUDA lock +
+     checkpoint of every GPU-holding process of the tree, CRIU dump (the tree exits), CRIU restore,
+     CUDA restore, unlock; the next 32 tokens of a long session equal the engine's before the kill.
+  c  two tiers: a second engine with --enable-sleep-mode and a KV connector; a long session's
+     turn is exported by the connector into ckptflow's store; template = ``POST /sleep?level=2``
+     then CUDA checkpoint + CRIU dump; restore = CRIU restore + CUDA restore (NodeRunner), then
+     ``/wake_up?tags=weights``, ``/collective_rpc reload_weights``, ``/wake_up?tags=kv_cache``,
+     the session's blocks imported; next 32 tokens equal. Target: restore-to-ready <= 0.1 x (a).
+
+Usage on the GPU node (root; vLLM, its deps and CRIU carried by scripts/carry-vllm.sh):
+    eval "$(scripts/carry-vllm.sh env)"; python3 bench/vllm_gpu.py --rows a,b
+    python3 bench/vllm_gpu.py --rows c            # merges into the same results
+Here, after fetching the JSON:  python3 bench/vllm_gpu.py --append-results bench/results/vllm_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import append_results, machine, md_table  # noqa: E402
+
+GiB = 2**30
+VLLM_VERSION = "0.26.0"
+CMDLINE = "vllm.entrypoints.openai.api_server"
+HOME = Path(os.environ.get("HOME", "/root"))
+STATE = HOME / "vllm_gpu_state.json"          # rows of earlier calls on this (warm) machine
+OUT = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+SHAPE = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+             intermediate_size=14336, vocab_size=128256)
+SESSION_TOKENS = 4000     # a long session's transcript (a multiple of the block size)
+TURN_TOKENS = 32          # the answer of the session's turn and of the next turn
+NEXT_USER_TOKENS = 48     # the user's part of the next turn
+
+
+def log(*a) -> None:
+    print(time.strftime("%H:%M:%S"), *a, file=sys.stderr, flush=True)
+
+
+# --- the model ----------------------------------------------------------------------------------
+def write_model(out: Path, seed: int = 1234) -> dict:
+    """Llama-3-8B-shaped random bf16 weights, generated on the GPU, written as safetensors shards."""
+    import hashlib
+
+    import torch
+
+    if (out / "ckptflow-model.json").exists():
+        return json.loads((out / "ckptflow-model.json").read_text())
+    t0 = time.perf_counter()
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    h, L, nh, kvh, inter, vocab = (SHAPE[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                       "num_key_value_heads", "intermediate_size", "vocab_size"))
+    hd = h // nh
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **SHAPE, "head_dim": hd,
+           "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+           "rope_scaling": None, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+           "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001, "initializer_range": 0.02}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 128000, "eos_token_id": 128001}))
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        shapes += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
+                   (p + "self_attn.q_proj.weight", (nh * hd, h)), (p + "self_attn.k_proj.weight", (kvh * hd, h)),
+                   (p + "self_attn.v_proj.weight", (kvh * hd, h)), (p + "self_attn.o_proj.weight", (h, nh * hd)),
+                   (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                   (p + "mlp.down_proj.weight", (h, inter))]
+    shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shard_bytes = 4 * GiB
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in shapes:
+        n = 2 * int(torch.Size(shape).numel())
+        if size + n > shard_bytes and shards[-1]:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += n
+    weight_map, total, digest = {}, 0, hashlib.sha256()
+    for si, items in enumerate(shards):
+        fname = f"model-{si + 1:05d}-of-{len(shards):05d}.safetensors"
+        header, off = {}, 0
+        for name, shape in items:
+            n = 2 * int(torch.Size(shape).numel())
+            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + n]}
+            off += n
+            weight_map[name] = fname
+        header["__metadata__"] = {"format": "pt"}
+        hb = json.dumps(header, separators=(",", ":")).encode()
+        hb += b" " * (-len(hb) % 8)
+        with open(out / fname, "wb") as f:
+            f.write(len(hb).to_bytes(8, "little") + hb)
+            for name, shape in items:
+                if name.endswith("norm.weight"):
+                    t = torch.ones(shape, dtype=torch.bfloat16, device="cuda")
+                else:
+                    t = (torch.randn(shape, generator=g, device="cuda", dtype=torch.float32) * 0.02).to(torch.bfloat16)
+                a = t.view(torch.int16).cpu().numpy()
+                digest.update(a[:64].tobytes() if a.ndim == 1 else a[0, :64].tobytes())
+                f.write(memoryview(a).cast("B"))
+                total += a.nbytes
+        log(f"model: wrote {fname}")
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                 "weight_map": weight_map}))
+    info = {"path": str(out), "model_id": f"ckptflow/random-llama3-8b-shape-{seed}", "revision": digest.hexdigest()[:16],
+            "bytes": total, "gib": round(total / GiB, 2), "write_s": round(time.perf_counter() - t0, 1), "seed": seed,
+            "shape": SHAPE}
+    (out / "ckptflow-model.json").write_text(json.dumps(info))
+    return info
+
+
+# --- HTTP (urllib: one connection per request, closed; no keep-alive socket for CRIU to meet) --
+def http(method: str, url: str, body: dict | None = None, timeout: float = 300) -> tuple[int, bytes]:
+    data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def complete(url: str, prompt: list[int], max_tokens: int, session: str | None = None) -> list[int]:
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    if session:
+        body["kv_transfer_params"] = {"ckptflow_session": session}
+    st, raw = http("POST", url + "/v1/completions", body)
+    if st != 200:
+        raise RuntimeError(f"POST /v1/completions -> HTTP {st}: {raw[:500]!r}")
+    return list(json.loads(raw)["choices"][0]["token_ids"])
+
+
+def metrics(url: str) -> dict[str, float]:
+    st, raw = http("GET", url + "/metrics", timeout=10)
+    out: dict[str, float] = {}
+    for line in raw.decode(errors="replace").splitlines():
+        m = re.match(r"^(vllm:[a-z_]+?)(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def wait_health(url: str, timeout: float, proc: subprocess.Popen | None = None) -> float:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        try:
+            if http("GET", url + "/health", timeout=2)[0] == 200:
+                return time.perf_counter() - t0
+        except OSError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {proc.returncode} before /health answered")
+        time.sleep(0.05)
+    raise TimeoutError(f"{url}/health did not answer 200 within {timeout:.0f} s")
+
+
+# --- the engine's log, line by line with the time each line appeared -----------------------------
+class LogWatch(threading.Thread):
+    def __init__(self, path: Path, t0: float):
+        super().__init__(daemon=True)
+        self.path, self.t0, self.lines, self.stop = path, t0, [], False
+        self.offset = path.stat().st_size if path.exists() else 0
+
+    def run(self) -> None:
+        while not self.path.exists() and not self.stop:
+            time.sleep(0.02)
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            buf = b""
+            while not self.stop:
+                chunk = f.read()
+                if not chunk:
+                    time.sleep(0.02)
+                    continue
+                now = time.perf_counter() - self.t0
+                buf += chunk
+                *done, buf = buf.split(b"\n")
+                self.lines += [(now, d.decode(errors="replace")) for d in done]
+
+    def first(self, pattern: str) -> tuple[float, re.Match] | None:
+        rx = re.compile(pattern)
+        for t, line in list(self.lines):
+            m = rx.search(line)
+            if m:
+                return t, m
+        return None
+
+    def all(self, pattern: str) -> list[tuple[float, re.Match]]:
+        rx = re.compile(pattern)
+        return [(t, m) for t, line in list(self.lines) for m in [rx.search(line)] if m]
+
+
+def phases(w: LogWatch) -> dict:
+    """vLLM's own startup lines -> phase seconds (durations vLLM reports, and when each line appeared)."""
+    out: dict = {}
+    first_line = next((t for t, line in w.lines if re.search(r"(INFO|WARNING|DEBUG|ERROR) \d\d-\d\d ", line)), None)
+    out["api_server_imports_s"] = round(first_line, 2) if first_line is not None else None
+
+    def at(key: str, pattern: str, group: int | None = 1, conv=float):
+        hit = w.first(pattern)
+        if hit:
+            out[re.sub(r"_(s|gib)$", "", key) + "_at_s"] = round(hit[0], 2)
+            if group is not None:
+                out[key] = conv(hit[1].group(group))
+    at("engine_load_start", r"Starting to load model", None)
+    at("weights_load_s", r"Loading weights took ([0-9.]+) seconds")
+    at("model_load_s", r"Model loading took [0-9.]+ GiB(?: memory)? and ([0-9.]+) seconds")
+    at("model_gib", r"Model loading took ([0-9.]+) GiB")
+    out.pop("model_at_s", None)
+    at("dynamo_transform_s", r"Dynamo bytecode transform time: ([0-9.]+) s")
+    at("torch_compile_s", r"torch.compile took ([0-9.]+) s in total")
+    out["inductor_graph_compiles"] = len(w.all(r"Compiling a graph for compile range"))
+    out["compiled_graphs_loaded_from_cache"] = bool(w.first(r"Directly load the compiled graph"))
+    at("kv_cache_gib", r"Available KV cache memory: ([0-9.]+) GiB")
+    at("graph_capture_s", r"Graph capturing finished in ([0-9.]+) secs")
+    at("graph_capture_gib", r"Graph capturing finished in [0-9.]+ secs, took ([0-9.]+) GiB")
+    at("init_engine_s", r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+)")
+    at("server_start", r"Starting vLLM server on", None)
+    return out
+
+
+# --- starting and stopping vLLM ------------------------------------------------------------------
+class Engine:
+    def __init__(self, name: str, run: Path, model: Path, port: int, gpu_util: float, cache_root: Path,
+                 extra: list[str] = (), env: dict | None = None):
+        self.name, self.run, self.port = name, run, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.pid_file, self.log_file = run / f"{name}.pid", run / f"{name}.log"
+        self.args = [sys.executable, "-m", CMDLINE, "--model", str(model), "--served-model-name", "m",
+                     "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
+                     "--max-model-len", "8192", "--enable-prefix-caching", "--seed", "0",
+                     "--gpu-memory-utilization", str(gpu_util), *extra]
+        self.env = {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), "VLLM_CACHE_ROOT": str(cache_root / "vllm"),
+                    "TORCHINDUCTOR_CACHE_DIR": str(cache_root / "inductor"), "TRITON_CACHE_DIR": str(cache_root / "triton"),
+                    "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0",
+                    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.watch: LogWatch | None = None
+
+    def start(self) -> float:
+        self.pid_file.unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        self.watch = LogWatch(self.log_file, t0)
+        self.watch.start()
+        self.proc = subprocess.Popen(start_command(self.args, self.env, self.pid_file, self.log_file),
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True, close_fds=True)
+        p = self.proc
+        threading.Thread(target=p.wait, daemon=True).start()  # reap it when CRIU's dump ends it
+        return t0
+
+    @property
+    def pid(self) -> int:
+        return int(self.pid_file.read_text())
+
+    def tail(self, n: int = 2500) -> str:
+        try:
+            return self.log_file.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        from ckptflow.runners.process import tree
+
+        try:
+            pids = tree(self.pid)
+        except (OSError, ValueError):
+            pids = []
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        t0 = time.time()
+        while any(os.path.exists(f"/proc/{p}") and _state(p) != "Z" for p in pids) and time.time() - t0 < 30:
+            time.sleep(0.1)
+        time.sleep(2.5)  # init reaps orphans late on these VMs (notes/criu.md)
+        if self.watch:
+            self.watch.stop = True
+
+
+def start_command(args: list[str], env: dict[str, str], pid_file: Path, log_file: Path) -> list[str]:
+    """As ckptflow.engines.vllm.start_command: the shell writes its PID and execs the server, whose
+    output is appended (>>: CRIU's restore then hands the tree the same file, whatever its size)."""
+    import shlex
+
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
+    return ["/bin/sh", "-c", f"echo $$ > {shlex.quote(str(pid_file))} && exec env {exports} {shlex.join(args)} "
+                             f"</dev/null >>{shlex.quote(str(log_file))} 2>&1"]
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def gpu_used_gib() -> float:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        return round(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used / GiB, 2)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def mem_total_gib() -> float:
+    kb = int(next(l for l in open("/proc/meminfo") if l.startswith("MemTotal")).split()[1])
+    return round(kb / 2**20, 1)
+
+
+# --- ckptflow's runner, for vLLM -------------------------------------------------------------------
+ADAPTATIONS: list[str] = []
+
+
+def node_runner(store_root: Path):
+    """NodeRunner with the CRIU flags vLLM needs: from Workload.criu (engine: vllm) when ckptflow has
+    it, else from a subclass here; and only processes the driver knows as CUDA processes locked."""
+    import ckptflow.runners.cuda as C
+    from ckptflow.models import Workload
+    from ckptflow.runners.criu import CriuRunner
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.store.local import LocalStore
+
+    criu = None
+    if "criu" not in Workload.model_fields:
+        class VllmCriu(CriuRunner):
+            def _common(self, images_dir, log, tcp_established):
+                return [*super()._common(images_dir, log, tcp_established), "--link-remap", "--ext-unix-sk",
+                        "--file-locks"]
+        criu = VllmCriu()
+        ADAPTATIONS.append("Workload has no `criu` field: --link-remap --ext-unix-sk --file-locks added by a "
+                           "CriuRunner subclass in the bench")
+    node = NodeRunner(LocalStore(store_root), criu=criu)
+    if not getattr(C.cuda_pids, "_bench", False):
+        orig = C.cuda_pids
+
+        def cuda_pids(root_pid: int) -> list[int]:
+            pids = orig(root_pid)
+            good = [p for p in pids if node.cuda.backend.get_state(p)[0] == 0]
+            if good and good != pids:
+                ADAPTATIONS.append(f"cuda_pids: {sorted(set(pids) - set(good))} hold /dev/nvidia* but no CUDA "
+                                   f"context (cuCheckpointProcessGetState fails); only {good} locked")
+            return good or pids
+        cuda_pids._bench = True
+        C.cuda_pids = cuda_pids
+    return node
+
+
+def workload(name: str, eng: Engine, model: dict):
+    from ckptflow.models import ProcessFinder, Workload
+
+    # No metrics_url: the runner's /metrics read keeps an HTTP keep-alive connection open, and
+    # CRIU then needs --tcp-established (and a network lock) for it.
+    return Workload(name=name, node="h200", engine="vllm", engine_version=VLLM_VERSION, model_id=model["model_id"],
+                    model_revision=model["revision"], gpu=True, health_url=eng.url + "/health",
+                    find=ProcessFinder(pid_file=str(eng.pid_file), cmdline_must_contain=CMDLINE))
+
+
+def criu_flags(node, m) -> list[str]:
+    try:
+        return json.loads((node.store.images_dir(m) / "ckptflow-criu.json").read_text()).get("flags", [])
+    except (OSError, ValueError):
+        return []
+
+
+def prompts(seed: int = 7) -> tuple[list[int], list[int]]:
+    import random
+
+    r = random.Random(seed)
+    session = [r.randrange(1000, 120000) for _ in range(SESSION_TOKENS)]
+    user = [r.randrange(1000, 120000) for _ in range(NEXT_USER_TOKENS)]
+    return session, user
+
+
+# --- rows ------------------------------------------------------------------------------------------
+def row_ab(a, model: dict, work: Path, res: dict) -> None:
+    cache = work / "cache-a"
+    shutil.rmtree(cache, ignore_errors=True)  # cold: no compiled graphs, kernels or autotune results
+    eng = Engine("e1", work, Path(model["path"]), a.port, a.gpu_util, cache)
+    ra: dict = {"row": "a", "what": "cold start to first token (empty vLLM/inductor/triton caches; weights in page cache)",
+                "gpu_memory_utilization": a.gpu_util}
+    res["rows"]["a"] = ra
+    t0 = eng.start()
+    try:
+        wait_health(eng.url, a.start_timeout, eng.proc)
+        ra["health_s"] = round(time.perf_counter() - t0, 2)
+        first = complete(eng.url, [128000, 9906, 1917, 0, 1], 1)
+        ra["cold_start_s"] = round(time.perf_counter() - t0, 2)
+        ra["first_token_id"] = first
+        ra.update(phases(eng.watch))
+        ra["gpu_used_gib"] = gpu_used_gib()
+        ra["next_tokens_equal"] = None
+        ra["next_tokens_equal_note"] = "no restore in this row"
+        log("row a", json.dumps(ra))
+    except Exception as e:
+        ra["error"] = f"{type(e).__name__}: {e}"
+        ra["log_tail"] = eng.tail()
+        log("row a failed", ra["error"], ra["log_tail"][-1500:])
+        eng.kill()
+        return
+    finally:
+        save(res)
+    if "b" not in a.rows:
+        eng.kill()
+        return
+    rb: dict = {"row": "b", "what": "whole process (NodeRunner: CUDA lock+checkpoint of the tree's GPU processes, "
+                "CRIU dump; CRIU restore, CUDA restore, unlock)", "gpu_memory_utilization": a.gpu_util}
+    res["rows"]["b"] = rb
+    node = None
+    try:
+        session, user = prompts()
+        turn = complete(eng.url, session, TURN_TOKENS)
+        nxt = session + turn + user
+        t1 = time.perf_counter()
+        first_run = complete(eng.url, nxt, TURN_TOKENS)
+        rb["next_turn_s"] = round(time.perf_counter() - t1, 3)
+        before = complete(eng.url, nxt, TURN_TOKENS)       # the state the checkpoint will hold: nxt cached
+        rb["recompute_vs_cached_equal"] = first_run == before
+        rb["distinct_tokens"] = len(set(before))
+        m0 = metrics(eng.url)
+        rb["gpu_used_gib"] = gpu_used_gib()
+        rb["host_mem_gib"] = mem_total_gib()
+        node = node_runner(a.store / "store-b")
+        w = workload("vllm-b", eng, model)
+        from ckptflow.runners.cuda import cuda_pids
+        from ckptflow.runners.process import tree
+
+        rb["tree_pids"] = len(tree(eng.pid))
+        rb["cuda_pids"] = len(cuda_pids(eng.pid))
+        t1 = time.perf_counter()
+        m = node.checkpoint(w, leave_running=False)
+        rb["checkpoint_wall_s"] = round(time.perf_counter() - t1, 2)
+        rb["pause_s"] = m.timings.get("pause")
+        rb["checkpoint_phases"] = m.timings
+        rb["footprint_gib"] = round(m.gpu_footprint_bytes / GiB, 2)
+        rb["image_gib"] = round(m.bytes / GiB, 2)
+        rb["criu_flags"] = criu_flags(node, m)
+        rb["footprint_x2_fits_host"] = 2 * m.gpu_footprint_bytes / GiB < rb["host_mem_gib"]
+        node.criu.wait_pid_free(m.pid)
+        t1 = time.perf_counter()
+        r = node.restore(w, manifest=m)
+        rb["restore_to_ready_s"] = round(time.perf_counter() - t1, 2)
+        rb["restore_phases"] = r.timings
+        t2 = time.perf_counter()
+        after = complete(eng.url, nxt, TURN_TOKENS)
+        rb["restore_to_first_token_s"] = round(time.perf_counter() - t1, 2)
+        rb["next_turn_after_restore_s"] = round(time.perf_counter() - t2, 3)
+        m1 = metrics(eng.url)
+        rb["prefix_cache_hits_after_restore"] = m1.get("vllm:prefix_cache_hits_total", 0) - m0.get(
+            "vllm:prefix_cache_hits_total", 0)
+        rb["prompt_tokens_next_turn"] = len(nxt)
+        rb["next_tokens"] = before
+        rb["next_tokens_equal"] = after == before
+        if after != before:
+            rb["next_tokens_after"] = after
+        node.store.delete(m)
+        log("row b", json.dumps({k: v for k, v in rb.items() if k != "next_tokens"}))
+    except Exception as e:
+        rb["error"] = f"{type(e).__name__}: {e}"
+        rb["traceback"] = traceback.format_exc()[-3000:]
+        rb["log_tail"] = eng.tail()
+        rb.setdefault("next_tokens_equal", None)
+        log("row b failed", rb["traceback"])
+    finally:
+        save(res)
+        eng.kill()
+        if node is not None:
+            node.close()
+        shutil.rmtree(a.store / "store-b", ignore_errors=True)
+
+
+def connector_config(kind: str, chunk_dir: Path) -> dict:
+    if kind == "ckptflow":
+        from ckptflow.engines.vllm import kv_transfer_config
+
+        return kv_transfer_config(chunk_dir)
+    return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(chunk_dir)}}
+
+
+def row_c(a, model: dict, work: Path, res: dict) -> None:
+    rc: dict = {"row": "c", "what": "two tiers: template (sleep level 2 + CUDA checkpoint + CRIU dump) + the "
+                "session's KV through a vLLM KV connector", "gpu_memory_utilization": a.gpu_util}
+    res["rows"]["c"] = rc
+    cache = work / "cache-a"          # row a's caches: this start is the warm-cache cold start
+    chunk_dir = work / "kv-c"
+    kinds = ["ckptflow", "example"] if a.connector == "auto" else [a.connector]
+    eng = None
+    node = None
+    try:
+        for kind in kinds:
+            shutil.rmtree(chunk_dir, ignore_errors=True)
+            chunk_dir.mkdir(mode=0o700, parents=True)
+            try:
+                cfg = connector_config(kind, chunk_dir)
+            except Exception as e:  # ckptflow's adapter not importable here
+                rc.setdefault("connector_failures", []).append({"connector": kind, "error": f"{type(e).__name__}: {e}"})
+                continue
+            rc["kv_transfer_config"] = cfg
+            eng = Engine("e2", work, Path(model["path"]), a.port + 1, a.gpu_util, cache,
+                         ["--enable-sleep-mode", "--kv-transfer-config", json.dumps(cfg)])
+            t0 = eng.start()
+            try:
+                wait_health(eng.url, a.start_timeout, eng.proc)
+                complete(eng.url, [128000, 9906, 1917, 0, 1], 1)
+                rc["warm_cache_start_to_first_token_s"] = round(time.perf_counter() - t0, 2)
+                rc["connector"] = kind
+                break
+            except Exception as e:
+                rc.setdefault("connector_failures", []).append({"connector": kind, "error": f"{type(e).__name__}: {e}",
+                                                                "log_tail": eng.tail(3000)})
+                log(f"row c: connector {kind} failed: {e}\n{eng.tail(2000)}")
+                eng.kill()
+                eng = None
+        if eng is None:
+            raise RuntimeError("no connector worked")
+        rc["start_phases"] = phases(eng.watch)
+        if rc["connector"] == "example":
+            rc["session_tier_note"] = ("ckptflow's CkptflowConnector failed (connector_failures); vLLM's ExampleConnector "
+                                       "(per-prompt safetensors under shared_storage_path) served as the session tier")
+        session, user = prompts()
+        sid = "s-long"
+        turn = complete(eng.url, session, TURN_TOKENS, session=sid)
+        nxt = session + turn + user
+        ref = complete(eng.url, nxt, TURN_TOKENS)      # next turn on the live engine (session KV in its GPU cache)
+        rc["distinct_tokens"] = len(set(ref))
+        if rc["connector"] == "example":
+            # ExampleConnector matches whole prompts only: the next turn's prompt is what it saved.
+            pass
+        # session tier: the connector wrote the session's blocks while serving; export them into the store
+        from ckptflow.store.local import LocalStore
+
+        store = LocalStore(a.store / "store-c")
+        t1 = time.perf_counter()
+        if rc["connector"] == "ckptflow":
+            from ckptflow.engines.vllm import Server, restore_sessions, save_sessions
+
+            srv = Server(url=eng.url, port=eng.port, pid_file=eng.pid_file, log_file=eng.log_file, chunk_dir=chunk_dir,
+                         args=eng.args, env=eng.env)
+            sm = save_sessions(srv, store, "vllm-c", [sid], node="h200")
+            rc["session_export_s"] = round(time.perf_counter() - t1, 3)
+            rc["session_blocks"] = sm.probe.get("blocks")
+            rc["session_tokens"] = sm.probe.get("sessions", {}).get(sid)
+            rc["session_bytes"] = sm.bytes
+        else:
+            saved = work / "example-saved"
+            shutil.rmtree(saved, ignore_errors=True)
+            shutil.copytree(chunk_dir, saved)
+            rc["session_export_s"] = round(time.perf_counter() - t1, 3)
+            rc["session_bytes"] = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file())
+        # template: sleep level 2, then CUDA checkpoint + CRIU dump (the engine exits)
+        t1 = time.perf_counter()
+        st, raw = http("POST", eng.url + "/sleep?level=2")
+        rc["sleep_s"] = round(time.perf_counter() - t1, 2)
+        if st != 200:
+            raise RuntimeError(f"POST /sleep?level=2 -> HTTP {st}: {raw[:300]!r}")
+        rc["gpu_used_after_sleep_gib"] = gpu_used_gib()
+        node = node_runner(a.store / "store-c-tmpl")
+        w = workload("vllm-c", eng, model)
+        t1 = time.perf_counter()
+        m = node.checkpoint(w, leave_running=False, kind="template")
+        rc["template_capture_s"] = round(rc["sleep_s"] + time.perf_counter() - t1, 2)
+        rc["template_phases"] = m.timings
+        rc["template_image_gib"] = round(m.bytes / GiB, 2)
+        rc["template_gpu_gib"] = round(m.gpu_footprint_bytes / GiB, 2)
+        rc["criu_flags"] = criu_flags(node, m)
+        node.criu.wait_pid_free(m.pid)
+        # the session tier holds only what was exported: the engine's own chunk directory is emptied
+        shutil.rmtree(chunk_dir, ignore_errors=True)
+        chunk_dir.mkdir(mode=0o700)
+        # restore
+        ph: dict = {}
+        t1 = time.perf_counter()
+        r = node.restore(w, manifest=m)
+        ph.update(r.timings)
+        ph["template_restore_s"] = round(time.perf_counter() - t1, 3)
+        for key, method, path, body in (("wake_weights_s", "POST", "/wake_up?tags=weights", None),
+                                        ("reload_weights_s", "POST", "/collective_rpc", {"method": "reload_weights"}),
+                                        ("wake_kv_cache_s", "POST", "/wake_up?tags=kv_cache", None)):
+            t2 = time.perf_counter()
+            st, raw = http(method, eng.url + path, body)
+            ph[key] = round(time.perf_counter() - t2, 3)
+            if st != 200:
+                raise RuntimeError(f"{method} {path} -> HTTP {st}: {raw[:300]!r}")
+        t2 = time.perf_counter()
+        if rc["connector"] == "ckptflow":
+            imp = restore_sessions(srv, store, sm)
+            ph["blocks_imported"] = imp["blocks_imported"]
+        else:
+            shutil.rmtree(chunk_dir)
+            shutil.copytree(saved, chunk_dir)
+        ph["session_import_s"] = round(time.perf_counter() - t2, 3)
+        rc["restore_to_ready_s"] = round(time.perf_counter() - t1, 2)
+        rc["restore_phases"] = ph
+        m0 = metrics(eng.url)
+        t2 = time.perf_counter()
+        after = complete(eng.url, nxt, TURN_TOKENS)
+        rc["next_turn_after_restore_s"] = round(time.perf_counter() - t2, 3)
+        rc["restore_to_first_token_s"] = round(time.perf_counter() - t1, 2)
+        m1 = metrics(eng.url)
+        for k in ("vllm:external_prefix_cache_hits_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total"):
+            rc[k.split(":")[1].replace("_total", "") + "_next_turn"] = m1.get(k, 0) - m0.get(k, 0)
+        rc["prompt_tokens_next_turn"] = len(nxt)
+        rc["next_tokens"] = ref
+        rc["next_tokens_equal"] = after == ref
+        if after != ref:
+            rc["next_tokens_after"] = after
+        cold = res["rows"].get("a", {}).get("cold_start_s")
+        if cold:
+            rc["cold_start_a_s"] = cold
+            rc["ratio_to_cold_start"] = round(rc["restore_to_ready_s"] / cold, 3)
+            rc["target_met"] = rc["restore_to_ready_s"] <= 0.1 * cold
+        log("row c", json.dumps({k: v for k, v in rc.items() if k not in ("next_tokens", "connector_failures")}))
+    except Exception as e:
+        rc["error"] = f"{type(e).__name__}: {e}"
+        rc["traceback"] = traceback.format_exc()[-3000:]
+        rc["log_tail"] = eng.tail() if eng else ""
+        rc.setdefault("next_tokens_equal", None)
+        log("row c failed", rc["traceback"], rc["log_tail"][-1500:])
+    finally:
+        save(res)
+        if eng is not None:
+            eng.kill()
+        if node is not None:
+            node.close()
+
+
+# --- results --------------------------------------------------------------------------------------
+def save(res: dict) -> None:
+    res["adaptations"] = sorted(set(ADAPTATIONS))
+    STATE.write_text(json.dumps(res, indent=1))
+    if OUT:
+        (OUT / "vllm_gpu.json").write_text(json.dumps(res, indent=1))
+        for name in ("e1.log", "e2.log"):
+            src = Path(res.get("work", "/nonexistent")) / name
+            if src.exists():
+                data = src.read_bytes()
+                (OUT / name).write_bytes(data[-8 * 2**20:])
+
+
+def table(res: dict) -> str:
+    rows = res["rows"]
+    a, b, c = rows.get("a", {}), rows.get("b", {}), rows.get("c", {})
+    hdr = ["row", "what", "cold start / pause s", "restore-to-ready s", "first token after restore s", "image GiB",
+           "next_tokens_equal", "notes"]
+    out = []
+    if a:
+        out.append(["a", "cold start to first token", a.get("cold_start_s", "—"), "—", "—", "—", "n/a",
+                    a.get("error") or (f"imports {a.get('api_server_imports_s')} s, weights {a.get('weights_load_s')} s, "
+                                       f"torch.compile {a.get('torch_compile_s')} s, graphs {a.get('graph_capture_s')} s, "
+                                       f"init engine {a.get('init_engine_s')} s")])
+    if b:
+        out.append(["b", "whole process (CUDA + CRIU)", b.get("pause_s", "—"), b.get("restore_to_ready_s", "—"),
+                    b.get("restore_to_first_token_s", "—"), b.get("image_gib", "—"), b.get("next_tokens_equal"),
+                    b.get("error") or f"footprint {b.get('footprint_gib')} GiB; prefix hits after restore "
+                                      f"{b.get('prefix_cache_hits_after_restore')}"])
+    if c:
+        out.append(["c", f"two tiers ({c.get('connector', '?')} connector)", c.get("template_capture_s", "—"),
+                    c.get("restore_to_ready_s", "—"), c.get("restore_to_first_token_s", "—"),
+                    c.get("template_image_gib", "—"), c.get("next_tokens_equal"),
+                    c.get("error") or f"ratio to (a) {c.get('ratio_to_cold_start')} (target <= 0.1: "
+                                      f"{c.get('target_met')}); external prefix hits "
+                                      f"{c.get('external_prefix_cache_hits_next_turn')}"])
+    return md_table(hdr, out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="a,b,c")
+    p.add_argument("--work", type=Path, default=HOME / "vllm-bench")
+    p.add_argument("--model-dir", type=Path, default=None)
+    p.add_argument("--gpu-util", type=float, default=0.18)
+    p.add_argument("--port", type=int, default=18720)
+    p.add_argument("--start-timeout", type=float, default=420)
+    p.add_argument("--connector", choices=["auto", "ckptflow", "example"], default="auto")
+    p.add_argument("--store", type=Path, default=None, help="checkpoint store (default: /dev/shm if it has room)")
+    p.add_argument("--append-results", type=Path, default=None, help="here: append RESULTS.md from a fetched JSON")
+    p.add_argument("--write-model", type=Path, default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.write_model:
+        import torch
+
+        info = write_model(a.write_model)
+        info["torch"] = torch.__version__
+        print(json.dumps(info))
+        return
+    if a.append_results:
+        res = json.loads(a.append_results.read_text())
+        notes = res.get("notes_md", "")
+        append_results(f"vLLM {VLLM_VERSION} on the H200 (bench/vllm_gpu.py)", table(res), notes)
+        return
+    a.rows = [r.strip() for r in a.rows.split(",") if r.strip()]
+    a.work.mkdir(parents=True, exist_ok=True)
+    res = json.loads(STATE.read_text()) if STATE.exists() else {"rows": {}}
+    res.update(machine=machine(), work=str(a.work), vllm=VLLM_VERSION,
+               commands=[*res.get("commands", []), "python3 " + " ".join(sys.argv)])
+    old = Path("/proc/sys/kernel/io_uring_disabled").read_text().strip()
+    Path("/proc/sys/kernel/io_uring_disabled").write_text("2")   # uvloop/libuv then uses epoll: CRIU can dump it
+    res["io_uring_disabled_was"] = old
+    try:
+        res["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                                    capture_output=True, text=True).stdout.strip()
+        t0 = time.perf_counter()
+        # In a child: this process keeps no CUDA context of its own next to the engines it checkpoints.
+        r = subprocess.run([sys.executable, __file__, "--write-model", str(a.model_dir or (HOME / "models" / "llama3-8b-shape"))],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"writing the model failed: {r.stderr[-2000:]}")
+        model = json.loads(r.stdout.strip().splitlines()[-1])
+        res["model"] = model
+        res["torch"] = model.get("torch")
+        log(f"model ready in {time.perf_counter() - t0:.1f} s: {model['gib']} GiB")
+        if a.store is None:
+            free_shm = shutil.disk_usage("/dev/shm").free / GiB if Path("/dev/shm").exists() else 0
+            a.store = Path("/dev/shm/ckptflow-vllm") if free_shm > 45 else a.work
+        res["store"] = str(a.store)
+        if "a" in a.rows or "b" in a.rows:
+            row_ab(a, model, a.work, res)
+        if "c" in a.rows:
+            row_c(a, model, a.work, res)
+    finally:
+        Path("/proc/sys/kernel/io_uring_disabled").write_text(old)
+        if a.store and str(a.store).startswith("/dev/shm/"):
+            shutil.rmtree(a.store, ignore_errors=True)
+        save(res)
+    print(table(res))
+
+
+if __name__ == "__main__":
+    main()
