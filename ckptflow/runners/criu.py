@@ -284,7 +284,9 @@ class CriuRunner:
                 "worker (uvloop/libuv then falls back to epoll; docs/engines/vllm.md); for torch.distributed's "
                 "TCPStore start it with USE_LIBUV=0")
         images_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        _record(images_dir, workload.criu, written_files(pids))
+        _record(images_dir, workload.criu, written_files(pids), pids)
+        if workload.criu.link_remap:  # a link-remap file left by a failed restore blocks CRIU's own
+            devshm.remove_stale_link_remaps()
         log = self.log_dir / f"dump-{workload.name}-{proc.pid}-{time.time_ns()}.log"
         args = ["dump", "-t", str(proc.pid), *self._common(images_dir, log, workload.tcp_established),
                 "--ghost-limit", self.ghost_limit]
@@ -335,8 +337,14 @@ class CriuRunner:
         fork_wait_s = 0.0
         while True:
             self.wait_pid_free(old_pid)
-            # The dumped tree is gone (its PID is free): its /dev/shm files are ours to reset.
-            devshm.put_back(images_dir)
+            # Every PID of the tree, not only the root's: a killed engine's children are reaped by
+            # init a second or two later, and until then they keep the root's PID in use as their
+            # session id (clone3 -> "Can't fork for <root>: File exists", measured with vLLM).
+            for p in _recorded(images_dir).get("pids", []):
+                if p != old_pid:
+                    self.wait_pid_free(p)
+            # The dumped tree is gone (its PIDs are free): its /dev/shm files are ours to reset.
+            put = devshm.put_back(images_dir)
             log = self.log_dir / f"restore-{old_pid}-{time.time_ns()}.log"
             pidfile = self.log_dir / f"restore-{old_pid}-{time.time_ns()}.pid"
             args = ["restore", "-d", "--pidfile", str(pidfile),
@@ -348,6 +356,7 @@ class CriuRunner:
                     self._run(args + inherit, log, timeout_s, "restore", pass_fds=fds)
                 return int(pidfile.read_text().strip())
             except CriuError:
+                devshm.remove_link_remaps(put)  # CRIU unlinks them only after a restore that worked
                 # A listening port of the image still has TIME_WAIT connections of the dead
                 # worker (NCCL's bootstrap listeners, measured on two H200s): free them, retry.
                 ports = busy_listen_ports(log) - freed
@@ -419,10 +428,10 @@ def _recorded(images_dir: Path) -> dict:
         return {}
 
 
-def _record(images_dir: Path, opts: CriuOptions, outputs: list[str]) -> None:
+def _record(images_dir: Path, opts: CriuOptions, outputs: list[str], pids: list[int]) -> None:
     flags = [f for f, on in (("--link-remap", opts.link_remap), ("--ext-unix-sk", opts.ext_unix_sk),
                              ("--file-locks", opts.file_locks)) if on]
-    (images_dir / CRIU_FLAGS_FILE).write_text(json.dumps({"flags": flags, "outputs": outputs}))
+    (images_dir / CRIU_FLAGS_FILE).write_text(json.dumps({"flags": flags, "outputs": outputs, "pids": pids}))
 
 
 def io_uring_holder(pids: list[int]) -> tuple[int, str] | None:

@@ -215,6 +215,51 @@ def remove(images_dir: Path, shm: Path = SHM) -> None:
             pass
 
 
+def remove_link_remaps(names: list[str], shm: Path = SHM) -> None:
+    """Remove the link-remap files among ``names`` (put back for a restore that then failed)."""
+    for n in names:
+        if n.startswith(LINK_REMAP):
+            try:
+                (shm / n).unlink()
+            except OSError:
+                pass
+
+
+def remove_stale_link_remaps(shm: Path = SHM) -> list[str]:
+    """Remove ``link_remap.*`` files no process maps or holds open. CRIU names them by file id and
+    refuses a dump whose name is taken (`Can't link remap … File exists`); a restore that worked
+    unlinks its own, so one still there belongs to nothing."""
+    try:
+        remaps = {n: os.stat(shm / n).st_ino for n in os.listdir(shm) if n.startswith(LINK_REMAP)}
+    except OSError:
+        return []
+    if not remaps:
+        return []
+    used: set[int] = set()
+    for pid in (d for d in os.listdir("/proc") if d.isdigit()):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    parts = line.split(None, 5)
+                    if len(parts) == 6 and parts[5].startswith(str(shm) + "/"):
+                        used.add(int(parts[4]))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(str(shm) + "/" + LINK_REMAP):
+                        used.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+                except OSError:
+                    continue
+        except OSError:
+            continue
+    gone = [n for n, ino in remaps.items() if ino not in used]
+    for n in gone:
+        try:
+            (shm / n).unlink()
+        except OSError:
+            pass
+    return gone
+
+
 def action_script(script: Path, images_dir: Path, root_pid: int, shm: Path = SHM) -> Path:
     """Write the CRIU ``--action-script`` for one dump (CRIU execs it without arguments)."""
     before = sorted(n for n in os.listdir(shm) if n.startswith(LINK_REMAP))
