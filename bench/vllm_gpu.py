@@ -259,7 +259,7 @@ class Engine:
                      "--gpu-memory-utilization", str(gpu_util), *extra]
         self.env = {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), "VLLM_CACHE_ROOT": str(cache_root / "vllm"),
                     "TORCHINDUCTOR_CACHE_DIR": str(cache_root / "inductor"), "TRITON_CACHE_DIR": str(cache_root / "triton"),
-                    "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                    "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0", "DO_NOT_TRACK": "1",
                     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0",
                     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1", **(env or {})}
         self.proc: subprocess.Popen | None = None
@@ -382,9 +382,27 @@ def workload(name: str, eng: Engine, model: dict):
 
     # No metrics_url: the runner's /metrics read keeps an HTTP keep-alive connection open, and
     # CRIU then needs --tcp-established (and a network lock) for it.
+    # tcp_established: torch.distributed's TCPStore connects the engine process to itself over TCP.
     return Workload(name=name, node="h200", engine="vllm", engine_version=VLLM_VERSION, model_id=model["model_id"],
-                    model_revision=model["revision"], gpu=True, health_url=eng.url + "/health",
+                    model_revision=model["revision"], gpu=True, health_url=eng.url + "/health", tcp_established=True,
                     find=ProcessFinder(pid_file=str(eng.pid_file), cmdline_must_contain=CMDLINE))
+
+
+def checkpoint(node, w, **kw):
+    """node.checkpoint; if CRIU's network lock (nftables) fails on this kernel, again with
+    --network-lock skip (every TCP peer of the tree is inside the frozen tree)."""
+    from ckptflow.errors import CriuError
+
+    try:
+        return node.checkpoint(w, **kw)
+    except CriuError as e:
+        text = str(e)
+        if node.criu.network_lock == "skip" or not re.search(r"nft|network.lock|lock network|iptables", text, re.I):
+            raise
+        ADAPTATIONS.append(f"CRIU --network-lock {node.criu.network_lock} failed here; used --network-lock skip: "
+                           + " | ".join(l for l in text.splitlines() if "Error" in l)[:400])
+        node.criu.network_lock = "skip"
+        return node.checkpoint(w, **kw)
 
 
 def criu_flags(node, m) -> list[str]:
@@ -459,7 +477,7 @@ def row_ab(a, model: dict, work: Path, res: dict) -> None:
         rb["tree_pids"] = len(tree(eng.pid))
         rb["cuda_pids"] = len(cuda_pids(eng.pid))
         t1 = time.perf_counter()
-        m = node.checkpoint(w, leave_running=False)
+        m = checkpoint(node, w, leave_running=False)
         rb["checkpoint_wall_s"] = round(time.perf_counter() - t1, 2)
         rb["pause_s"] = m.timings.get("pause")
         rb["checkpoint_phases"] = m.timings
@@ -501,69 +519,71 @@ def row_ab(a, model: dict, work: Path, res: dict) -> None:
 
 
 def connector_config(kind: str, chunk_dir: Path) -> dict:
-    if kind == "ckptflow":
+    if kind in ("ckptflow", "ckptflow-bench"):
         from ckptflow.engines.vllm import kv_transfer_config
 
-        return kv_transfer_config(chunk_dir)
+        cfg = kv_transfer_config(chunk_dir)
+        if kind == "ckptflow-bench":  # bench/vllm_kv_bench.py: the same connector, two fixes
+            cfg.update(kv_connector="BenchCkptflowConnector", kv_connector_module_path="vllm_kv_bench")
+        return cfg
     return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"shared_storage_path": str(chunk_dir)}}
 
 
 def row_c(a, model: dict, work: Path, res: dict) -> None:
-    rc: dict = {"row": "c", "what": "two tiers: template (sleep level 2 + CUDA checkpoint + CRIU dump) + the "
-                "session's KV through a vLLM KV connector", "gpu_memory_utilization": a.gpu_util}
-    res["rows"]["c"] = rc
-    cache = work / "cache-a"          # row a's caches: this start is the warm-cache cold start
-    chunk_dir = work / "kv-c"
-    kinds = ["ckptflow", "example"] if a.connector == "auto" else [a.connector]
+    """Each connector in turn until one gives a complete row; failures are kept in the row."""
+    kinds = {"auto": ["ckptflow-bench", "example"]}.get(a.connector, [a.connector])
+    failures: list[dict] = []
+    for kind in kinds:
+        rc: dict = {"row": "c", "what": "two tiers: template (sleep level 2 + CUDA checkpoint + CRIU dump) + the "
+                    "session's KV through a vLLM KV connector", "gpu_memory_utilization": a.gpu_util,
+                    "connector": kind, "connector_failures": failures}
+        res["rows"]["c"] = rc
+        ok = attempt_c(a, model, work, res, rc, kind)
+        save(res)
+        if ok:
+            return
+        failures.append({k: rc.get(k) for k in ("connector", "kv_transfer_config", "error", "traceback", "log_tail")})
+        rc["connector_failures"] = failures
+
+
+def attempt_c(a, model: dict, work: Path, res: dict, rc: dict, kind: str) -> bool:
+    cache = work / "cache-a"          # row a's caches (when row a ran on this machine)
+    chunk_dir = work / f"kv-c-{kind}"
     eng = None
     node = None
     try:
-        for kind in kinds:
-            shutil.rmtree(chunk_dir, ignore_errors=True)
-            chunk_dir.mkdir(mode=0o700, parents=True)
-            try:
-                cfg = connector_config(kind, chunk_dir)
-            except Exception as e:  # ckptflow's adapter not importable here
-                rc.setdefault("connector_failures", []).append({"connector": kind, "error": f"{type(e).__name__}: {e}"})
-                continue
-            rc["kv_transfer_config"] = cfg
-            eng = Engine("e2", work, Path(model["path"]), a.port + 1, a.gpu_util, cache,
-                         ["--enable-sleep-mode", "--kv-transfer-config", json.dumps(cfg)])
-            t0 = eng.start()
-            try:
-                wait_health(eng.url, a.start_timeout, eng.proc)
-                complete(eng.url, [128000, 9906, 1917, 0, 1], 1)
-                rc["warm_cache_start_to_first_token_s"] = round(time.perf_counter() - t0, 2)
-                rc["connector"] = kind
-                break
-            except Exception as e:
-                rc.setdefault("connector_failures", []).append({"connector": kind, "error": f"{type(e).__name__}: {e}",
-                                                                "log_tail": eng.tail(3000)})
-                log(f"row c: connector {kind} failed: {e}\n{eng.tail(2000)}")
-                eng.kill()
-                eng = None
-        if eng is None:
-            raise RuntimeError("no connector worked")
+        shutil.rmtree(chunk_dir, ignore_errors=True)
+        chunk_dir.mkdir(mode=0o700, parents=True)
+        cfg = connector_config(kind, chunk_dir)
+        rc["kv_transfer_config"] = cfg
+        eng = Engine("e2", work, Path(model["path"]), a.port + 1, a.gpu_util, cache,
+                     ["--enable-sleep-mode", "--kv-transfer-config", json.dumps(cfg)],
+                     env={"PYTHONPATH": os.environ.get("PYTHONPATH", "") + ":" + str(Path(__file__).parent)})
+        t0 = eng.start()
+        wait_health(eng.url, a.start_timeout, eng.proc)
+        complete(eng.url, [128000, 9906, 1917, 0, 1], 1)
+        rc["start_to_first_token_s"] = round(time.perf_counter() - t0, 2)
         rc["start_phases"] = phases(eng.watch)
-        if rc["connector"] == "example":
-            rc["session_tier_note"] = ("ckptflow's CkptflowConnector failed (connector_failures); vLLM's ExampleConnector "
+        if kind == "example":
+            rc["session_tier_note"] = ("ckptflow's connector failed (connector_failures): vLLM's ExampleConnector "
                                        "(per-prompt safetensors under shared_storage_path) served as the session tier")
         session, user = prompts()
         sid = "s-long"
         turn = complete(eng.url, session, TURN_TOKENS, session=sid)
         nxt = session + turn + user
-        ref = complete(eng.url, nxt, TURN_TOKENS)      # next turn on the live engine (session KV in its GPU cache)
+        ref1 = complete(eng.url, nxt, TURN_TOKENS)   # next turn, the session's KV from the engine's own cache
+        ref2 = complete(eng.url, nxt, TURN_TOKENS)   # again, now with the next turn's own blocks cached
+        rc["recompute_vs_cached_equal"] = ref1 == ref2
+        # The restored engine computes what the live one computed: ckptflow's session holds the turn's
+        # blocks (as ref1 had them); ExampleConnector holds the whole next-turn prompt (as ref2 had it).
+        ref = ref2 if kind == "example" else ref1
         rc["distinct_tokens"] = len(set(ref))
-        if rc["connector"] == "example":
-            # ExampleConnector matches whole prompts only: the next turn's prompt is what it saved.
-            pass
-        # session tier: the connector wrote the session's blocks while serving; export them into the store
         from ckptflow.store.local import LocalStore
 
-        store = LocalStore(a.store / "store-c")
+        store = LocalStore(a.store / f"store-c-{kind}")
         t1 = time.perf_counter()
-        if rc["connector"] == "ckptflow":
+        if kind != "example":
             from ckptflow.engines.vllm import Server, restore_sessions, save_sessions
 
             srv = Server(url=eng.url, port=eng.port, pid_file=eng.pid_file, log_file=eng.log_file, chunk_dir=chunk_dir,
@@ -574,7 +594,7 @@ def row_c(a, model: dict, work: Path, res: dict) -> None:
             rc["session_tokens"] = sm.probe.get("sessions", {}).get(sid)
             rc["session_bytes"] = sm.bytes
         else:
-            saved = work / "example-saved"
+            saved = a.store / "example-saved"
             shutil.rmtree(saved, ignore_errors=True)
             shutil.copytree(chunk_dir, saved)
             rc["session_export_s"] = round(time.perf_counter() - t1, 3)
@@ -586,20 +606,20 @@ def row_c(a, model: dict, work: Path, res: dict) -> None:
         if st != 200:
             raise RuntimeError(f"POST /sleep?level=2 -> HTTP {st}: {raw[:300]!r}")
         rc["gpu_used_after_sleep_gib"] = gpu_used_gib()
-        node = node_runner(a.store / "store-c-tmpl")
+        node = node_runner(a.store / f"store-c-tmpl-{kind}")
         w = workload("vllm-c", eng, model)
         t1 = time.perf_counter()
-        m = node.checkpoint(w, leave_running=False, kind="template")
+        m = checkpoint(node, w, leave_running=False, kind="template")
         rc["template_capture_s"] = round(rc["sleep_s"] + time.perf_counter() - t1, 2)
+        rc["template_pause_s"] = m.timings.get("pause")
         rc["template_phases"] = m.timings
         rc["template_image_gib"] = round(m.bytes / GiB, 2)
         rc["template_gpu_gib"] = round(m.gpu_footprint_bytes / GiB, 2)
         rc["criu_flags"] = criu_flags(node, m)
         node.criu.wait_pid_free(m.pid)
-        # the session tier holds only what was exported: the engine's own chunk directory is emptied
+        # the session tier holds only what was exported: the engine's chunk directory is emptied
         shutil.rmtree(chunk_dir, ignore_errors=True)
         chunk_dir.mkdir(mode=0o700)
-        # restore
         ph: dict = {}
         t1 = time.perf_counter()
         r = node.restore(w, manifest=m)
@@ -614,7 +634,7 @@ def row_c(a, model: dict, work: Path, res: dict) -> None:
             if st != 200:
                 raise RuntimeError(f"{method} {path} -> HTTP {st}: {raw[:300]!r}")
         t2 = time.perf_counter()
-        if rc["connector"] == "ckptflow":
+        if kind != "example":
             imp = restore_sessions(srv, store, sm)
             ph["blocks_imported"] = imp["blocks_imported"]
         else:
@@ -642,18 +662,31 @@ def row_c(a, model: dict, work: Path, res: dict) -> None:
             rc["ratio_to_cold_start"] = round(rc["restore_to_ready_s"] / cold, 3)
             rc["target_met"] = rc["restore_to_ready_s"] <= 0.1 * cold
         log("row c", json.dumps({k: v for k, v in rc.items() if k not in ("next_tokens", "connector_failures")}))
+        return True
     except Exception as e:
         rc["error"] = f"{type(e).__name__}: {e}"
         rc["traceback"] = traceback.format_exc()[-3000:]
-        rc["log_tail"] = eng.tail() if eng else ""
+        rc["log_tail"] = _errors(eng) if eng else ""
         rc.setdefault("next_tokens_equal", None)
-        log("row c failed", rc["traceback"], rc["log_tail"][-1500:])
+        log(f"row c ({kind}) failed", rc["traceback"], rc["log_tail"][-2500:])
+        return False
     finally:
-        save(res)
         if eng is not None:
             eng.kill()
+            shutil.copyfile(eng.log_file, work / f"e2-{kind}.log")
+            eng.log_file.unlink(missing_ok=True)
         if node is not None:
             node.close()
+
+
+def _errors(eng: Engine) -> str:
+    """The engine log's error lines (the root cause sits above the API server's own traceback)."""
+    try:
+        lines = eng.log_file.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errs = [l for l in lines if "ERROR" in l or "Error" in l]
+    return "\n".join(errs[:60])[-6000:]
 
 
 # --- results --------------------------------------------------------------------------------------
@@ -662,7 +695,7 @@ def save(res: dict) -> None:
     STATE.write_text(json.dumps(res, indent=1))
     if OUT:
         (OUT / "vllm_gpu.json").write_text(json.dumps(res, indent=1))
-        for name in ("e1.log", "e2.log"):
+        for name in ("e1.log", "e2-ckptflow-bench.log", "e2-example.log"):
             src = Path(res.get("work", "/nonexistent")) / name
             if src.exists():
                 data = src.read_bytes()
@@ -703,7 +736,8 @@ def main() -> None:
     p.add_argument("--gpu-util", type=float, default=0.18)
     p.add_argument("--port", type=int, default=18720)
     p.add_argument("--start-timeout", type=float, default=420)
-    p.add_argument("--connector", choices=["auto", "ckptflow", "example"], default="auto")
+    p.add_argument("--connector", choices=["auto", "ckptflow", "ckptflow-bench", "example"], default="auto")
+    p.add_argument("--resume-from", type=Path, default=None, help="results JSON whose rows this run adds to")
     p.add_argument("--store", type=Path, default=None, help="checkpoint store (default: /dev/shm if it has room)")
     p.add_argument("--append-results", type=Path, default=None, help="here: append RESULTS.md from a fetched JSON")
     p.add_argument("--write-model", type=Path, default=None, help=argparse.SUPPRESS)
@@ -722,7 +756,12 @@ def main() -> None:
         return
     a.rows = [r.strip() for r in a.rows.split(",") if r.strip()]
     a.work.mkdir(parents=True, exist_ok=True)
-    res = json.loads(STATE.read_text()) if STATE.exists() else {"rows": {}}
+    if STATE.exists():
+        res = json.loads(STATE.read_text())
+    elif a.resume_from and a.resume_from.exists():  # rows of an earlier machine (a fresh one has no $HOME state)
+        res = json.loads(a.resume_from.read_text())
+    else:
+        res = {"rows": {}}
     res.update(machine=machine(), work=str(a.work), vllm=VLLM_VERSION,
                commands=[*res.get("commands", []), "python3 " + " ".join(sys.argv)])
     old = Path("/proc/sys/kernel/io_uring_disabled").read_text().strip()

@@ -20,6 +20,10 @@
 # of the module-level imports from vllm.entrypoints.openai.api_server, the engine core, the GPU
 # worker and model runner, FlashAttention's backend and the Llama model found nothing else missing
 # (deep_ep, mori, flashinfer, torchao, modelscope are imported only behind checks).
+# Found on the H200 (2026-11-30): xgrammar 0.2.9 (imported by vllm.v1.structured_output at server
+# import) needs apache-tvm-ffi >= 0.1.11 (vLLM pins 0.1.10 for flashinfer, which is not carried);
+# and the engine needs VLLM_USE_FLASHINFER_SAMPLER=0 without flashinfer (the V2 model runner's
+# sampler imports it otherwise).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,7 +47,7 @@ DEPS=(
   setproctitle==1.3.8 watchfiles==1.3.0 python-json-logger==4.2.0 cachetools==8.0.2
   partial-json-parser==0.2.1.1.post7 prometheus-fastapi-instrumentator==8.1.0
   lm-format-enforcer==0.11.3 interegular==0.3.3 outlines_core==0.2.14 lark==1.2.2 llguidance==1.7.6
-  xgrammar==0.2.9 compressed-tensors==0.17.0 depyf==0.20.0 astor==0.8.1 dill==0.4.1
+  xgrammar==0.2.9 apache-tvm-ffi==0.1.11 compressed-tensors==0.17.0 depyf==0.20.0 astor==0.8.1 dill==0.4.1
   openai-harmony==0.0.8 mistral_common==1.13.1 pycountry==26.2.16
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
   model-hosting-container-standards==0.1.16 jmespath==1.1.0 mcp==2.3.0 mcp-types==2.3.0 sse-starlette==3.7.0
@@ -70,6 +74,7 @@ download() {  # DEST SPEC...
 pack() {
   mkdir -p .whl/vllm .whl/deps
   ls .whl/vllm/vllm-$VLLM_VERSION-*.whl >/dev/null 2>&1 || download .whl/vllm "vllm==$VLLM_VERSION"
+  rm -rf .whl/deps && mkdir -p .whl/deps  # one wheel per package (an older download may hold another tag)
   download .whl/deps "${DEPS[@]}"
   [ -x .carry/criu/bin/criu ] || ./scripts/criu-bundle.sh
   [ -d .carry/py/pydantic ] || ./scripts/carry-wheels.sh "$PYVER"
