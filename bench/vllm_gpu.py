@@ -17,9 +17,13 @@ Rows:
      ``/wake_up?tags=weights``, ``/collective_rpc reload_weights``, ``/wake_up?tags=kv_cache``,
      the session's blocks imported; next 32 tokens equal. Target: restore-to-ready <= 0.1 x (a).
 
+Row c's session tier: ckptflow's CkptflowConnector through bench/vllm_kv_bench.py (two fixes it
+needed on the H200), then vLLM's ExampleConnector if that fails (``--connector`` picks one).
+
 Usage on the GPU node (root; vLLM, its deps and CRIU carried by scripts/carry-vllm.sh):
-    eval "$(scripts/carry-vllm.sh env)"; python3 bench/vllm_gpu.py --rows a,b
-    python3 bench/vllm_gpu.py --rows c            # merges into the same results
+    eval "$(scripts/carry-vllm.sh env)"; python3 bench/vllm_gpu.py --rows a,b,c
+    python3 bench/vllm_gpu.py --rows c            # merges into the rows of this machine ($HOME state)
+    python3 bench/vllm_gpu.py --rows c --resume-from bench/results/vllm_gpu.json   # on a fresh machine
 Here, after fetching the JSON:  python3 bench/vllm_gpu.py --append-results bench/results/vllm_gpu.json
 """
 
@@ -42,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import append_results, machine, md_table  # noqa: E402
+from _common import machine, md_table  # noqa: E402
 
 GiB = 2**30
 VLLM_VERSION = "0.26.0"
@@ -229,7 +233,9 @@ def phases(w: LogWatch) -> dict:
             out[re.sub(r"_(s|gib)$", "", key) + "_at_s"] = round(hit[0], 2)
             if group is not None:
                 out[key] = conv(hit[1].group(group))
-    at("engine_load_start", r"Starting to load model", None)
+    at("api_config_done", r"Resolved architecture", None)
+    at("engine_core_init", r"Initializing a V1 LLM engine", None)
+    at("engine_load_start", r"Starting to load model|Loading model from scratch", None)
     at("weights_load_s", r"Loading weights took ([0-9.]+) seconds")
     at("model_load_s", r"Model loading took [0-9.]+ GiB(?: memory)? and ([0-9.]+) seconds")
     at("model_gib", r"Model loading took ([0-9.]+) GiB")
@@ -620,6 +626,9 @@ def attempt_c(a, model: dict, work: Path, res: dict, rc: dict, kind: str) -> boo
         # the session tier holds only what was exported: the engine's chunk directory is emptied
         shutil.rmtree(chunk_dir, ignore_errors=True)
         chunk_dir.mkdir(mode=0o700)
+        if kind != "example":  # the connector made these at engine start; the restored engine expects them
+            (chunk_dir / "blocks").mkdir(mode=0o700)
+            (chunk_dir / "sessions").mkdir(mode=0o700)
         ph: dict = {}
         t1 = time.perf_counter()
         r = node.restore(w, manifest=m)
@@ -710,11 +719,12 @@ def table(res: dict) -> str:
     out = []
     if a:
         out.append(["a", "cold start to first token", a.get("cold_start_s", "—"), "—", "—", "—", "n/a",
-                    a.get("error") or (f"imports {a.get('api_server_imports_s')} s, weights {a.get('weights_load_s')} s, "
+                    a.get("error") or (f"API server imports {a.get('api_server_imports_s')} s, weights {a.get('weights_load_s')} s, "
                                        f"torch.compile {a.get('torch_compile_s')} s, graphs {a.get('graph_capture_s')} s, "
                                        f"init engine {a.get('init_engine_s')} s")])
     if b:
-        out.append(["b", "whole process (CUDA + CRIU)", b.get("pause_s", "—"), b.get("restore_to_ready_s", "—"),
+        pause = round(b["pause_s"], 2) if isinstance(b.get("pause_s"), (int, float)) else "—"
+        out.append(["b", "whole process (CUDA + CRIU)", pause, b.get("restore_to_ready_s", "—"),
                     b.get("restore_to_first_token_s", "—"), b.get("image_gib", "—"), b.get("next_tokens_equal"),
                     b.get("error") or f"footprint {b.get('footprint_gib')} GiB; prefix hits after restore "
                                       f"{b.get('prefix_cache_hits_after_restore')}"])
@@ -751,8 +761,18 @@ def main() -> None:
         return
     if a.append_results:
         res = json.loads(a.append_results.read_text())
-        notes = res.get("notes_md", "")
-        append_results(f"vLLM {VLLM_VERSION} on the H200 (bench/vllm_gpu.py)", table(res), notes)
+        from datetime import datetime, timezone
+
+        from _common import RESULTS_MD
+
+        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        cmds = "; ".join(f"`{c}`" for c in res.get("commands", []))
+        block = (f"\n## vLLM {VLLM_VERSION} on the H200: cold start, whole process, two tiers (bench/vllm_gpu.py) — "
+                 f"{stamp}\n\nMachine: {res.get('machine')} ({res.get('gpu')}; torch {res.get('torch')}), kind "
+                 f"nvidia-h200  \nCommand (on the device, after `eval \"$(scripts/carry-vllm.sh env)\"`): {cmds}\n\n"
+                 f"{table(res)}\n\n{res.get('notes_md', '')}\n")
+        with RESULTS_MD.open("a") as f:
+            f.write(block)
         return
     a.rows = [r.strip() for r in a.rows.split(",") if r.strip()]
     a.work.mkdir(parents=True, exist_ok=True)
