@@ -319,7 +319,7 @@ def test_connector_blocks_carry_the_kv_a_wrong_block_changes_the_answer(servers,
                                                                         tmp_path):
     """The imported bytes are what the engine computes with: blocks of another session under
     this session's keys give another continuation (so equal tokens above prove a real load)."""
-    from ckptflow.engines.vllm_connector import BLOCKS
+    from ckptflow.engines.vllm_layout import BLOCKS
 
     chat, other = Chat(6, session="s6"), Chat(7, session="s7")
     chat.turn(ref)

@@ -228,7 +228,8 @@ def start_server(inst: VllmInstall, model: Path, *, port: int, run_dir: Path, na
         chunk_dir = run_dir / f"{name}-kv"
         chunk_dir.mkdir(mode=0o700, exist_ok=True)
     args = server_args(inst, model, port, chunk_dir=chunk_dir, **kw)
-    env = {**CPU_ENV, "PYTHONPATH": str(REPO)}  # the connector is imported by vLLM from this tree
+    # The connector is imported by vLLM from this tree; what the caller's PYTHONPATH holds too.
+    env = {**CPU_ENV, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen(start_command(args, env, pid_file, log_file), stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             close_fds=True)
@@ -339,7 +340,7 @@ def save_sessions(srv: Server, store: LocalStore, workload_name: str, sessions: 
         SessionError: a session is unknown to the engine.
         StoreError: the files could not be copied (nothing is committed).
     """
-    from ckptflow.engines.vllm_connector import BLOCKS, SESSIONS, _safe
+    from ckptflow.engines.vllm_layout import BLOCKS, SESSIONS, safe_name as _safe
 
     if srv.chunk_dir is None:
         raise SessionError(f"vLLM at {srv.url} runs without ckptflow's connector",
@@ -378,13 +379,14 @@ def restore_sessions(srv: Server, store: LocalStore, m: Manifest) -> dict:
     Raises:
         ChecksumMismatch: a stored file differs from its manifest (nothing is imported).
     """
-    from ckptflow.engines.vllm_connector import BLOCKS
+    from ckptflow.engines.vllm_layout import BLOCKS
 
     if srv.chunk_dir is None:
         raise SessionError(f"vLLM at {srv.url} runs without ckptflow's connector",
                            fix="start it with --kv-transfer-config (engines.vllm.kv_transfer_config)")
     images = session_store(store).verify_bytes(m)
     dst = srv.chunk_dir / BLOCKS
+    dst.mkdir(parents=True, exist_ok=True, mode=0o700)
     n = 0
     for f in sorted((images / BLOCKS).iterdir()):
         target = dst / f.name

@@ -49,9 +49,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-SESSION_PARAM = "ckptflow_session"
-BLOCKS = "blocks"
-SESSIONS = "sessions"
+from ckptflow.engines.vllm_layout import BLOCKS, SESSION_PARAM, SESSIONS, safe_name as _safe  # noqa: E402
 
 
 def block_keys(token_ids: list[int], block_size: int, salt: str, n_blocks: int | None = None) -> list[str]:
@@ -182,6 +180,12 @@ class CkptflowConnector(KVConnectorBase_V1):
             os.replace(tmp, path)
         return False, None
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Full CUDA graphs replay attention without calling save_kv_layer: blocks completed by
+        # decode steps would be listed in a session but never written (vLLM 0.26 on the H200).
+        return True
+
     # --- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self._kv_caches = dict(kv_caches)
@@ -216,7 +220,9 @@ class CkptflowConnector(KVConnectorBase_V1):
         if not isinstance(meta, CkptflowConnectorMetadata):
             return
         for key, block in meta.stores:
-            self._pending.setdefault(key, {})[layer_name] = _block_view(kv_layer, block).detach().to("cpu").clone()
+            # contiguous: a K/V-first block view keeps its strides through the copy, and
+            # safetensors refuses those (measured on the H200 with FlashAttention's layout).
+            self._pending.setdefault(key, {})[layer_name] = _block_view(kv_layer, block).detach().to("cpu").contiguous()
 
     def wait_for_save(self):
         for key, layers in self._pending.items():
@@ -238,5 +244,3 @@ def _block_view(kv: torch.Tensor, block: int) -> torch.Tensor:
     return kv[block]
 
 
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:200]
