@@ -57,3 +57,45 @@ def test_a_completed_step_returns_its_result(monkeypatch):
 ], ids=lambda x: type(x).__name__ if isinstance(x, BaseException) else str(x))
 def test_retries_only_retryable_ckptflow_errors_and_transient_io(error, retry):
     assert retry_if_retryable(None, None, Failed(data=error)) is retry
+
+
+def test_a_forced_heartbeat_row_says_forced_next_to_the_checkpoint_it_made(tmp_path, monkeypatch):
+    import logging
+    from contextlib import contextmanager
+
+    from ckptflow.fleet import FleetScope, Node, PolicyChoice, Storage
+    from ckptflow.models import Fingerprint, ProcessFinder, Workload
+    from ckptflow.policies.cadence import WorkloadFacts
+    from ckptflow.store.local import LocalStore
+    from ckptflow.tasks import node as node_tasks
+
+    store = LocalStore(tmp_path / "store")
+
+    class Runner:
+        node_fp = Fingerprint()
+
+        def __init__(self):
+            self.store = store
+
+        def checkpoint(self, w, leave_running):
+            p = store.begin(w.name, node=w.node)
+            (p.images_dir / "core-1.img").write_bytes(b"x" * 4096)
+            return store.commit(p, timings={"pause": 0.1})
+
+    @contextmanager
+    def runner(scope, node):
+        yield Runner()
+
+    monkeypatch.setattr(node_tasks, "node_runner", runner)
+    monkeypatch.setattr(node_tasks, "get_run_logger", lambda: logging.getLogger("test"))
+    # The policy says skip: nothing new since the last checkpoint.
+    monkeypatch.setattr(node_tasks, "collect_facts", lambda w, *a, **k: WorkloadFacts(
+        name=w.name, traffic="long_sessions", tokens_since_ckpt=0, seconds_since_ckpt=60.0))
+    w = Workload(name="chat", node="n1", find=ProcessFinder(pid_file=str(tmp_path / "w.pid")), traffic="long_sessions")
+    scope = FleetScope(fleet="t", storage=Storage(path=str(tmp_path / "store")))
+    node = Node(name="n1", work_pool="n1")
+    quiet = node_tasks.checkpoint_batch.fn(scope, node, [PolicyChoice(workload=w)])[0]
+    assert quiet["decision"] == "skip" and quiet["checkpoint"] is None
+    row = node_tasks.checkpoint_batch.fn(scope, node, [PolicyChoice(workload=w)], force=True)[0]
+    assert row["checkpoint"] and row["decision"] == "forced"
+    assert row["reason"].startswith("forced (policy said skip: nothing new")

@@ -56,7 +56,8 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
                 log.info("%s: %s (%s)", name, d.action.value, d.reason)
                 out.append({**row, "ok": True, "checkpoint": None})
                 continue
-            if force:
+            if force:  # the row says what was done; the policy's view stays in the reason
+                row["decision"] = "forced"
                 row["reason"] = f"forced (policy said {d.action.value}: {d.reason})"
             try:
                 with node_slot(node.name):
