@@ -270,6 +270,10 @@ class Manifest(BaseModel):
     bytes: int = Field(0, ge=0, description="Total image bytes.")
     timings: dict[str, float] = Field(default_factory=dict, description="Phase -> seconds.")
     gpu_footprint_bytes: int = Field(0, ge=0)
+    gpu_footprints: dict[str, int] = Field(
+        default_factory=dict, description="GPU memory the worker held on each GPU (UUID -> bytes, NVML): a "
+        "restore checks each target GPU's free memory against its own share (a TP worker's ranks).",
+        examples=[{"GPU-5f1c…": 21474836480}])
     gpu_pids: list[int] = Field(default_factory=list, description="PIDs of the processes whose GPU state "
                                 "the CUDA checkpoint took (every rank of a TP worker); CRIU restores them "
                                 "with the same PIDs, and the CUDA restore needs each one.")
