@@ -208,6 +208,7 @@ class VerifyOutcome(StrEnum):
     verified = "verified"             # the copy answered like the original: the checkpoint is proven
     verify_failed = "verify_failed"   # it restored but answered otherwise, or did not restore
     skipped = "skipped"               # not run (a GPU checkpoint's copy cannot be restored beside it)
+    unverified = "unverified"         # it restored and was healthy, but nothing compared its state: not proven
 
 
 class CopyTier(str, Enum):

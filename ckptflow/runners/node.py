@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError,
+from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError, EngineProtocolError,
                              IncompatibleCheckpoint, NotEnoughGpuMemory, RestoreFailed, RunnerUnavailable,
                              StorageUnavailable, UndeclaredProcess, UnsupportedWorkload, WorkloadNotFound,
                              WorkloadRunning)
@@ -90,7 +90,8 @@ class NodeRunner:
         groups = ("host", "gpu", "workload") if w.gpu else ("host", "workload")
         c = diff(m.fingerprint, workload_fingerprint(w, self.node_fp), overrides, groups)
         if c.skipped:
-            log.warning("checkpoint %s of %s: fingerprint lacks %s; not checked", m.id, w.name, ", ".join(c.skipped))
+            log.warning("checkpoint %s of %s: neither it nor this node records %s; not checked", m.id, w.name,
+                        ", ".join(c.skipped))
         for f, (a, b) in c.overridden.items():
             log.warning("OVERRIDE: restoring %s of %s although %s differs: %r -> %r", m.id, w.name, f, a, b)
         if not c.ok:
@@ -212,6 +213,11 @@ class NodeRunner:
     def _checkpoint(self, w: Workload, leave_running: bool, kind: str | None = None) -> Manifest:
         proc = process.resolve(w)
         state = probe(w)
+        if "error" in state:  # stored, it would switch the restore's session check off unseen
+            raise EngineProtocolError(
+                f"workload {w.name}: {state['error']} ({w.probe_url}); not checkpointing: a restore of it could "
+                "not be checked against the sessions it held", retryable=True,
+                fix="check the worker's probe endpoint (probe_url); the next heartbeat tries again")
         load = read_load(w)
         if load is not None:
             state["tokens_total"] = load.tokens_total
@@ -398,6 +404,9 @@ class NodeRunner:
 
     def _check_state(self, w: Workload, m: Manifest) -> None:
         want = m.probe.get("sessions")
+        if w.probe_url and want is None:  # a checkpoint taken before probe errors were refused
+            log.warning("workload %s: restored from %s WITHOUT a session check: the checkpoint holds no session "
+                        "digests (%s)", w.name, m.id, m.probe.get("error", "probe not read at checkpoint time"))
         if not want:
             return
         got = engine.probe(w).get("sessions")
