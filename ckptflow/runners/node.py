@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError, EngineProtocolError,
+from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError, CriuError, EngineProtocolError,
                              IncompatibleCheckpoint, NotEnoughGpuMemory, RestoreFailed, RunnerUnavailable,
                              StorageUnavailable, UndeclaredProcess, UnsupportedWorkload, WorkloadNotFound,
                              WorkloadRunning)
@@ -229,6 +229,9 @@ class NodeRunner:
             else:
                 res = self.criu.dump(w, pending.images_dir, leave_running=leave_running, proc=proc)
                 pid, timings = res.pid, {"dump": round(res.seconds, 4), "pause": round(res.seconds, 4)}
+        except CriuError as e:
+            self.store.abort(pending)
+            raise _died_during_dump(w, proc.pid, e) or e
         except BaseException:
             self.store.abort(pending)
             raise
@@ -270,8 +273,14 @@ class NodeRunner:
                 process is unhealthy or its state differs from the checkpoint's.
             CheckpointNotFound: no valid checkpoint is left.
         """
+        self._trying: str | None = None
         with self.store.lock(w.name):
-            return self._restore(w, manifest, fallback, gpu_pairs, overrides, tier)
+            try:
+                return self._restore(w, manifest, fallback, gpu_pairs, overrides, tier)
+            except CkptflowError as e:  # the alert and the report name the checkpoint that was tried
+                if getattr(e, "checkpoint", None) is None:
+                    e.checkpoint = self._trying
+                raise
 
     def _candidates(self, w: Workload, tier, skipped: list[dict],
                     overrides: frozenset[str]) -> Iterator[tuple[Manifest, dict, int]]:
@@ -334,6 +343,7 @@ class NodeRunner:
         tried = 0
         for m, timings, downloaded in candidates:
             tried += 1
+            self._trying = m.id
             self.gate(w, m, overrides)
             if w.gpu:
                 self.gate_gpu_memory(w, m, gpu_pairs)  # before CRIU: refuse early, nothing touched
@@ -358,9 +368,11 @@ class NodeRunner:
             raise CheckpointNotFound(f"workload {w.name} has no valid checkpoint in {self.store.root}"
                                      + (f" or {tier.location}" if tier is not None else ""),
                                      fix="run a heartbeat first, or cold start the worker")
-        raise ChecksumMismatch(f"workload {w.name}: every valid checkpoint failed its checksums: "
+        err = ChecksumMismatch(f"workload {w.name}: every valid checkpoint failed its checksums: "
                                + "; ".join(s["reason"] for s in skipped),
                                fix="cold start the worker; the store volume may be failing")
+        err.checkpoint = ", ".join(dict.fromkeys(s["id"] for s in skipped))
+        raise err
 
     def _restore_verified(self, w: Workload, m: Manifest, timings: dict[str, float]) -> int:
         """CRIU restore (left stopped) while the image checksums are verified in parallel; the
@@ -414,6 +426,19 @@ class NodeRunner:
             bad = sorted(k for k in set(want) | set(got or {}) if (got or {}).get(k) != want.get(k))
             raise RestoreFailed(f"workload {w.name}: restored from {m.id} but sessions differ from the "
                                 f"checkpoint: {', '.join(bad[:5])}", fix="mark the checkpoint bad and run verify")
+
+
+def _died_during_dump(w: Workload, pid: int, e: CriuError) -> CriuError | None:
+    """The dump failed because the worker exited under it (CRIU then says e.g. "Operation not
+    permitted", whose usual fix, run as root, is wrong here): that error, said plainly; else None."""
+    if process.pid_alive(pid):
+        return None
+    err = CriuError(f"criu dump of {w.name} failed: the worker (PID {pid}) exited during the dump, so "
+                    "nothing was checkpointed", cmd=e.cmd, log_tail=e.log_tail, returncode=e.returncode,
+                    fix="the worker is gone, not the permissions: recover it from its newest valid checkpoint "
+                        "(ckptflow recover) and see its own log for why it exited")
+    err.__cause__ = e
+    return err
 
 
 def _write_pid_file(path: Path, pid: int) -> None:

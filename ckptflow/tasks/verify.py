@@ -49,11 +49,13 @@ def cold_start_workload(fleet_file: str, workload: str) -> dict:
 
 @task(name="alert-restore-failed")
 def alert_restore_failed(scope: FleetScope, workload: str, node: str, reason: str, checkpoint: str | None,
-                         fallback: str | None, log_tail: str = "") -> bool:
-    """Open (or re-post) the workload's restore-failed alert; ``node``: where it runs now."""
+                         fallback: str | None, log_tail: str = "", cause: str | None = None,
+                         fix: str | None = None) -> bool:
+    """Open (or re-post) the workload's restore-failed alert; ``node``: where it runs now;
+    ``checkpoint``: the one tried; ``cause``: the first error line of CRIU's log; ``fix``: ckptflow's."""
     return alerter(scope).send(AlertKind.restore_failed, workload=workload, key=reason, node=node,
                                checkpoint=checkpoint, reason=reason, fallback=fallback, log_tail=log_tail,
-                               flow_run_id=flow_run.get_id())
+                               cause=cause, fix=fix, flow_run_id=flow_run.get_id())
 
 
 @task(name="alert-recovered")
