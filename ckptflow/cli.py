@@ -173,7 +173,7 @@ def doctor() -> None:
 def ls(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET,
        workload: str = typer.Option(None, help="Only this workload.")) -> None:
     """List checkpoints with state (and why, when invalidated or failed), age and size."""
-    from ckptflow.report import fleet_manifests
+    from ckptflow.report import checkpoint_bytes, chunk_bytes, fleet_manifests
 
     fleet = _fleet(_fleet_path(fleet_file, legacy), [workload] if workload else None)
     names = [workload] if workload else [w.name for w in fleet.workloads]
@@ -185,7 +185,9 @@ def ls(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET,
         for m in fleet_manifests(fleet, name):
             age = now - m.created
             table.add_row(m.workload, m.id, m.state.value, _age(age.total_seconds()),
-                          f"{m.bytes / 2**20:,.1f} MiB", ", ".join(f"{c.tier.value}:{c.location}" for c in m.copies),
+                          f"{checkpoint_bytes(m) / 2**20:,.1f} MiB"
+                          + (f" ({m.bytes / 2**20:,.1f} image + {chunk_bytes(m) / 2**20:,.1f} chunks)" if chunk_bytes(m) else ""),
+                          ", ".join(f"{c.tier.value}:{c.location}" for c in m.copies),
                           m.state_reason or "")
     console.print(table)
 

@@ -94,6 +94,8 @@ def test_kill_then_template_plus_sessions_continue_token_for_token(pair, tt):
     r = tt.restore(live.workload)
     assert r.pid == r.template.pid and r.manifest.id == m.id
     assert {"weights", "sessions", "restore"} <= set(r.timings)
+    [took] = tt.store.get(live.workload.name, m.id).probe["restores"]   # counted, as status and the exporter read it
+    assert took == pytest.approx(sum(r.timings.values()), abs=0.01)
     assert live.digests() == ref.digests()
     for sid in ("a", "b"):
         assert live.complete("and then?", 16, sid) == ref.complete("and then?", 16, sid)

@@ -354,6 +354,9 @@ class TwoTierRunner:
                 raise
             t["health"] = engine.wait_healthy(w)
             _check_sessions(w, recs, got, f"restored from template {tmpl.id} + sessions {m.id}")
+            # Counted where status and the exporter read restores, as a whole-process restore is.
+            m = self.store.set_state(m, m.state, m.state_reason,
+                                     restores=[*m.probe.get("restores", []), round(sum(t.values()), 4)])
             return TwoTierResult(manifest=m, template=tmpl, pid=pid, timings={k: round(v, 4) for k, v in t.items()})
 
     def start_replica(self, w: Workload, netns: str, timeout_s: float = 60,
