@@ -93,7 +93,8 @@ def _reap_in_background(*workers):
 
 def _deploy_and_run(prefect_fleet, fleet_file, deployment, params):
     env = prefect_fleet["env"]
-    out = subprocess.run([sys.executable, "-m", "ckptflow", "deploy", str(fleet_file)], env=env, cwd=ROOT,
+    # node-a and node-b are this machine: the loopback API URL is right for their workers.
+    out = subprocess.run([sys.executable, "-m", "ckptflow", "deploy", str(fleet_file), "--all-nodes-here"], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     out = subprocess.run([sys.executable, "-c", _RUN, deployment, json.dumps(params)], env=env, cwd=ROOT,
