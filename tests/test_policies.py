@@ -335,3 +335,14 @@ def test_small_cost_rates_are_printed_readably():
     assert d.action == Action.skip and "cost more than they save" in d.reason
     with_ckpt, without = d.reason.split(": ", 1)[1].split(" GPU-s/h")[0].split(" vs ")
     assert float(with_ckpt) > float(without) > 0, d.reason
+
+
+def test_a_short_session_is_protected_not_silently_lost():
+    # Left out of the checkpoint, it would be gone after a restore and its client's next turn
+    # would start a fresh session without a word.
+    from ckptflow.policies.sessions import SessionFacts, decide_sessions
+
+    [d] = decide_sessions([SessionFacts(id="q", tokens=19)])
+    assert d.protect and d.export and d.reason == "new session (19 tokens)"
+    [kept] = decide_sessions([SessionFacts(id="q", tokens=19, tokens_at_ckpt=19)])
+    assert kept.protect and not kept.export

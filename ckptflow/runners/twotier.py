@@ -459,8 +459,8 @@ class TwoTierRunner:
 
 
 def _check_sessions(w: Workload, recs: dict, got: dict[str, str], what: str) -> None:
-    """Every protected session holds the state its export recorded (long unchanged ones as of
-    their own last export; short ones are not protected: policies.sessions).
+    """Every protected session holds the state its export recorded (unchanged ones as of their
+    own last export; every session is protected: policies.sessions).
 
     Raises:
         RestoreFailed: naming the sessions that differ.
