@@ -55,7 +55,7 @@ def failure(e: BaseException) -> dict:
     Example:
         >>> from ckptflow.errors import CriuError
         >>> e = CriuError("criu restore failed", cmd=["criu", "restore"], returncode=1, fix="restore it elsewhere",
-        ...               log_tail="(00.01) inet: Restored\n(00.02) Error (criu/files-reg.c:2175): File x has bad size")
+        ...               log_tail="(00.01) inet: Restored\\n(00.02) Error (criu/files-reg.c:2175): File x has bad size")
         >>> f = failure(e)
         >>> f["reason"], f["cause"], f["fix"]
         ('criu restore failed (exit 1)', 'Error (criu/files-reg.c:2175): File x has bad size', 'restore it elsewhere')
@@ -63,7 +63,7 @@ def failure(e: BaseException) -> dict:
     text = e.message if isinstance(e, CkptflowError) else str(e)
     reason = (text.splitlines() or [type(e).__name__])[0] or type(e).__name__
     tail = getattr(e, "log_tail", "") or ""
-    cause = next((line.split(") ", 1)[1] if line.startswith("(") and ") " in line else line
+    cause = next((line.split(") ", 1)[1].strip() if line.startswith("(") and ") " in line else line
                   for line in (x.strip() for x in tail.splitlines()) if "Error" in line), None)
     return {"reason": reason, "cause": cause if cause and cause != reason else None,
             "fix": getattr(e, "fix", None), "checkpoint": getattr(e, "checkpoint", None), "log_tail": tail}
