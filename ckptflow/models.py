@@ -239,6 +239,7 @@ class VerifyOutcome(StrEnum):
     verified = "verified"             # the copy answered like the original: the checkpoint is proven
     verify_failed = "verify_failed"   # it restored but answered otherwise, or did not restore
     skipped = "skipped"               # not run (a GPU checkpoint's copy cannot be restored beside it)
+    unverified = "unverified"         # it restored and was healthy, but nothing compared its state: not proven
 
 
 class CopyTier(str, Enum):
@@ -301,6 +302,10 @@ class Manifest(BaseModel):
     bytes: int = Field(0, ge=0, description="Total image bytes.")
     timings: dict[str, float] = Field(default_factory=dict, description="Phase -> seconds.")
     gpu_footprint_bytes: int = Field(0, ge=0)
+    gpu_footprints: dict[str, int] = Field(
+        default_factory=dict, description="GPU memory the worker held on each GPU (UUID -> bytes, NVML): a "
+        "restore checks each target GPU's free memory against its own share (a TP worker's ranks).",
+        examples=[{"GPU-5f1c…": 21474836480}])
     gpu_pids: list[int] = Field(default_factory=list, description="PIDs of the processes whose GPU state "
                                 "the CUDA checkpoint took (every rank of a TP worker); CRIU restores them "
                                 "with the same PIDs, and the CUDA restore needs each one.")

@@ -145,8 +145,14 @@ def _compare(w: Workload, m: Manifest, got: dict, t: dict) -> VerifyResult:
                          if got["sessions"].get(k) != m.probe["sessions"].get(k))
             return VerifyResult(VerifyOutcome.verify_failed, f"session state differs from the checkpoint: {', '.join(bad[:5])}", t)
         checked.append(f"{len(got['sessions'])} session digest(s)")
+    elif w.probe_url:  # declared, but there is nothing to compare: not proven
+        why = m.probe.get("error") or ("the checkpoint recorded no session digests" if m.probe.get("sessions") is None
+                                       else "the sandbox copy's probe returned no sessions")
+        return VerifyResult(VerifyOutcome.unverified, f"healthy, but sessions not compared: {why}"
+                            + (f" ({' and '.join(checked)} equal)" if checked else ""), t)
     if not checked:
-        return VerifyResult(VerifyOutcome.verified, "healthy (no golden request or probe declared to compare)", t)
+        return VerifyResult(VerifyOutcome.unverified, "healthy only: no golden request or probe declared, so nothing "
+                            "compared the copy's state with the checkpoint (declare golden: or probe_url:)", t)
     return VerifyResult(VerifyOutcome.verified, " and ".join(checked) + " equal", t)
 
 
