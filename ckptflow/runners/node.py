@@ -148,6 +148,10 @@ class NodeRunner:
             CriuError: the dump failed (bytes discarded; the worker keeps running on heartbeat).
             StorageFull: the volume filled up (bytes discarded).
         """
+        if w.container is not None:  # through the container runtime (runners/container.py)
+            from ckptflow.runners.container import ContainerRunner
+
+            return ContainerRunner(self).checkpoint(w, leave_running=leave_running, kind=kind)
         with self.store.lock(w.name):
             return self._checkpoint(w, leave_running, kind)
 
@@ -205,6 +209,11 @@ class NodeRunner:
                 process is unhealthy or its state differs from the checkpoint's.
             CheckpointNotFound: no valid checkpoint is left.
         """
+        if w.container is not None:  # through the container runtime (runners/container.py)
+            from ckptflow.runners.container import ContainerRunner
+
+            return ContainerRunner(self).restore(w, manifest=manifest, fallback=fallback, overrides=overrides,
+                                                 tier=tier)
         with self.store.lock(w.name):
             return self._restore(w, manifest, fallback, gpu_pairs, overrides, tier)
 
