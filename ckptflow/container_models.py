@@ -71,6 +71,21 @@ class Mount(BaseModel):
     read_only: bool = Field(True, description="Mount read-only.")
 
 
+class KubernetesPod(BaseModel):
+    """Where the worker's container lives in a pod-based fleet: the kubelet checkpoints it by these
+    names (KEP-2008), and a restore creates a new pod in ``namespace`` (ckptflow/kubernetes.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    namespace: str = Field(..., min_length=1, max_length=63, description="The pod's namespace.",
+                           examples=["serving"])
+    pod: str = Field(..., min_length=1, max_length=253, description="The pod's name.", examples=["chat-a-0"])
+    container: str = Field(..., min_length=1, max_length=63, description="The container's name in the pod.",
+                           examples=["vllm"])
+    service_account: str | None = Field(None, description="ServiceAccount of a restored pod (default: the "
+                                        "namespace's default).", examples=["vllm"])
+
+
 class ContainerSpec(BaseModel):
     """A worker in a container: which container, and (optionally) how it is started."""
 
@@ -91,6 +106,9 @@ class ContainerSpec(BaseModel):
                                  "same ones and refuses if one is taken; a verify copy gets fresh host ports.")
     mounts: list[Mount] = Field(default_factory=list, description="Bind mounts (cold start).")
     env: dict[str, str] = Field(default_factory=dict, description="Environment of a cold start.")
+    kubernetes: KubernetesPod | None = Field(
+        None, description="In a pod-based fleet: the pod and container (checkpointed through the kubelet, "
+        "restored into a new pod from a checkpoint image; rendered by ckptflow.kubernetes, see docs/kubernetes.md).")
     ulimits: dict[str, str] = Field(
         default_factory=lambda: {"nofile": "20000:20000", "nproc": "32768:32768"},
         description="Explicit limits: podman's defaults fail under runc here ('error setting rlimit type 7').")
