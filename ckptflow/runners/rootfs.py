@@ -22,6 +22,7 @@ Run ``python -m ckptflow.runners.rootfs --help`` for the command line.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import hashlib
 import io
 import os
@@ -117,15 +118,18 @@ class _Tar:
         self.tar.addfile(ti)
         self.seen.add(arc)
 
-    def tree(self, src: Path, arc: str, skip: set[str] = _SKIP_DIRS) -> None:
+    def tree(self, src: Path, arc: str, skip: set[str] = _SKIP_DIRS, exclude: tuple[str, ...] = ()) -> None:
+        def kept(name: str) -> bool:
+            return not any(fnmatch.fnmatch(name, pat) for pat in exclude)
+
         for root, dirs, files in os.walk(src):
-            dirs[:] = sorted(d for d in dirs if d not in skip)
+            dirs[:] = sorted(d for d in dirs if d not in skip and (root != str(src) or kept(d)))
             rel = os.path.relpath(root, src)
             base = arc if rel == "." else f"{arc}/{rel}"
             self.dir(base)
             for name in sorted(files):
                 p = Path(root) / name
-                if p.is_file() and not name.endswith((".pyc", ".pyo")):
+                if p.is_file() and not name.endswith((".pyc", ".pyo")) and (root != str(src) or kept(name)):
                     self.file(p, f"{base}/{name}")
 
 
@@ -148,10 +152,11 @@ def _site_entries(name: str) -> list[Path]:
 
 
 def build_rootfs(dest: Path, *, packages: list[str] = (), binaries: list[str] = (), with_ckptflow: bool = True,
-                 files: list[tuple[Path, str]] = ()) -> Path:
+                 files: list[tuple[Path, str]] = (), exclude: tuple[str, ...] = ()) -> Path:
     """Write a root filesystem tar to ``dest``: this interpreter, ``packages`` from its
     site-packages, the ckptflow package (``with_ckptflow``), ``binaries`` found on PATH (into
-    /usr/local/bin), ``files`` as (source, path inside), and the libraries all of them load.
+    /usr/local/bin), ``files`` as (source, path inside; a directory's top-level entries matching
+    an ``exclude`` glob are left out), and the libraries all of them load.
 
     Raises:
         RunnerUnavailable: a package or binary is not installed here.
@@ -189,7 +194,7 @@ def build_rootfs(dest: Path, *, packages: list[str] = (), binaries: list[str] = 
                 raise RunnerUnavailable(f"{b} is not on PATH here", fix=f"install {b} first (./scripts/setup.sh)")
             t.file(Path(os.path.realpath(path)), f"usr/local/bin/{os.path.basename(b)}", 0o755)
         for src, arc in files:
-            (t.tree(src, arc) if src.is_dir() else t.file(src, arc))
+            (t.tree(src, arc, exclude=tuple(exclude)) if src.is_dir() else t.file(src, arc))
         libs = _ldd(list(t.elves))
         for lib in sorted(libs):
             real = Path(os.path.realpath(lib))
