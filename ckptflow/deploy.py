@@ -197,7 +197,7 @@ def node_mounts(fleet, nodes, wd: Path) -> list[tuple[str, str]]:
     for w in fleet.workloads:
         if w.node not in names:
             continue
-        if w.find.pid_file:
+        if w.find is not None and w.find.pid_file:
             found.setdefault(str((wd / w.find.pid_file).parent), f"pid file of {w.name}")
         for arg in w.start_command or []:
             try:
@@ -262,11 +262,17 @@ def render_node_workers(fleet_file: Path, workdir: Path | str | None = None, api
         unit.write_text(env().get_template("systemd/prefect-worker.service.j2").render(
             node=n, unit_name=unit.name, **ctx))
     ds.parent.mkdir(parents=True, exist_ok=True)
+    from ckptflow.kubernetes import daemonset_context, render_pod_fleet  # pod workloads (docs/kubernetes.md)
+
     ds.write_text(env().get_template("kubernetes/daemonset.yaml.j2").render(
         pools=list(pools.items()), namespace=K8S_NAMESPACE, image=image, out_name=ds.name,
         ds_name=lambda pool: "ckptflow-prefect-worker-" + re.sub(r"[^a-z0-9-]", "-", pool.lower()).strip("-"),
         store_paths=store_paths, mounts=lambda nodes: [(p, why) for p, why in node_mounts(fleet, nodes, wd)
-                                                      if p not in store_paths(nodes) and p != "/dev/shm"], **ctx))
+                                                      if p not in store_paths(nodes) and p != "/dev/shm"],
+        **daemonset_context(fleet), **ctx))
+    pods = render_pod_fleet(fleet_file, ds.parent, K8S_NAMESPACE)
+    if pods:  # rbac.yaml and the restore pods, only for a fleet with pod workloads
+        files["pods"] = pods
     return files
 
 

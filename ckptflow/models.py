@@ -28,6 +28,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from ckptflow.container_models import ContainerSpec
+
 # Names end up in paths and object keys: keep them to a safe alphabet so that a workload
 # called "../../etc" can never address anything outside its own directory.
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
@@ -150,7 +152,10 @@ class Workload(BaseModel):
     name: Name = Field(..., description="Unique workload name (also its directory in the store).",
                        examples=["chat-a"])
     node: Name = Field(..., description="Node the workload runs on.", examples=["gpu-node-01"])
-    find: ProcessFinder = Field(..., description="How to find the worker's process.")
+    find: ProcessFinder | None = Field(None, description="How to find the worker's process (or give container).")
+    container: ContainerSpec | None = Field(
+        None, description="The worker runs in this container: checkpointed and restored through its runtime "
+        "(runners/container.py) instead of a process found by find.", examples=[{"name": "chat-c"}])
     engine: Engine = Field(Engine.other, description="Serving engine.")
     engine_version: str | None = Field(None, description="Declared engine version.",
                                        examples=["0.11.0"])
@@ -202,6 +207,15 @@ class Workload(BaseModel):
     def _engine_criu_defaults(self) -> "Workload":
         if self.engine == Engine.vllm and "criu" not in self.model_fields_set:
             self.criu = VLLM_CRIU.model_copy()
+        return self
+
+    @model_validator(mode="after")
+    def _find_or_container(self) -> "Workload":
+        if (self.find is None) == (self.container is None):
+            raise ValueError("give exactly one of find (a process) or container (a container workload)")
+        if self.container is not None and (self.checkpoint == CheckpointMode.two_tier or self.gpu):
+            raise ValueError("a container workload is checkpointed whole and on CPU only for now: "
+                             "drop checkpoint: two-tier and gpu: true, or run it as a process")
         return self
 
     @model_validator(mode="after")

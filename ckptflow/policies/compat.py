@@ -7,6 +7,7 @@ Gated fields (any difference refuses the restore before a CRIU or CUDA call):
 | host     | arch, kernel, glibc, criu                 | CRIU images and mapped libraries are tied to them |
 | gpu      | gpu_model, gpu_count, driver, cuda_driver | the driver restores device state it wrote    |
 | workload | engine, engine_version, model_id, model_revision | a restored engine would serve the old model |
+| container | container_runtime, oci_runtime (container workloads) | the runtime writes and reads its own export format |
 
 Not gated: GPU UUIDs (remapped on restore), python and ckptflow versions (recorded only).
 
@@ -29,6 +30,7 @@ GATED = {
     "host": ("arch", "kernel", "glibc", "criu"),
     "gpu": ("gpu_model", "gpu_count", "driver", "cuda_driver"),
     "workload": ("engine", "engine_version", "model_id", "model_revision"),
+    "container": ("container_runtime", "oci_runtime"),
 }
 
 
@@ -70,7 +72,8 @@ def diff(old: Fingerprint | None, new: Fingerprint, overrides: frozenset[str] | 
     return out
 
 
-def stale(manifests: list[Manifest], current: dict[str, Fingerprint], gpu: bool) -> list[tuple[Manifest, str]]:
+def stale(manifests: list[Manifest], current: dict[str, Fingerprint], gpu: bool,
+          container: bool = False) -> list[tuple[Manifest, str]]:
     """Restorable checkpoints that no eligible node can restore any more, with the reason.
 
     ``current`` maps each eligible node (same GPU class as the workload's node) to its
@@ -80,6 +83,7 @@ def stale(manifests: list[Manifest], current: dict[str, Fingerprint], gpu: bool)
     if not current:
         return []
     groups = ("host", "gpu", "workload") if gpu else ("host", "workload")
+    groups += ("container",) if container else ()  # a container workload: its runtime's versions too
     out = []
     for m in manifests:
         if not m.state.restorable:

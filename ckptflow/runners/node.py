@@ -207,6 +207,10 @@ class NodeRunner:
             CriuError: the dump failed (bytes discarded; the worker keeps running on heartbeat).
             StorageFull: the volume filled up (bytes discarded).
         """
+        if w.container is not None:  # through the container runtime (runners/container.py)
+            from ckptflow.runners.container import ContainerRunner
+
+            return ContainerRunner(self).checkpoint(w, leave_running=leave_running, kind=kind)
         with self.store.lock(w.name):
             return self._checkpoint(w, leave_running, kind)
 
@@ -275,6 +279,11 @@ class NodeRunner:
                 process is unhealthy or its state differs from the checkpoint's.
             CheckpointNotFound: no valid checkpoint is left.
         """
+        if w.container is not None:  # through the container runtime (runners/container.py)
+            from ckptflow.runners.container import ContainerRunner
+
+            return ContainerRunner(self).restore(w, manifest=manifest, fallback=fallback, overrides=overrides,
+                                                 tier=tier)
         self._trying: str | None = None
         with self.store.lock(w.name):
             try:

@@ -95,6 +95,10 @@ GPU_SANDBOX = ("fingerprint and checksums pass; a GPU checkpoint cannot be resto
 def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: float = 120) -> VerifyResult:
     """Restore ``m`` in a sandbox beside the original and compare its answers. Never raises
     for a bad checkpoint (that is the result); raises only when the node cannot sandbox."""
+    if w.container is not None:  # a copy of the container beside it (runners/container.py)
+        from ckptflow.runners.container import ContainerRunner
+
+        return ContainerRunner(node).verify(w, m, timeout_s)
     t: dict[str, float] = {}
     t0 = time.perf_counter()
     try:
