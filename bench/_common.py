@@ -38,6 +38,36 @@ def append_results(title: str, table_md: str, notes: str = "") -> None:
         f.write(block)
 
 
+def record_run(name: str, result: dict) -> dict:
+    """Append one run to ``bench/results/<name>.json`` and return it: ``{"runs": [...]}``, every
+    run kept with its date, machine and exact command (a file from before runs were kept stays
+    as its first run, ``"date": null``). The README cites figures from these runs, never from a
+    run that was overwritten."""
+    import json
+
+    out = BENCH / "results" / f"{name}.json"
+    run = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
+           "command": command(), **result}
+    runs = runs_of(name)
+    runs.append(run)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+    return run
+
+
+def runs_of(name: str) -> list[dict]:
+    """Every run ``record_run`` kept for ``name`` (oldest first); [] when none."""
+    import json
+
+    path = BENCH / "results" / f"{name}.json"
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    if isinstance(data, dict) and isinstance(data.get("runs"), list):
+        return data["runs"]
+    return [{"date": None, "note": "written before bench JSON kept every run", **data}]
+
+
 def md_table(headers: list[str], rows: list[list]) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]

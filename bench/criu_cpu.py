@@ -4,14 +4,13 @@ Usage (as root, after ./scripts/setup.sh):
     .venv/bin/python bench/criu_cpu.py [--sizes 256,1024,4096] [--dir /var/tmp] [--repeat 2]
 
 Per size: heartbeat dump (--leave-running), dump with exit, restore (detached, PID reused),
-image bytes, and the ballast digest checked equal after restore. Writes
-bench/results/criu_cpu.json and appends a table to bench/RESULTS.md.
+image bytes, and the ballast digest checked equal after restore. Appends the run to
+bench/results/criu_cpu.json (every run kept) and a table to bench/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -22,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import BENCH, append_results, machine, md_table  # noqa: E402
+from _common import append_results, md_table, record_run  # noqa: E402
 
 from ckptflow.demo import launch  # noqa: E402
 from ckptflow.runners.criu import CriuRunner  # noqa: E402
@@ -83,9 +82,7 @@ def main() -> None:
         rows = [run_size(int(s), root, a.repeat) for s in a.sizes.split(",")]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    out = BENCH / "results" / "criu_cpu.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({"machine": machine(), "images_on": a.dir, "rows": rows}, indent=2) + "\n")
+    record_run("criu_cpu", {"images_on": a.dir, "rows": rows})  # every run kept, with date and command
     headers = ["worker holds", "image GiB", "heartbeat dump s", "dump (exit) s", "restore s",
                "dump GiB/s", "restore GiB/s", "memory equal"]
     table = md_table(headers, [[f"{r['ballast_mib']} MiB", r["image_gib"], r["heartbeat_dump_s"], r["dump_s"],

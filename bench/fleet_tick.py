@@ -7,7 +7,8 @@ fleet file whose workloads all decide `skip` (no-op checkpoints: short-request t
 times the heartbeat flow, which runs one task per node batch. Every pid file names one live
 `sleep` process, so each workload is found running (a missing process is a "worker gone"
 alert and a failed heartbeat). Target: <= 10 s on the 2-core machine, also for
-`--nodes 250 --per-node 20`. Writes bench/results/fleet_tick.json and appends to bench/RESULTS.md.
+`--nodes 250 --per-node 20`. Appends the run to bench/results/fleet_tick.json (every run kept, with
+its date and command) and to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests" / "helpers"))
-from _common import BENCH, append_results, md_table  # noqa: E402
+from _common import append_results, md_table, record_run  # noqa: E402
 from prefect_server import start_prefect_server  # noqa: E402
 
 PORT = 4299
@@ -77,7 +78,7 @@ def main() -> int:
         live.wait()
         shutil.rmtree(tmp, ignore_errors=True)  # a node's tmp must not collect ticks
     res.update(nodes=a.nodes, workloads=len(workloads), target_s=10, met=res["seconds"] <= 10)
-    (BENCH / "results" / "fleet_tick.json").write_text(json.dumps(res, indent=1) + "\n")
+    record_run("fleet_tick", res)  # every run kept: the spread on a shared 2-core machine is large
     table = md_table(["nodes", "workloads", "task runs (node batches)", "checkpoints", "seconds", "target"],
                      [[a.nodes, len(workloads), a.nodes, res["checkpoints"], round(res["seconds"], 2), "<= 10 s"]])
     print(table)

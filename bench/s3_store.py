@@ -7,13 +7,12 @@ Usage (after ./scripts/setup.sh; starts and stops its own SeaweedFS on 127.0.0.1
   transfer (64 MiB parts, 8 threads: the notes' best) of the same file to the same server;
 - second_heartbeat_byte_ratio: bytes a second push of a real demo worker's checkpoint
   uploads ÷ its image size, when only the session's KV cache changed in between.
-Writes bench/results/s3_store.json and appends to bench/RESULTS.md.
+Appends the run to bench/results/s3_store.json (every run kept) and to bench/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -27,7 +26,7 @@ ROOT = Path(__file__).parent.parent
 ROUNDS = 3
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))
-from _common import BENCH, append_results, md_table  # noqa: E402
+from _common import append_results, md_table, record_run  # noqa: E402
 from seaweed import SeaweedS3  # noqa: E402
 
 from ckptflow.demo import launch  # noqa: E402
@@ -107,8 +106,7 @@ def main() -> None:
            "first_heartbeat_uploaded_bytes": first["uploaded_bytes"],
            "second_heartbeat_uploaded_bytes": second["uploaded_bytes"], "second_heartbeat_image_bytes": m2.bytes,
            "second_heartbeat_byte_ratio": round(second["uploaded_bytes"] / m2.bytes, 4)}
-    out = BENCH / "results" / "s3_store.json"
-    out.write_text(json.dumps(res, indent=1) + "\n")
+    record_run("s3_store", res)  # every run kept, with date and command
     table = md_table(["file GiB", "raw up GiB/s", "ckptflow up GiB/s", "upload_ratio", "raw down GiB/s",
                       "ckptflow down GiB/s", "download_ratio", "second_heartbeat_byte_ratio"],
                      [[res["file_gib"], res["raw_upload_gib_s"], res["ckptflow_upload_gib_s"], res["upload_ratio"],

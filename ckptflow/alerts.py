@@ -46,6 +46,29 @@ class AlertKind(StrEnum):
     invalidated = "invalidated"         # a version change retired checkpoints no node can restore
     worker_gone = "worker_gone"         # a heartbeat found no live process for the workload
 
+def failure(e: BaseException) -> dict:
+    """What an alert and a report say about a failed step: ``reason`` (the error's first line),
+    ``cause`` (the first error line of CRIU's log when there is one, else None: the reason is the
+    cause), ``fix`` (ckptflow's own, else None), ``checkpoint`` (the one tried, if it said) and
+    ``log_tail``.
+
+    Example:
+        >>> from ckptflow.errors import CriuError
+        >>> e = CriuError("criu restore failed", cmd=["criu", "restore"], returncode=1, fix="restore it elsewhere",
+        ...               log_tail="(00.01) inet: Restored\\n(00.02) Error (criu/files-reg.c:2175): File x has bad size")
+        >>> f = failure(e)
+        >>> f["reason"], f["cause"], f["fix"]
+        ('criu restore failed (exit 1)', 'Error (criu/files-reg.c:2175): File x has bad size', 'restore it elsewhere')
+    """
+    text = e.message if isinstance(e, CkptflowError) else str(e)
+    reason = (text.splitlines() or [type(e).__name__])[0] or type(e).__name__
+    tail = getattr(e, "log_tail", "") or ""
+    cause = next((line.split(") ", 1)[1].strip() if line.startswith("(") and ") " in line else line
+                  for line in (x.strip() for x in tail.splitlines()) if "Error" in line), None)
+    return {"reason": reason, "cause": cause if cause and cause != reason else None,
+            "fix": getattr(e, "fix", None), "checkpoint": getattr(e, "checkpoint", None), "log_tail": tail}
+
+
 # Block Kit limits: Slack rejects the whole message when one text is longer.
 SECTION_MAX = 3000
 FIELD_MAX = 2000

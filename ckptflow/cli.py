@@ -173,7 +173,7 @@ def doctor() -> None:
 def ls(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET,
        workload: str = typer.Option(None, help="Only this workload.")) -> None:
     """List checkpoints with state (and why, when invalidated or failed), age and size."""
-    from ckptflow.report import fleet_manifests
+    from ckptflow.report import checkpoint_bytes, chunk_bytes, fleet_manifests
 
     fleet = _fleet(_fleet_path(fleet_file, legacy), [workload] if workload else None)
     names = [workload] if workload else [w.name for w in fleet.workloads]
@@ -185,7 +185,9 @@ def ls(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET,
         for m in fleet_manifests(fleet, name):
             age = now - m.created
             table.add_row(m.workload, m.id, m.state.value, _age(age.total_seconds()),
-                          f"{m.bytes / 2**20:,.1f} MiB", ", ".join(f"{c.tier.value}:{c.location}" for c in m.copies),
+                          f"{checkpoint_bytes(m) / 2**20:,.1f} MiB"
+                          + (f" ({m.bytes / 2**20:,.1f} image + {chunk_bytes(m) / 2**20:,.1f} chunks)" if chunk_bytes(m) else ""),
+                          ", ".join(f"{c.tier.value}:{c.location}" for c in m.copies),
                           m.state_reason or "")
     console.print(table)
 
@@ -286,18 +288,28 @@ def deploy(fleet_file: Path = FLEET_ARG,
            workdir: Path = typer.Option(None, "--workdir", help="The project directory flow runs and node workers "
                                         "start in, the same path on every node (default: the current directory)."),
            image: str = typer.Option(None, "--image", help="Container image of the DaemonSet (holds the project "
-                                     "at --workdir; default ckptflow:<version>).")) -> None:
+                                     "at --workdir; default ckptflow:<version>)."),
+           api_url: str = typer.Option(None, "--api-url", help="The Prefect API URL as the nodes reach it, written into "
+                                       "every node's unit and DaemonSet (default: this shell's PREFECT_API_URL; a "
+                                       "loopback one is refused for nodes on other machines)."),
+           all_nodes_here: bool = typer.Option(False, "--all-nodes-here", help="Every node of the fleet runs on "
+                                               "this machine (a one-box fleet): a loopback API URL is then right.")
+           ) -> None:
     """Render prefect.<fleet>.yaml beside the fleet file and deploy it to the Prefect server; render
     each node's Prefect worker as a systemd unit and a Kubernetes DaemonSet (<fleet>.workers/)."""
     from ckptflow.deploy import API_URL_PLACEHOLDER, deploy as run, render_node_workers, render_prefect_yaml
     from ckptflow.deploy import worker_files
 
     fleet = _fleet(fleet_file)
+    from ckptflow.deploy import check_api_url, prefect_api_url
+
+    check_api_url(fleet, api_url or prefect_api_url(), api_url is not None, all_nodes_here)  # before any file
     if render_only:
         out = render_prefect_yaml(fleet_file, workdir)
-        workers = render_node_workers(fleet_file, workdir, image=image)
+        workers = render_node_workers(fleet_file, workdir, api_url=api_url, image=image, all_nodes_here=all_nodes_here)
     else:
-        out = run(fleet_file, ephemeral=ephemeral, workdir=workdir, image=image)
+        out = run(fleet_file, ephemeral=ephemeral, workdir=workdir, image=image, api_url=api_url,
+                  all_nodes_here=all_nodes_here)
         workers = worker_files(fleet_file, fleet)
     # Plain lines, not rich: paths are long and an operator copies them whole.
     typer.echo(f"{'rendered' if render_only else 'deployed'} {out}")
@@ -306,7 +318,10 @@ def deploy(fleet_file: Path = FLEET_ARG,
     typer.echo(f"rendered {ds} ({len({n.work_pool for n in fleet.nodes})} DaemonSets, one per node pool)")
     if API_URL_PLACEHOLDER in units[0].read_text():
         typer.echo(f"warning: PREFECT_API_URL is not set: the node workers name {API_URL_PLACEHOLDER}; "
-                   "set it and render again", err=True)
+                   "pass --api-url and render again", err=True)
+    elif not api_url:  # said, not copied without a word
+        typer.echo(f"note: the node workers reach Prefect at {prefect_api_url()} (this shell's PREFECT_API_URL; "
+                   "--api-url to choose)", err=True)
 
 
 @app.command()

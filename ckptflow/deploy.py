@@ -137,15 +137,93 @@ def worker_files(fleet_file: Path, fleet, out_dir: Path | None = None) -> dict[s
             "kubernetes": [d / "kubernetes" / "daemonset.yaml"]}
 
 
+_LOOPBACK_HOSTS = ("localhost", "0.0.0.0", "::1", "::")
+# Paths every image has: a workload's command naming them needs no mount of the node's.
+_IMAGE_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/proc", "/sys", "/dev", "/tmp")
+
+
+def is_loopback(url: str) -> bool:
+    """Whether ``url`` points at the machine it is used on (127.0.0.0/8, ::1, localhost, 0.0.0.0).
+
+    Example:
+        >>> is_loopback("http://127.0.0.1:4200/api"), is_loopback("http://prefect.internal:4200/api")
+        (True, False)
+    """
+    from urllib.parse import urlsplit
+
+    host = (urlsplit(url).hostname or "").lower()
+    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def remote_nodes(fleet) -> list[str]:
+    """The fleet's nodes that are not this machine (named ``local``, this host's short name or
+    $CKPTFLOW_NODE count as this machine)."""
+    import socket
+
+    from ckptflow.settings import settings
+
+    here = {"local", socket.gethostname().split(".")[0].lower(), settings().node}
+    return [n.name for n in fleet.nodes if n.name not in here]
+
+
+def check_api_url(fleet, api_url: str | None, given: bool, all_nodes_here: bool = False) -> None:
+    """Refuse a loopback Prefect API URL for node workers of nodes on other machines: there it
+    would name the node itself, and its worker would never see a flow run. ``all_nodes_here``:
+    the operator says every node of the fleet runs on this machine (a one-box fleet, tests).
+
+    Raises:
+        ConfigError: ``api_url`` is loopback and a node is remote; ``given``: it came from
+            --api-url (else from this shell's PREFECT_API_URL, which the message says).
+    """
+    remote = [] if all_nodes_here else remote_nodes(fleet)
+    if api_url and is_loopback(api_url) and remote:
+        where = "--api-url" if given else "this shell's PREFECT_API_URL"
+        raise ConfigError(f"{where} {api_url} is a loopback address: on node {remote[0]}"
+                          + (f" (and {len(remote) - 1} more)" if len(remote) > 1 else "")
+                          + " it would name that node itself, not the Prefect server",
+                          fix="pass --api-url http://<the Prefect server, as the nodes reach it>:4200/api (or "
+                              "--all-nodes-here when every node of the fleet runs on this machine)")
+
+
+def node_mounts(fleet, nodes, wd: Path) -> list[tuple[str, str]]:
+    """Host directories a node pool's worker pod needs at the same paths, derived from the fleet
+    file: each workload's pid file directory and the directories of the absolute paths its
+    start_command names (models, logs, slot files), as (path, why). The checkpoint store and
+    /dev/shm are mounted on their own; paths every image has (/usr, /etc, ...) are left out."""
+    import shlex
+
+    names = {n.name for n in nodes}
+    found: dict[str, str] = {}
+    for w in fleet.workloads:
+        if w.node not in names:
+            continue
+        if w.find is not None and w.find.pid_file:
+            found.setdefault(str((wd / w.find.pid_file).parent), f"pid file of {w.name}")
+        for arg in w.start_command or []:
+            try:
+                tokens = shlex.split(arg) if any(c.isspace() for c in arg) else [arg]
+            except ValueError:
+                tokens = arg.split()
+            for tok in tokens:
+                path = tok.split("=", 1)[1] if tok.startswith("-") and "=" in tok else tok.lstrip("<>&12")
+                if path.startswith("/") and not any(path == d or path.startswith(d + "/") for d in _IMAGE_DIRS):
+                    found.setdefault(str(Path(path).parent), f"named by {w.name}'s start_command ({path})")
+    found = {p: why for p, why in found.items() if p != "/"}
+    keep = sorted(p for p in found if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in found))
+    return [(p, found[p]) for p in keep]
+
+
 def render_node_workers(fleet_file: Path, workdir: Path | str | None = None, api_url: str | None = None,
-                        image: str | None = None, out_dir: Path | None = None) -> dict[str, list[Path]]:
+                        image: str | None = None, out_dir: Path | None = None,
+                        all_nodes_here: bool = False) -> dict[str, list[Path]]:
     """Write what runs each node's Prefect worker: a systemd unit per node and a privileged
     DaemonSet per node pool, into ``<fleet>.workers/`` beside the fleet file (or ``out_dir``).
 
     Both run ``prefect worker start --pool <the node's pool>`` as root in the project directory,
     with PREFECT_API_URL (``api_url``, default: this shell's, else a placeholder to replace) and
     CKPTFLOW_NODE; the unit restarts always and its stop leaves what the flows started running;
-    the DaemonSet has hostPID, privileged, /dev/shm and the node's store mounted.
+    the DaemonSet has hostPID, privileged, /dev/shm, the node's store and what its workloads
+    name (``node_mounts``: pid files, models, logs) mounted.
 
     Returns:
         {"systemd": [unit files], "kubernetes": [daemonset.yaml]}.
@@ -156,7 +234,9 @@ def render_node_workers(fleet_file: Path, workdir: Path | str | None = None, api
     """
     wd = check_workdir(workdir)
     fleet = load_fleet(fleet_file)
+    given = api_url is not None
     api_url = api_url or prefect_api_url() or API_URL_PLACEHOLDER
+    check_api_url(fleet, api_url, given, all_nodes_here)
     image = image or f"ckptflow:{_version()}"
     files = worker_files(fleet_file, fleet, out_dir)
     path = f"{wd}/.venv/bin:{_SYSTEM_PATH}:{wd}/.carry/criu/bin:/opt/ckptflow/criu/bin"
@@ -182,10 +262,17 @@ def render_node_workers(fleet_file: Path, workdir: Path | str | None = None, api
         unit.write_text(env().get_template("systemd/prefect-worker.service.j2").render(
             node=n, unit_name=unit.name, **ctx))
     ds.parent.mkdir(parents=True, exist_ok=True)
+    from ckptflow.kubernetes import daemonset_context, render_pod_fleet  # pod workloads (docs/kubernetes.md)
+
     ds.write_text(env().get_template("kubernetes/daemonset.yaml.j2").render(
         pools=list(pools.items()), namespace=K8S_NAMESPACE, image=image, out_name=ds.name,
         ds_name=lambda pool: "ckptflow-prefect-worker-" + re.sub(r"[^a-z0-9-]", "-", pool.lower()).strip("-"),
-        store_paths=store_paths, **ctx))
+        store_paths=store_paths, mounts=lambda nodes: [(p, why) for p, why in node_mounts(fleet, nodes, wd)
+                                                      if p not in store_paths(nodes) and p != "/dev/shm"],
+        **daemonset_context(fleet), **ctx))
+    pods = render_pod_fleet(fleet_file, ds.parent, K8S_NAMESPACE)
+    if pods:  # rbac.yaml and the restore pods, only for a fleet with pod workloads
+        files["pods"] = pods
     return files
 
 
@@ -196,17 +283,22 @@ def _version() -> str:
 
 
 def deploy(fleet_file: Path, *, create_pools: bool = True, ephemeral: bool = False,
-           workdir: Path | str | None = None, image: str | None = None) -> Path:
+           workdir: Path | str | None = None, image: str | None = None, api_url: str | None = None,
+           all_nodes_here: bool = False) -> Path:
     """Render, then deploy through Prefect's client what the rendered prefect.yaml says (the file
     an operator reviews is the one deployed): each node's process work pool and its
     ``ckptflow-node-<node>`` global concurrency limit (1 slot) when missing, the results block of
     an S3 fleet, then every deployment, created or updated in place.
 
+    ``api_url``: the Prefect API the node workers use (default: this shell's PREFECT_API_URL);
+    ``all_nodes_here``: every node runs on this machine, so a loopback one is right.
+
     Raises:
         ConfigError: no Prefect server is configured (PREFECT_API_URL) and ``ephemeral`` is not
             set: the deployments would go into a temporary server that vanishes on exit; or
-            ``workdir`` does not hold the project; or the server refused or could not be reached
-            (one line: what failed and why).
+            ``workdir`` does not hold the project; or the node workers' API URL is loopback and a
+            node is remote (checked before anything is deployed); or the server refused or could
+            not be reached (one line: what failed and why).
     """
     if not ephemeral and not prefect_api_url():
         raise ConfigError("PREFECT_API_URL is not set: the deployments would go into a temporary Prefect server "
@@ -219,8 +311,9 @@ def deploy(fleet_file: Path, *, create_pools: bool = True, ephemeral: bool = Fal
     from prefect.exceptions import PrefectException
     from pydantic import ValidationError
 
+    check_api_url(load_fleet(fleet_file), api_url or prefect_api_url(), api_url is not None, all_nodes_here)
     out = render_prefect_yaml(fleet_file, workdir)
-    render_node_workers(fleet_file, workdir, image=image)
+    render_node_workers(fleet_file, workdir, api_url=api_url, image=image, all_nodes_here=all_nodes_here)
     fleet = load_fleet(fleet_file)
     spec = yaml.safe_load(out.read_text())
     step = "connecting"

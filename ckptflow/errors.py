@@ -99,6 +99,7 @@ class IncompatibleCheckpoint(CkptflowError):
 
     def __init__(self, differences: dict[str, tuple[object, object]], *, checkpoint: str = ""):
         self.differences = differences
+        self.checkpoint = checkpoint or None
         lines = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in differences.items())
         super().__init__(
             f"checkpoint {checkpoint} is incompatible with this node: {lines}",

@@ -294,8 +294,13 @@ class _PathErrors(ValueError):
 # fail later, at the first heartbeat, as an unreadable "no KV growing" or a silent probe error.
 _WORKLOAD_URLS = ("health_url", "metrics_url", "probe_url", "prepare_url")
 _CROSS_FIELDS = {"nodes": {"__all__": {"name"}},
-                 "workloads": {"__all__": {"name", "node", "golden", *_WORKLOAD_URLS}},
-                 "storage": {"endpoint_url"}, "slack": {"base_url"}, "prefect_ui_url": True}
+                 "workloads": {"__all__": {"name", "node", "golden", "find", "engine", "checkpoint", *_WORKLOAD_URLS}},
+                 "storage": {"endpoint_url", "path"}, "slack": {"base_url"}, "prefect_ui_url": True}
+# Fields that name one worker: two workloads declaring the same one would checkpoint, probe or
+# restore each other's process (a loopback URL or a pid file is per node).
+_ONE_WORKER = (("health_url",), ("metrics_url",), ("probe_url",), ("find", "pid_file"), ("find", "systemd_unit"))
+STORAGE_PLACEHOLDERS = ("node",)  # what open_store fills into storage.path
+_LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
 
 
 def _url_problem(value: object) -> str | None:
@@ -342,11 +347,63 @@ def cross_field_problems(data: dict) -> list[tuple[tuple, str]]:
         if isinstance(w.get("golden"), dict):
             urls.append((("golden", "url"), w["golden"].get("url")))
         out += [(("workloads", i, *k), why) for k, v in urls if (why := _url_problem(v))]
+    out += _shared_worker_problems(items("workloads"))
+    for i, w in items("workloads"):
+        engine, mode = (getattr(w.get(k), "value", w.get(k)) for k in ("engine", "checkpoint"))
+        if mode == "two-tier" and engine == "llamacpp":
+            out.append((("workloads", i, "checkpoint"), "checkpoint: two-tier is not supported with engine: llamacpp "
+                        "(llama-server has no template hooks; its sessions are carried by the process checkpoint): "
+                        "use checkpoint: process"))
+    storage = data.get("storage")
+    if isinstance(storage, dict) and isinstance(storage.get("path"), str):
+        import string
+
+        try:
+            names = [f for _, f, _, _ in string.Formatter().parse(storage["path"]) if f is not None]
+        except ValueError as e:
+            names, why = [], f"{storage['path']!r} has an unmatched brace ({e})"
+            out.append((("storage", "path"), why))
+        unknown = [f for f in names if f not in STORAGE_PLACEHOLDERS]
+        if unknown:
+            out.append((("storage", "path"), f"unknown placeholder {{{unknown[0]}}} in {storage['path']!r} (known: "
+                        + ", ".join(f"{{{k}}}" for k in STORAGE_PLACEHOLDERS) + ")"))
     for loc, section, key in ((("storage", "endpoint_url"), data.get("storage"), "endpoint_url"),
                               (("slack", "base_url"), data.get("slack"), "base_url"),
                               (("prefect_ui_url",), data, "prefect_ui_url")):
         if isinstance(section, dict) and (why := _url_problem(section.get(key))):
             out.append((loc, why))
+    return out
+
+
+def _shared_worker_problems(workloads: list[tuple[int, dict]]) -> list[tuple[tuple, str]]:
+    """A health, metrics or probe URL, pid file or systemd unit declared by two workloads. Loopback
+    URLs, pid files and units are per node: the same one on two nodes is two workers."""
+    from urllib.parse import urlsplit
+
+    out: list[tuple[tuple, str]] = []
+    seen: dict[tuple, tuple[int, str]] = {}
+    for i, w in workloads:
+        for path in _ONE_WORKER:
+            v: object = w
+            for part in path:
+                v = v.get(part) if isinstance(v, dict) else None
+            if not isinstance(v, str) or not v:
+                continue
+            key: tuple = (path, v)
+            if path[0] == "find":
+                key = (path, w.get("node"), v)
+            else:
+                try:
+                    if (urlsplit(v).hostname or "") in _LOOPBACK:
+                        key = (path, w.get("node"), v.replace("localhost", "127.0.0.1", 1))
+                except ValueError:
+                    continue  # reported as a bad URL
+            if key in seen:
+                j, name = seen[key]
+                out.append((("workloads", i, *path), f"{v!r} is also the {'.'.join(path)} of workloads[{j}] ({name!r}): "
+                            "two workloads would act on one worker; give each workload its own"))
+            else:
+                seen[key] = (i, str(w.get("name")))
     return out
 
 

@@ -28,6 +28,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from ckptflow.container_models import ContainerSpec
+
 # Names end up in paths and object keys: keep them to a safe alphabet so that a workload
 # called "../../etc" can never address anything outside its own directory.
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
@@ -150,7 +152,10 @@ class Workload(BaseModel):
     name: Name = Field(..., description="Unique workload name (also its directory in the store).",
                        examples=["chat-a"])
     node: Name = Field(..., description="Node the workload runs on.", examples=["gpu-node-01"])
-    find: ProcessFinder = Field(..., description="How to find the worker's process.")
+    find: ProcessFinder | None = Field(None, description="How to find the worker's process (or give container).")
+    container: ContainerSpec | None = Field(
+        None, description="The worker runs in this container: checkpointed and restored through its runtime "
+        "(runners/container.py) instead of a process found by find.", examples=[{"name": "chat-c"}])
     engine: Engine = Field(Engine.other, description="Serving engine.")
     engine_version: str | None = Field(None, description="Declared engine version.",
                                        examples=["0.11.0"])
@@ -205,6 +210,15 @@ class Workload(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _find_or_container(self) -> "Workload":
+        if (self.find is None) == (self.container is None):
+            raise ValueError("give exactly one of find (a process) or container (a container workload)")
+        if self.container is not None and (self.checkpoint == CheckpointMode.two_tier or self.gpu):
+            raise ValueError("a container workload is checkpointed whole and on CPU only for now: "
+                             "drop checkpoint: two-tier and gpu: true, or run it as a process")
+        return self
+
+    @model_validator(mode="after")
     def _two_tier_single_process(self) -> "Workload":
         if self.checkpoint == CheckpointMode.two_tier and self.tensor_parallel > 1:
             raise ValueError("checkpoint: two-tier is not supported with tensor_parallel > 1 yet (no "
@@ -239,6 +253,7 @@ class VerifyOutcome(StrEnum):
     verified = "verified"             # the copy answered like the original: the checkpoint is proven
     verify_failed = "verify_failed"   # it restored but answered otherwise, or did not restore
     skipped = "skipped"               # not run (a GPU checkpoint's copy cannot be restored beside it)
+    unverified = "unverified"         # it restored and was healthy, but nothing compared its state: not proven
 
 
 class CopyTier(str, Enum):
@@ -301,6 +316,10 @@ class Manifest(BaseModel):
     bytes: int = Field(0, ge=0, description="Total image bytes.")
     timings: dict[str, float] = Field(default_factory=dict, description="Phase -> seconds.")
     gpu_footprint_bytes: int = Field(0, ge=0)
+    gpu_footprints: dict[str, int] = Field(
+        default_factory=dict, description="GPU memory the worker held on each GPU (UUID -> bytes, NVML): a "
+        "restore checks each target GPU's free memory against its own share (a TP worker's ranks).",
+        examples=[{"GPU-5f1c…": 21474836480}])
     gpu_pids: list[int] = Field(default_factory=list, description="PIDs of the processes whose GPU state "
                                 "the CUDA checkpoint took (every rank of a TP worker); CRIU restores them "
                                 "with the same PIDs, and the CUDA restore needs each one.")

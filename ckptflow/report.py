@@ -20,6 +20,47 @@ from ckptflow.store import open_store, open_tier
 RESTORE_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 
 
+def chunk_bytes(m: Manifest) -> int:
+    """Bytes of the content-addressed chunks a two-tier checkpoint names, as recorded when it was
+    taken (a session checkpoint's sessions, a template's weights); 0 for a whole-process one."""
+    return int(m.probe.get("session_bytes") or 0) + int(m.probe.get("weights_bytes") or 0)
+
+
+def checkpoint_bytes(m: Manifest) -> int:
+    """What a restore of ``m`` reads: its image plus the chunks it names. A session checkpoint's
+    image is a few KB of records; its bytes are in the chunks (``ls`` showed them as 0.0 MiB)."""
+    return m.bytes + chunk_bytes(m)
+
+
+def stored_bytes(fleet: Fleet, ms: list[Manifest]) -> int:
+    """Bytes the checkpoints ``ms`` (of one workload) hold: their images, plus each chunk they
+    name counted once (chunks are shared between successive checkpoints), sized from the node
+    stores' chunk directories; a checkpoint whose chunk list is not on this machine (a bucket
+    copy) counts what it recorded, the largest such once."""
+    import json
+
+    from ckptflow.store.chunks import REFS_FILE, ChunkStore
+
+    stores = {s.root: s for s in [open_store(fleet.storage, n.name) for n in fleet.nodes] + [open_store(fleet.storage)]}
+    named: dict = {}          # store root -> digests named by checkpoints found there
+    unlisted = 0
+    for m in ms:
+        if not chunk_bytes(m):
+            continue
+        for root in sorted(stores):
+            refs = stores[root].images_dir(m) / REFS_FILE
+            if refs.is_file():
+                named.setdefault(root, set()).update(json.loads(refs.read_text()))
+                break
+        else:
+            unlisted = max(unlisted, chunk_bytes(m))
+    chunks = 0
+    for root, digests in named.items():
+        cs = ChunkStore(root)
+        chunks += cs.size([d for d in digests if cs.has(d)])
+    return sum(m.bytes for m in ms) + chunks + unlisted
+
+
 def fleet_manifests(fleet: Fleet, workload: str) -> list[Manifest]:
     """Every checkpoint of ``workload`` this machine can see, newest first: each node's local
     store (``{node}`` in the storage path names one per node) and the fleet's shared tier (an
@@ -48,25 +89,51 @@ def _merge(a: Manifest | None, b: Manifest) -> Manifest:
     return a
 
 
+def _placements(fleet: Fleet) -> dict[str, str]:
+    """Where a migrate or a recover elsewhere last moved each workload (the fleet state), for
+    the nodes the fleet file declares; {} when the fleet state cannot be read."""
+    from ckptflow.store import open_fleet_state
+
+    nodes = {n.name for n in fleet.nodes}
+    try:
+        return {w: n for w, n in open_fleet_state(fleet.storage).placements().items() if n in nodes}
+    except (CkptflowError, OSError):
+        return {}
+
+
 def fleet_status(fleet: Fleet, now: datetime | None = None) -> list[dict]:
+    """One row per workload (on the node it runs on now), then one per template its two-tier
+    checkpoints bind to (``traffic: template``): shared by the workloads of a model, their bytes
+    are counted once, under the template."""
     now = now or datetime.now(timezone.utc)
     rows = []
+    placed = _placements(fleet)
+    templates: dict[str, str] = {}
     for w in fleet.workloads:
         ms = fleet_manifests(fleet, w.name)
-        valid = next((m for m in ms if m.state.restorable), None)
-        checked = next((m for m in ms if m.state in (CheckpointState.verified, CheckpointState.verify_failed)), None)
-        rows.append({
-            "workload": w.name, "node": w.node, "traffic": w.traffic.value,
-            "checkpoints": len(ms), "by_state": {s.value: sum(m.state == s for m in ms) for s in CheckpointState},
-            "newest": ms[0].id if ms else None, "newest_state": ms[0].state.value if ms else None,
-            "newest_reason": ms[0].state_reason if ms else None,
-            "valid": valid.id if valid else None,
-            "age_s": (now - valid.created).total_seconds() if valid else None,
-            "verified": None if checked is None else checked.state == CheckpointState.verified,
-            "bytes": sum(m.bytes for m in ms),
-            "restores": [r for m in ms for r in m.probe.get("restores", [])],
-        })
+        for m in ms:
+            if m.probe.get("template_workload"):
+                templates.setdefault(m.probe["template_workload"], m.node)
+        rows.append(_row(fleet, w.name, placed.get(w.name, w.node), w.traffic.value, ms, now))
+    for name, node in sorted(templates.items()):
+        rows.append(_row(fleet, name, node, "template", fleet_manifests(fleet, name), now))
     return rows
+
+
+def _row(fleet: Fleet, name: str, node: str, traffic: str, ms: list[Manifest], now: datetime) -> dict:
+    valid = next((m for m in ms if m.state.restorable), None)
+    checked = next((m for m in ms if m.state in (CheckpointState.verified, CheckpointState.verify_failed)), None)
+    return {
+        "workload": name, "node": node, "traffic": traffic,
+        "checkpoints": len(ms), "by_state": {s.value: sum(m.state == s for m in ms) for s in CheckpointState},
+        "newest": ms[0].id if ms else None, "newest_state": ms[0].state.value if ms else None,
+        "newest_reason": ms[0].state_reason if ms else None,
+        "valid": valid.id if valid else None,
+        "age_s": (now - valid.created).total_seconds() if valid else None,
+        "verified": None if checked is None else checked.state == CheckpointState.verified,
+        "bytes": stored_bytes(fleet, ms),
+        "restores": [r for m in ms for r in m.probe.get("restores", [])],
+    }
 
 
 class StoreCollector:
@@ -83,7 +150,8 @@ class StoreCollector:
         ver = GaugeMetricFamily("ckptflow_last_verification_ok",
                                 "1 if the newest verified-or-failed checkpoint passed verification.",
                                 labels=["workload"])
-        size = GaugeMetricFamily("ckptflow_bytes_stored", "Image bytes stored.", labels=["workload"])
+        size = GaugeMetricFamily("ckptflow_bytes_stored", "Bytes stored: images plus the chunks two-tier checkpoints "
+                                 "name, each chunk once (templates in their own series).", labels=["workload"])
         hist = HistogramMetricFamily("ckptflow_restore_duration_seconds", "Restore durations.",
                                      labels=["workload"])
         for r in rows:

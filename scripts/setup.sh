@@ -46,6 +46,20 @@ if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
   fi
 fi
 
+# podman + runc for the container workloads (issue 22, tests/test_container.py): Debian's podman
+# checkpoints through runc, which runs the first `criu` on PATH (the >= 4.2 above; the package
+# also pulls Debian's older criu into /usr/sbin, which comes later on PATH). No registry is needed:
+# the tests' image is built from local files below.
+if ! { command -v podman && command -v runc; } >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing podman and runc (Debian packages) for the container workloads" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q podman runc >/dev/null \
+      || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q podman runc >/dev/null; }
+  else
+    echo "setup: warning: podman/runc are missing; the container tests need them (apt-get install podman runc)" >&2
+  fi
+fi
+
 # The stamp ties the venv to this pyproject and interpreter; anything else changed -> reinstall.
 want="$(sha256sum pyproject.toml | cut -c1-16) $($PY -c 'import sys; print(sys.version.split()[0])')"
 if ! { [ -x .venv/bin/python ] && [ "$(cat .venv/.ckptflow-stamp 2>/dev/null)" = "$want" ]; }; then
@@ -62,6 +76,13 @@ if [ "$(id -u)" = 0 ] || { command -v cmake && command -v g++ && command -v make
 else
   echo "setup: warning: cmake/g++/make are missing and installing them needs root; the llama.cpp" \
        "tests will skip until 'sudo apt-get install cmake build-essential && ./scripts/install-llamacpp.sh'" >&2
+fi
+
+# The container tests' image (python, numpy, prometheus_client and ckptflow from this machine's
+# own files, `podman import`ed: no registry), tagged with the digest of its inputs; nothing to do
+# when that tag exists.
+if [ "$(id -u)" = 0 ] && command -v podman >/dev/null 2>&1; then
+  .venv/bin/python -m ckptflow.runners.rootfs demo-image >/dev/null
 fi
 
 # vLLM's CPU build (pinned) in its own virtualenv for the real-engine vLLM tests (~3 min once,

@@ -150,3 +150,175 @@ def test_nvml_missing_is_a_clear_unavailable():
         pass
     with pytest.raises(RunnerUnavailable, match="NVML unavailable"):
         gate_gpu_memory(GIB)
+
+
+# --- the memory gate per GPU, against a stand-in NVML ------------------------------------------
+class FakeNvml:
+    """pynvml as NVML answers on an 8-GPU node: each GPU's UUID and free memory, and the
+    compute processes on it with their used memory. ``fail``: the call that raises NVMLError."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, free_gib, procs=None, fail=None):
+        self.free = [int(f * GIB) for f in free_gib]
+        self.procs = procs or {}        # GPU index -> [(pid, bytes)]
+        self.fail = fail
+
+    def _maybe(self, call):
+        if self.fail == call:
+            raise self.NVMLError(f"{call}: NVML_ERROR_UNKNOWN")
+
+    def nvmlInit(self):
+        self._maybe("nvmlInit")
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return len(self.free)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetUUID(self, h):
+        return f"GPU-{h:08d}"
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(free=self.free[h])
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        from types import SimpleNamespace
+
+        self._maybe("nvmlDeviceGetComputeRunningProcesses")
+        return [SimpleNamespace(pid=p, usedGpuMemory=b) for p, b in self.procs.get(h, [])]
+
+
+TP8 = {i: [(100 + i, 20 * GIB)] for i in range(8)}     # a TP-8 worker: rank i (PID 100+i) on GPU i, 20 GiB each
+
+
+@pytest.fixture
+def nvml(monkeypatch):
+    def install(*a, **k):
+        import sys
+
+        fake = FakeNvml(*a, **k)
+        monkeypatch.setitem(sys.modules, "pynvml", fake)
+        return fake
+    return install
+
+
+def _tp8_manifest(tmp_path, **update):
+    from ckptflow.models import Fingerprint, Manifest
+
+    m = Manifest(id="20261130T120000Z-0a0b0c0d", workload="tp8", node="n", gpu_pids=list(range(100, 108)),
+                 gpu_footprint_bytes=160 * GIB, gpu_footprints={f"GPU-{i:08d}": 20 * GIB for i in range(8)},
+                 fingerprint=Fingerprint(gpu_uuids=[f"GPU-{i:08d}" for i in range(8)]))
+    return m.model_copy(update=update)
+
+
+def _node(tmp_path, uuids=None):
+    from ckptflow.models import Fingerprint
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.store.local import LocalStore
+
+    return NodeRunner(LocalStore(tmp_path / "store"), criu=object(), cuda=CudaRunner(backend=SimDriver([])),
+                      node_fp=Fingerprint(gpu_uuids=uuids or [f"GPU-{i:08d}" for i in range(8)]))
+
+
+def _tp8_workload():
+    from ckptflow.models import ProcessFinder, Workload
+
+    return Workload(name="tp8", node="n", find=ProcessFinder(pid_file="/run/tp8.pid"), gpu=True, tensor_parallel=8)
+
+
+def test_footprint_is_measured_per_rank_and_gpu(nvml):
+    from ckptflow.runners.cuda import process_gpu_usage
+
+    nvml([30] * 8, TP8)
+    usage = process_gpu_usage(list(range(100, 108)))
+    assert usage == {100 + i: {f"GPU-{i:08d}": 20 * GIB} for i in range(8)}
+
+
+def test_a_tp8_worker_of_8_x_20_gib_restores_onto_8_gpus_with_30_gib_free_each(tmp_path, nvml):
+    nvml([30] * 8)
+    node = _node(tmp_path)
+    node.gate_gpu_memory(_tp8_workload(), _tp8_manifest(tmp_path))  # 20 + 1 GiB on each GPU: fits
+
+
+def test_one_gpu_short_of_its_ranks_share_is_refused_naming_that_gpu(tmp_path, nvml):
+    nvml([30, 30, 30, 10, 30, 30, 30, 30])
+    with pytest.raises(NotEnoughGpuMemory) as e:
+        _node(tmp_path).gate_gpu_memory(_tp8_workload(), _tp8_manifest(tmp_path))
+    assert "GPU-00000003: 10.0 GiB free < 21.0 GiB needed" in str(e.value)
+    assert "GPU-00000002" not in str(e.value)
+
+
+def test_the_gate_follows_gpu_pairs_and_other_uuids_by_index(tmp_path, nvml):
+    nvml([30, 30, 30, 30, 30, 30, 30, 5])
+    m = _tp8_manifest(tmp_path)
+    with pytest.raises(NotEnoughGpuMemory, match="GPU-00000007: 5.0 GiB free"):  # rank 0 remapped onto GPU 7
+        _node(tmp_path).gate_gpu_memory(_tp8_workload(), m, [("GPU-00000000", "GPU-00000007"),
+                                                             ("GPU-00000007", "GPU-00000000")])
+    # Another node's UUIDs: the same index; its GPU 7 is the one short of memory.
+    other = [f"GPU-{i:08d}" for i in range(8)]
+    m2 = m.model_copy(update={"gpu_footprints": {f"GPU-old{i}": 20 * GIB for i in range(8)},
+                              "fingerprint": m.fingerprint.model_copy(update={"gpu_uuids": [f"GPU-old{i}" for i in range(8)]})})
+    with pytest.raises(NotEnoughGpuMemory, match="GPU-00000007: 5.0 GiB free"):
+        _node(tmp_path, other).gate_gpu_memory(_tp8_workload(), m2)
+
+
+def test_the_heartbeats_cuda_restore_gates_each_gpu_not_the_sum(nvml):
+    from ckptflow.runners.cuda import ProcessState
+
+    nvml([30] * 8)
+    drv = SimDriver(list(range(100, 108)))
+    cuda = CudaRunner(backend=drv)
+    need = {f"GPU-{i:08d}": 20 * GIB for i in range(8)}
+    with cuda.locked(list(range(100, 108))) as procs:
+        cuda.checkpoint(procs)
+        cuda.restore(procs, footprint_bytes=160 * GIB, need_by_gpu=need)
+    assert all(s == ProcessState.RUNNING for s in drv.st.values())
+
+
+# --- fail closed: NVML errors and unknown footprints --------------------------------------------
+@pytest.mark.fault
+@pytest.mark.parametrize("fail", ["nvmlInit", "nvmlDeviceGetComputeRunningProcesses"])
+def test_an_nvml_error_refuses_the_footprint_instead_of_reading_0(nvml, fail):
+    from ckptflow.runners.cuda import process_gpu_bytes, process_gpu_usage
+
+    nvml([30] * 8, TP8, fail=fail)
+    with pytest.raises(RunnerUnavailable, match="NVML"):
+        process_gpu_usage([100])
+    with pytest.raises(RunnerUnavailable, match="NVML"):
+        process_gpu_bytes([100])
+
+
+@pytest.mark.fault
+def test_a_gpu_checkpoint_whose_footprint_nvml_cannot_see_is_refused_before_the_lock(tmp_path, nvml, monkeypatch):
+    import ckptflow.runners.cuda as cuda_mod
+    from ckptflow.runners import node as node_mod
+
+    nvml([30] * 8, {0: [(100, 20 * GIB)]})          # NVML lists rank 0 only (e.g. another PID namespace)
+    monkeypatch.setattr(cuda_mod, "cuda_pids", lambda root: [100, 101])
+    monkeypatch.setattr(node_mod, "tp_unsupported", lambda w, pids: None)
+    node = _node(tmp_path)
+    node.cuda.backend.st.update({100: ProcessState.RUNNING, 101: ProcessState.RUNNING})
+
+    class Proc:
+        pid = 100
+
+    w = _tp8_workload().model_copy(update={"tensor_parallel": 2})
+    with pytest.raises(RunnerUnavailable, match=r"NVML attributes no GPU memory to PID\(s\) 101"):
+        node._dump_gpu(w, Proc(), tmp_path / "img", leave_running=True)
+    assert node.cuda.backend.calls == []            # nothing locked
+
+
+@pytest.mark.fault
+def test_a_gpu_checkpoint_without_a_recorded_footprint_is_refused_not_waved_through(tmp_path, nvml):
+    nvml([30] * 8)
+    m = _tp8_manifest(tmp_path, gpu_footprint_bytes=0, gpu_footprints={})
+    with pytest.raises(NotEnoughGpuMemory, match="recorded no GPU footprint"):
+        _node(tmp_path).gate_gpu_memory(_tp8_workload(), m)

@@ -200,7 +200,7 @@ def test_deploy_creates_what_the_rendered_prefect_yaml_says(tmp_path, prefect_ha
     from ckptflow.deploy import deploy
 
     fleet = _fleet(tmp_path, "dep1")
-    out = deploy(fleet, workdir=ROOT)
+    out = deploy(fleet, workdir=ROOT, api_url=API)
     spec = yaml.safe_load(out.read_text())
     with get_client(sync_client=True) as client:
         pool = client.read_work_pool("dep1-pool")
@@ -224,11 +224,11 @@ def test_deploy_creates_what_the_rendered_prefect_yaml_says(tmp_path, prefect_ha
         assert [s.schedule.interval.total_seconds() for s in heartbeat.schedules] == [300]
 
         # Again: updated in place (same ids, one schedule each); a schedule gone from the fleet file goes.
-        deploy(fleet, workdir=ROOT)
+        deploy(fleet, workdir=ROOT, api_url=API)
         again = _deployments(client, "dep1")
         assert {k: d.id for k, d in again.items()} == {k: d.id for k, d in got.items()}
         assert len(again[("ckptflow/flows/heartbeat.py:heartbeat", "dep1-node")].schedules) == 1
-        deploy(_fleet(tmp_path, "dep1", schedules=False), workdir=ROOT)
+        deploy(_fleet(tmp_path, "dep1", schedules=False), workdir=ROOT, api_url=API)
         assert _deployments(client, "dep1")[("ckptflow/flows/heartbeat.py:heartbeat", "dep1-node")].schedules == []
 
 
@@ -236,9 +236,73 @@ def test_deploy_to_a_server_that_is_not_there_is_one_line(tmp_path):
     from conftest import free_port
 
     api = f"http://127.0.0.1:{free_port()}/api"
-    out = _ckptflow(ROOT, "deploy", _fleet(tmp_path, "dep2"), PREFECT_API_URL=api)
+    out = _ckptflow(ROOT, "deploy", _fleet(tmp_path, "dep2"), "--api-url", API, PREFECT_API_URL=api)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 2, out.stderr
     assert lines[0].startswith(f"error: deploy of prefect.dep2.yaml to {api} failed at work pool dep2-pool: ")
     assert "Connection refused" in lines[0], lines[0]
     assert lines[1] == "fix: check PREFECT_API_URL points at your Prefect server"
+
+
+# --- the node workers' Prefect API URL is explicit, and never loopback on another machine -------
+LOOPBACK = "http://127.0.0.1:4200/api"
+
+
+def test_a_loopback_api_url_is_refused_for_nodes_on_other_machines(example):
+    with pytest.raises(ConfigError) as e:
+        render_node_workers(example, ROOT, api_url=LOOPBACK)
+    assert str(e.value).startswith(f"--api-url {LOOPBACK} is a loopback address: on node h200-01 (and 7 more) "
+                                   "it would name that node itself, not the Prefect server")
+    assert "--api-url http://<the Prefect server" in e.value.fix
+    assert not (example.parent / "example-h200.workers").exists()
+    # Every node on this machine (a one-box fleet, said so): loopback is right there.
+    render_node_workers(example, ROOT, api_url=LOOPBACK, all_nodes_here=True)
+
+
+def test_cli_refuses_the_shells_loopback_url_for_remote_nodes_before_writing_anything(tmp_path, example):
+    out = _ckptflow(ROOT, "deploy", example, "--render-only", PREFECT_API_URL=LOOPBACK)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 2, out.stderr
+    assert lines[0] == (f"error: this shell's PREFECT_API_URL {LOOPBACK} is a loopback address: on node h200-01 "
+                        "(and 7 more) it would name that node itself, not the Prefect server")
+    assert not (tmp_path / "prefect.example-h200.yaml").exists()
+    # Taken explicitly: written into every unit, and said where it came from when it was not.
+    out = _ckptflow(ROOT, "deploy", example, "--render-only", "--api-url", API, PREFECT_API_URL=LOOPBACK)
+    assert out.returncode == 0, out.stderr
+    assert _unit(tmp_path / "example-h200.workers/systemd/ckptflow-prefect-worker-h200-01.service")[
+        "Service"]["Environment"].count(f"PREFECT_API_URL={API}") == 1
+    out = _ckptflow(ROOT, "deploy", example, "--render-only", PREFECT_API_URL=API)
+    assert f"note: the node workers reach Prefect at {API} (this shell's PREFECT_API_URL" in out.stderr
+
+
+def test_a_one_box_fleet_keeps_its_loopback_url(tmp_path):
+    f = tmp_path / "local.yaml"
+    f.write_text((ROOT / "deployments" / "local.yaml").read_text())
+    unit, = render_node_workers(f, ROOT, api_url=LOOPBACK)["systemd"]
+    assert f"PREFECT_API_URL={LOOPBACK}" in unit.read_text()
+
+
+def test_daemonset_mounts_what_the_fleet_files_workloads_name(tmp_path):
+    f = tmp_path / "fleet.yaml"
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data["storage"]["path"] = "/var/lib/ckptflow/{node}"
+    data["workloads"][0]["find"] = {"pid_file": "/run/vllm/g0.pid"}
+    data["workloads"][0]["start_command"] = [
+        "sh", "-c", "exec /usr/bin/env vllm serve /models/llama-70b --port 8000 > /var/log/vllm/g0.log 2>&1"]
+    data["workloads"][1]["find"] = {"pid_file": "/run/vllm/g1.pid"}
+    data["workloads"][1]["start_command"] = ["llama-server", "--slot-save-path=/srv/slots/g1", "-m", "/models/q.gguf"]
+    f.write_text(yaml.safe_dump(data))
+    (ds_file,) = render_node_workers(f, ROOT, api_url=API)["kubernetes"]
+    pods = {d["metadata"]["labels"]["ckptflow.io/work-pool"]: d["spec"]["template"]["spec"]
+            for d in yaml.safe_load_all(ds_file.read_text()) if d}
+    pool = data["nodes"][0]["work_pool"]
+    pod = pods[pool]
+    vols = {v["name"]: v["hostPath"] for v in pod["volumes"]}
+    mounts = {m["mountPath"]: vols[m["name"]]["path"] for m in pod["containers"][0]["volumeMounts"]}
+    assert set(mounts) == {"/dev/shm", "/var/lib/ckptflow/h200-01", "/run/vllm", "/models", "/var/log/vllm",
+                           "/srv/slots"}
+    assert all(mounts[p] == p for p in mounts)                               # the same path on the host
+    assert "# pid file of vllm-n01-g0" in ds_file.read_text()
+    other = next(p for name, p in pods.items() if name != pool)               # no workload of those: none
+    assert {m["mountPath"] for m in other["containers"][0]["volumeMounts"]} == {
+        "/dev/shm", f"/var/lib/ckptflow/{next(n['name'] for n in data['nodes'] if n['work_pool'] != pool)}"}

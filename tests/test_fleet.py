@@ -79,6 +79,25 @@ MISTAKES = [
      "policies[0].params", "min_interval_s 600 is above max_interval_s 60"),
     ("two tiers for a TP group", lambda d: d["workloads"][0].update(tensor_parallel=2, checkpoint="two-tier"),
      "workloads[0]", "two-tier is not supported with tensor_parallel > 1 yet"),
+    ("two workloads, one metrics URL", lambda d: d["workloads"].append(
+        {"name": "w2", "node": "n1", "find": {"pid_file": "/run/w2.pid"}, "metrics_url": "http://127.0.0.1:8000/metrics"}),
+     "workloads[1].metrics_url", "'http://127.0.0.1:8000/metrics' is also the metrics_url of workloads[0] ('w1')"),
+    ("two workloads, one health URL via localhost", lambda d: (
+        d["workloads"][0].update(health_url="http://127.0.0.1:8000/health"), d["workloads"].append(
+            {"name": "w2", "node": "n1", "find": {"pid_file": "/run/w2.pid"}, "health_url": "http://localhost:8000/health"})),
+     "workloads[1].health_url", "is also the health_url of workloads[0] ('w1')"),
+    ("two workloads, one probe URL", lambda d: (
+        d["workloads"][0].update(probe_url="http://10.0.0.5:8000/digests"), d["workloads"].append(
+            {"name": "w2", "node": "n9x", "find": {"pid_file": "/run/w2.pid"}, "probe_url": "http://10.0.0.5:8000/digests"}),
+        d["nodes"].append({"name": "n9x", "work_pool": "p"})),
+     "workloads[1].probe_url", "is also the probe_url of workloads[0] ('w1'): two workloads would act on one worker"),
+    ("two workloads, one pid file", lambda d: d["workloads"].append(
+        {"name": "w2", "node": "n1", "find": {"pid_file": "/run/w1.pid"}}),
+     "workloads[1].find.pid_file", "'/run/w1.pid' is also the find.pid_file of workloads[0] ('w1')"),
+    ("misspelt storage placeholder", lambda d: d.update(storage={"path": "/var/lib/ckptflow/{nod}"}),
+     "storage.path", "unknown placeholder {nod} in '/var/lib/ckptflow/{nod}' (known: {node})"),
+    ("two tiers for llama.cpp", lambda d: d["workloads"][0].update(engine="llamacpp", checkpoint="two-tier"),
+     "workloads[0].checkpoint", "two-tier is not supported with engine: llamacpp"),
 ]
 
 
@@ -94,6 +113,17 @@ def test_mistake_names_file_path_and_expectation(tmp_path, what, edit, path, tex
     assert f"{f}: {path}" in msg, msg
     assert text in msg, msg
     assert "(line " in msg
+
+
+def test_the_same_loopback_url_and_pid_file_on_two_nodes_are_two_workers(tmp_path):
+    data = yaml.safe_load(GOOD)
+    data["nodes"].append({"name": "n2", "work_pool": "n2"})
+    data["workloads"].append({"name": "w2", "node": "n2", "find": {"pid_file": "/run/w1.pid"},
+                              "metrics_url": "http://127.0.0.1:8000/metrics"})
+    data["storage"] = {"path": "/var/lib/ckptflow/{node}"}
+    f = tmp_path / "fleet.yaml"
+    f.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert [w.node for w in load_fleet(f).workloads] == ["n1", "n2"]
 
 
 def test_not_yaml_and_missing_file(tmp_path):

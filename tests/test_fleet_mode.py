@@ -93,7 +93,8 @@ def _reap_in_background(*workers):
 
 def _deploy_and_run(prefect_fleet, fleet_file, deployment, params):
     env = prefect_fleet["env"]
-    out = subprocess.run([sys.executable, "-m", "ckptflow", "deploy", str(fleet_file)], env=env, cwd=ROOT,
+    # node-a and node-b are this machine: the loopback API URL is right for their workers.
+    out = subprocess.run([sys.executable, "-m", "ckptflow", "deploy", str(fleet_file), "--all-nodes-here"], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     out = subprocess.run([sys.executable, "-c", _RUN, deployment, json.dumps(params)], env=env, cwd=ROOT,
@@ -151,8 +152,11 @@ def test_recover_node_deployment_brings_node_a_workloads_back_on_node_b(prefect_
     # The control flows run off node-a (the lost node): here on node-b's pool.
     # A second workload of node-a never had a checkpoint nor a start command: it cannot come back,
     # and the reason travels from node-b's step to the fleet flow as the typed error it was.
+    # Its own URLs: a fleet file where two workloads share one is refused at load.
+    port = free_port()
     ghost = w.workload.model_copy(update={"name": "ghost", "start_command": None, "find": w.workload.find.model_copy(
-        update={"pid_file": str(prefect_fleet["tmp"] / "ghost.pid")})})
+        update={"pid_file": str(prefect_fleet["tmp"] / "ghost.pid")}), **{
+        k: f"http://127.0.0.1:{port}/{k}" for k in ("health_url", "metrics_url", "probe_url") if getattr(w.workload, k)}})
     # A third one has a checkpoint of an engine version it no longer runs: IncompatibleCheckpoint
     # (which takes no plain message) must reach the fleet flow typed, with the differing field.
     stale = old.workload.model_copy(update={"start_command": None})

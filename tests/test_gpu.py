@@ -79,7 +79,9 @@ def test_restore_refused_without_enough_gpu_memory(tmp_path, gpu_worker):
     m = node.checkpoint(w)
     os.kill(m.pid, signal.SIGKILL)
     huge = node.store.set_state(m, m.state)
-    huge = huge.model_copy(update={"gpu_footprint_bytes": 10 * 2**40})
+    assert m.gpu_footprints and sum(m.gpu_footprints.values()) == m.gpu_footprint_bytes  # per GPU, by UUID
+    huge = huge.model_copy(update={"gpu_footprint_bytes": 10 * 2**40,
+                                   "gpu_footprints": {u: 10 * 2**40 for u in m.gpu_footprints}})
     logs_before = set(node.criu.log_dir.glob("restore-*.log"))
     with pytest.raises(NotEnoughGpuMemory, match="needed"):
         node.restore(w, manifest=huge)

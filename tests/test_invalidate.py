@@ -160,7 +160,8 @@ def test_restore_onto_incompatible_node_is_refused_before_criu(tmp_path, demo_wo
 
 
 @pytest.mark.criu
-def test_manifest_without_fingerprint_is_checked_with_a_warning(tmp_path, demo_worker, caplog):
+def test_manifest_without_fingerprint_is_refused_unless_overridden(tmp_path, demo_worker, caplog):
+    from ckptflow.policies.compat import GATED
     from ckptflow.runners.node import NodeRunner
 
     w = demo_worker("old")
@@ -168,10 +169,13 @@ def test_manifest_without_fingerprint_is_checked_with_a_warning(tmp_path, demo_w
     node = NodeRunner(store)
     m = node.checkpoint(w.workload, leave_running=False)
     store.set_state(m.model_copy(update={"fingerprint": None}), m.state)
+    with pytest.raises(IncompatibleCheckpoint, match=r"kernel: None -> '") as e:  # nothing proves it fits here
+        node.restore(w.workload)
+    assert not list(node.criu.log_dir.glob("restore-*.log"))
     with caplog.at_level("WARNING", logger="ckptflow"):
-        res = node.restore(w.workload)
+        res = node.restore(w.workload, overrides=frozenset(f for g in GATED.values() for f in g))
     assert res.pid == m.pid
-    assert "fingerprint lacks" in caplog.text
+    assert "OVERRIDE: restoring" in caplog.text and set(e.value.differences) <= {f for g in GATED.values() for f in g}
 
 
 @pytest.mark.criu
@@ -208,3 +212,28 @@ def test_s3_fleet_reads_every_nodes_report_from_the_bucket_and_retires_bucket_co
     assert a1.get("w1", m.id).state == CheckpointState.invalidated
     assert tier.manifest("w1", m.id).state == CheckpointState.invalidated
     assert "kernel" in tier.manifest("w1", m.id).state_reason
+
+
+# --- fail closed: a field the checkpoint did not record is a difference, not a pass ---------------
+def test_a_gpu_checkpoint_without_gpu_fields_is_refused_on_a_node_that_has_them():
+    from ckptflow.policies.compat import diff
+
+    old = BASE.model_copy(update={"gpu_model": None, "gpu_count": None, "driver": None, "cuda_driver": None})
+    c = diff(old, BASE)
+    assert not c.ok and c.differences == {"gpu_model": (None, "NVIDIA H200"), "gpu_count": (None, 8),
+                                          "driver": (None, "580.159.04"), "cuda_driver": (None, "13.0")}
+    assert diff(old, BASE, overrides={"gpu_model", "gpu_count", "driver", "cuda_driver"}).ok  # explicit, loud
+    assert not diff(None, BASE).ok                                     # no fingerprint at all: nothing proven
+    cpu = BASE.model_copy(update={"gpu_model": None, "gpu_count": None, "driver": None, "cuda_driver": None})
+    assert diff(cpu, cpu, groups=("host", "gpu")).ok  # known on neither side: nothing to compare
+    assert diff(cpu, cpu, groups=("host", "gpu")).skipped == ["gpu_model", "gpu_count", "driver", "cuda_driver"]
+
+
+def test_an_old_gpu_checkpoint_is_retired_when_no_node_can_prove_it_fits():
+    from ckptflow.models import Manifest
+    from ckptflow.policies.compat import stale
+
+    old = BASE.model_copy(update={"driver": None})
+    m = Manifest(id="20261129T081500Z-1a2b3c4d", workload="w1", node="a1", fingerprint=old)
+    [(got, why)] = stale([m], {"a1": BASE}, gpu=True)
+    assert got.id == m.id and "driver: None -> '580.159.04'" in why

@@ -3,11 +3,15 @@ import sys
 
 
 def test_pure_layers_load_no_prefect():
+    # Modules vLLM imports inside its own environment (they need vllm and torch, not Prefect).
+    engine_side = {"ckptflow.engines.vllm_connector"}
     code = ("import sys, importlib, pkgutil, ckptflow\n"
+            f"engine_side = {engine_side!r}\n"
             "for pkg in ('ckptflow.policies', 'ckptflow.runners', 'ckptflow.store', 'ckptflow.engines'):\n"
             "    m = importlib.import_module(pkg)\n"
             "    for info in pkgutil.walk_packages(m.__path__, pkg + '.'):\n"
-            "        importlib.import_module(info.name)\n"
+            "        if info.name not in engine_side:\n"
+            "            importlib.import_module(info.name)\n"
             "bad = sorted(k for k in sys.modules if k == 'prefect' or k.startswith('prefect.'))\n"
             "print(len([k for k in sys.modules if k.startswith('ckptflow.')]), bad[:3])\n"
             "sys.exit(1 if bad else 0)\n")
@@ -15,3 +19,19 @@ def test_pure_layers_load_no_prefect():
     assert out.returncode == 0, f"a pure layer imported prefect: {out.stdout} {out.stderr[-2000:]}"
     # The check must have imported something, or it proves nothing.
     assert int(out.stdout.split()[0]) >= 6
+
+
+def test_the_vllm_connector_imports_only_the_engines_own_packages():
+    """vLLM loads it from its own environment: no pydantic-era ckptflow module, no Prefect."""
+    import ast
+    from pathlib import Path
+
+    src = Path(__file__).parents[1] / "ckptflow" / "engines" / "vllm_connector.py"
+    roots = set()
+    for node in ast.walk(ast.parse(src.read_text())):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            roots.add(node.module.split(".")[0])
+    assert roots <= {"__future__", "hashlib", "json", "os", "struct", "dataclasses", "pathlib", "typing",
+                     "torch", "safetensors", "vllm"}, roots

@@ -34,8 +34,8 @@ def test_enums_keep_the_strings_stored_manifests_and_alerts_hold():
 
     assert [k.value for k in CheckpointKind] == ["heartbeat", "migrate", "template", "sessions", "session"]
     assert [k.value for k in AlertKind] == ["restore_failed", "verify_failed", "invalidated", "worker_gone"]
-    assert [k.value for k in VerifyOutcome] == ["verified", "verify_failed", "skipped"]
-    assert {v.value for v in VerifyOutcome} - {"skipped"} <= {s.value for s in CheckpointState}
+    assert [k.value for k in VerifyOutcome] == ["verified", "verify_failed", "skipped", "unverified"]
+    assert {v.value for v in VerifyOutcome} - {"skipped", "unverified"} <= {s.value for s in CheckpointState}
     old = {"id": "20261129T081500Z-1a2b3c4d", "workload": "w", "node": "n", "kind": "migrate",
            "state": "verify_failed", "copies": [{"tier": "s3", "location": "s3://b/p", "at": "2026-11-29T08:15:00Z"}]}
     m = Manifest.model_validate_json(json.dumps(old))

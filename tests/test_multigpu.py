@@ -240,7 +240,7 @@ def test_a_lock_timeout_names_each_rank_and_what_it_was_doing_and_resumes_the_en
     import ckptflow.runners.cuda as cuda_mod
 
     monkeypatch.setattr(cuda_mod, "cuda_pids", lambda root: [10, 11])
-    monkeypatch.setattr(cuda_mod, "process_gpu_bytes", lambda pids: 0)
+    monkeypatch.setattr(cuda_mod, "process_gpu_usage", lambda pids: {p: {f"GPU-{p}": 2**30} for p in pids})
     monkeypatch.setattr(node_mod, "tp_unsupported", lambda w, pids: None)
     node = NodeRunner(LocalStore(tmp_path / "store"), cuda=CudaRunner(backend=TimesOut()))
 

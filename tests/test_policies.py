@@ -318,3 +318,31 @@ def test_a_registered_policy_is_chosen_by_name_from_the_fleet_file(tmp_path, mon
                  "policies: [{policy: every, params: {every_s: 5}}]\n")
     rule = load_fleet(f).policies[0]
     assert isinstance(rule.params, EveryParams) and decide(facts(), rule.policy, rule.params).interval_s == 5
+
+
+def test_a_burst_is_checkpointed_even_where_steady_checkpoints_do_not_pay():
+    # At the KV's average growth checkpoints cost more than they save (the skip above), but
+    # 500 s of new KV since the last one is more than 3 pauses (3 x 104 s): checkpoint it now.
+    d = decide(facts(mtbf_s=6000 * H, live_tokens=2e6, growth_tokens_s=300, tokens_since_ckpt=5e6))
+    assert d.action == Action.checkpoint_now and d.due
+    assert d.reason == "burst: 500 s of new KV since the last checkpoint > 3 x 104 s"
+
+
+def test_small_cost_rates_are_printed_readably():
+    # A CPU worker: a 0.3 s dump, a few hundred tokens; both rates are far below 0.1 GPU-s/h.
+    d = decide(facts(footprint_gib=0, measured_pause_s=0.3, mtbf_s=6000 * H, live_tokens=500,
+                     growth_tokens_s=1, tokens_since_ckpt=100))
+    assert d.action == Action.skip and "cost more than they save" in d.reason
+    with_ckpt, without = d.reason.split(": ", 1)[1].split(" GPU-s/h")[0].split(" vs ")
+    assert float(with_ckpt) > float(without) > 0, d.reason
+
+
+def test_a_short_session_is_protected_not_silently_lost():
+    # Left out of the checkpoint, it would be gone after a restore and its client's next turn
+    # would start a fresh session without a word.
+    from ckptflow.policies.sessions import SessionFacts, decide_sessions
+
+    [d] = decide_sessions([SessionFacts(id="q", tokens=19)])
+    assert d.protect and d.export and d.reason == "new session (19 tokens)"
+    [kept] = decide_sessions([SessionFacts(id="q", tokens=19, tokens_at_ckpt=19)])
+    assert kept.protect and not kept.export

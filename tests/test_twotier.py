@@ -94,6 +94,8 @@ def test_kill_then_template_plus_sessions_continue_token_for_token(pair, tt):
     r = tt.restore(live.workload)
     assert r.pid == r.template.pid and r.manifest.id == m.id
     assert {"weights", "sessions", "restore"} <= set(r.timings)
+    [took] = tt.store.get(live.workload.name, m.id).probe["restores"]   # counted, as status and the exporter read it
+    assert took == pytest.approx(sum(r.timings.values()), abs=0.01)
     assert live.digests() == ref.digests()
     for sid in ("a", "b"):
         assert live.complete("and then?", 16, sid) == ref.complete("and then?", 16, sid)
@@ -205,9 +207,9 @@ def test_one_template_starts_replicas_of_two_workloads_that_continue_exactly(dem
         from ckptflow.runners import engine
 
         decided = tt.store.get("two", m2.id).probe["session_decisions"]
-        assert decided["d"].startswith("short (19 tokens < 64)")         # a retry is cheaper: not protected
+        assert decided["d"] == "new session (19 tokens)"         # short, and protected: never lost silently
         for copy, info, ns, w in copies:
-            for sid in (s for s in w.digests() if s != "d"):
+            for sid in w.digests():
                 got = engine.call(w.workload, "/v1/completions", {"prompt": "next?", "max_tokens": 12,
                                                                    "session_id": sid}, base=info["base_url"], netns=ns)
                 assert got["choices"][0]["tokens"] == w.complete("next?", 12, sid)

@@ -410,10 +410,17 @@ def test_each_outcome_is_a_verify_outcome():
         ({**healthy, "golden_answer": {"tokens": [9]}}, m, VerifyOutcome.verify_failed, "golden output digest differs"),
         ({"error": "not healthy within 1 s: HTTP 503"}, m, VerifyOutcome.verify_failed, "sandbox copy not healthy"),
         (healthy, m.model_copy(update={"probe": {}}), VerifyOutcome.skipped, "the checkpoint recorded no golden"),
+        # The probe failed at checkpoint time: the sessions were never compared, so not proven.
+        (healthy, m.model_copy(update={"probe": {"golden": m.probe["golden"], "error": "probe failed: HTTP 500"}}),
+         VerifyOutcome.unverified, "healthy, but sessions not compared: probe failed: HTTP 500 (golden digest equal)"),
     ]
     for got, manifest, outcome, reason in cases:
         res = _compare(w, manifest, got, {})
         assert res.state is outcome and res.reason.startswith(reason), (res, reason)
+    # Nothing declared to compare: healthy is not verified.
+    bare = w.model_copy(update={"golden": None, "probe_url": None})
+    res = _compare(bare, m, {"health_s": 0.1}, {})
+    assert res.state is VerifyOutcome.unverified and res.reason.startswith("healthy only: no golden request or probe")
 
 
 def test_a_copy_that_never_gets_healthy_is_reported_with_the_last_error():
@@ -427,3 +434,25 @@ def test_a_copy_that_never_gets_healthy_is_reported_with_the_last_error():
         del_netns(ns)
     assert got["error"].startswith("not healthy within 0.5 s: ") and "refused" in got["error"], got
     assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.fault
+def test_a_probe_error_at_checkpoint_time_refuses_the_checkpoint(tmp_path, monkeypatch):
+    # Stored as "error", it used to switch the session check after a restore off without a word.
+    from ckptflow.errors import EngineProtocolError
+    from ckptflow.runners import node as node_mod
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.store.local import LocalStore
+
+    class NoCriu:
+        def __getattr__(self, name):
+            raise AssertionError(f"CRIU {name} called")
+
+    monkeypatch.setattr(node_mod.process, "resolve", lambda w: type("P", (), {"pid": 4242})())
+    monkeypatch.setattr(node_mod, "probe", lambda w: {"error": "probe failed: HTTP 500"})
+    store = LocalStore(tmp_path / "store")
+    w = _probe_workload()
+    with pytest.raises(EngineProtocolError, match=r"workload w: probe failed: HTTP 500 .*not checkpointing") as e:
+        NodeRunner(store, criu=NoCriu()).checkpoint(w)
+    assert e.value.retryable and "probe_url" in e.value.fix
+    assert store.list("w") == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from ckptflow.alerts import failure
 from ckptflow.errors import CheckpointNotFound, ChecksumMismatch, IncompatibleCheckpoint, WorkloadRunning
 from ckptflow.flows.steps import run_step, spreader_off
 from ckptflow.render import render
@@ -39,13 +40,11 @@ def recover(fleet_file: str, workload: str, node: str | None = None, via_deploym
     try:
         res = run_step(target, "restore", fleet_file, workload, None, via_deployments)
     except _NO_CHECKPOINT as e:
-        reason = str(e).splitlines()[0]
+        f = failure(e)
         cold = run_step(target, "cold_start", fleet_file, workload, None, via_deployments) if w.start_command else None
-        alert_restore_failed(fleet.scope(), workload, w.node, reason, None,
-                             f"cold start on {target} ({cold['cold_start_s']:.1f} s)" if cold else None)
-        create_markdown_artifact(key=f"restore-{workload}", markdown=render(
-            "restore_report.md.j2", workload=workload, node=target, result=None, skipped=[],
-            error=reason + (f" — cold started in {cold['cold_start_s']:.1f} s" if cold else "")))
+        f["fallback"] = (f"cold start on {target} ({cold['cold_start_s']:.1f} s)" if cold else
+                         f"none: {workload} declares no start_command")
+        _report_failure(fleet, workload, w.node, target, f)
         if cold is None:
             raise
         _place(fleet, workload, w.node, target, None)
@@ -53,11 +52,9 @@ def recover(fleet_file: str, workload: str, node: str | None = None, via_deploym
     except WorkloadRunning:  # nothing is wrong: no alert, the refusal says why
         raise
     except Exception as e:
-        alert_restore_failed(fleet.scope(), workload, w.node, str(e).splitlines()[0], None, None,
-                             getattr(e, "log_tail", ""))
-        create_markdown_artifact(key=f"restore-{workload}", markdown=render(
-            "restore_report.md.j2", workload=workload, node=target, result=None,
-            error=str(e).splitlines()[0], skipped=[]))
+        f = failure(e)
+        f["fallback"] = "none: the restore broke, so no cold start was tried over what it left"
+        _report_failure(fleet, workload, w.node, target, f)
         raise
     if any(s["id"] == res["checkpoint"] for s in res["skipped"]):  # a bad node copy, a good bucket one
         how = f"restored from the bucket copy of checkpoint {res['checkpoint']} (this node's copy failed its checks)"
@@ -71,6 +68,15 @@ def recover(fleet_file: str, workload: str, node: str | None = None, via_deploym
                              markdown=render("restore_report.md.j2", workload=workload, node=target,
                                              result=res, error=None, skipped=res["skipped"]))
     return {**res, "cold_start": False}
+
+
+def _report_failure(fleet, workload: str, node: str, target: str, f: dict) -> None:
+    """The restore-failed alert and the restore artifact, both naming the checkpoint tried, the
+    fallback, the cause's first line and the fix (``alerts.failure`` of the error)."""
+    alert_restore_failed(fleet.scope(), workload, node, f["reason"], f["checkpoint"], f["fallback"], f["log_tail"],
+                         cause=f["cause"], fix=f["fix"])
+    create_markdown_artifact(key=f"restore-{workload}", markdown=render(
+        "restore_report.md.j2", workload=workload, node=target, result=None, skipped=[], error=f["reason"], failed=f))
 
 
 def _place(fleet, workload: str, was: str, now: str, checkpoint: str | None) -> None:

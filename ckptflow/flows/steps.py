@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 from prefect.deployments import run_deployment
+from prefect.exceptions import MissingResult
 from prefect.runtime import flow_run
 
 from ckptflow.errors import CkptflowError
 
 
 class StepFailed(RuntimeError):
-    pass
+    """A node step failed with an error that is not a ckptflow error (or none came back).
+    ``error_type``: the name of the step's own exception class, when Prefect kept it (so a
+    ``KeyError`` in a node step is still named as one in the fleet flow's report)."""
+
+    def __init__(self, message: str, error_type: str | None = None):
+        self.error_type = error_type
+        super().__init__(message)
 
 
 def run_step(node: str, action: str, fleet_file: str, workload: str, checkpoint: str | None = None,
@@ -30,16 +37,20 @@ def run_step(node: str, action: str, fleet_file: str, workload: str, checkpoint:
                         idempotency_key=f"{flow_run.get_id()}-{action}-{workload}-{node}")
     if fr.state and fr.state.is_completed():
         return fr.state.result()
+    where = (f"{action} of {workload} on {node}: flow run {fr.id} ended "
+             f"{fr.state.name if fr.state else 'without a state'}")
     if fr.state and fr.state.is_failed():
         try:
             fr.state.result()
         except CkptflowError:
             raise
-        except Exception:
+        except MissingResult:  # the step's exception was not kept: its state message says what failed
             pass
-    raise StepFailed(f"{action} of {workload} on {node}: flow run {fr.id} ended "
-                     f"{fr.state.name if fr.state else 'without a state'}"
-                     + (f": {fr.state.message}" if fr.state and fr.state.message else ""))
+        except Exception as e:  # keep what failed: its type and first line, and the chain
+            first = (str(e).splitlines() or [""])[0]
+            raise StepFailed(f"{where}: {type(e).__name__}" + (f": {first}" if first else ""),
+                             error_type=type(e).__name__) from e
+    raise StepFailed(where + (f": {fr.state.message}" if fr.state and fr.state.message else ""))
 
 
 def spreader_off(fleet, node: str, now: float | None = None):

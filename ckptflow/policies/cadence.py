@@ -253,9 +253,15 @@ def cost_based_interval(f: WorkloadFacts, cost: CostModel, min_s: float = 0.0, m
         pause = f"C={c:.0f}s"
     numbers = (f"{pause}, M={_fmt(f.mtbf_s)}, KV at risk {a:.0f} GPU-s growing {g * 3600:.0f}/h")
     if with_ckpt >= without:
-        return INF, (f"checkpoints cost more than they save: {with_ckpt * 3600:.1f} vs "
-                     f"{without * 3600:.1f} GPU-s/h ({numbers})")
-    return tau, f"Daly interval {_fmt(tau)} saves {(without - with_ckpt) * 3600:.1f} GPU-s/h ({numbers})"
+        return INF, (f"checkpoints cost more than they save: {_rate(with_ckpt * 3600)} vs "
+                     f"{_rate(without * 3600)} GPU-s/h ({numbers})")
+    return tau, f"Daly interval {_fmt(tau)} saves {_rate((without - with_ckpt) * 3600)} GPU-s/h ({numbers})"
+
+
+def _rate(x: float) -> str:
+    """A cost rate that stays readable when small: two significant digits below 0.1 (a CPU worker's
+    rates are in millionths of a GPU-second per hour; '0.0 vs 0.0' told nothing)."""
+    return "inf" if x == INF else (f"{x:.1f}" if abs(x) >= 0.1 or x == 0 else f"{x:.2g}")
 
 
 class PolicyParams(BaseModel):
@@ -389,13 +395,16 @@ def decide_cost_based(f: WorkloadFacts, params: CostBasedParams, cost: CostModel
     if f.newest_invalidated and at_risk_s > 0 and tau != INF:
         return Decision(workload=f.name, action=Action.checkpoint_now, interval_s=tau, due=True,
                         reason=f"newest checkpoint invalidated; {at_risk_s:.0f} s of KV unprotected")
+    # A burst is judged before the steady-state skip: checkpoints that do not pay at the KV's
+    # average growth still pay for a burst of it (then against pauses' worth alone).
+    g = f.growth_tokens_s / cost.prefill_tokens_s
+    worth = c if tau == INF else max(g * tau, c)
+    if f.tokens_since_ckpt is not None and at_risk_s > burst_factor * worth:
+        return Decision(workload=f.name, action=Action.checkpoint_now, interval_s=None if tau == INF else tau,
+                        due=True, reason=f"burst: {at_risk_s:.0f} s of new KV since the last checkpoint "
+                                         f"> {burst_factor:g} x {worth:.0f} s")
     if tau == INF:
         return Decision(workload=f.name, action=Action.skip, reason=why)
-    g = f.growth_tokens_s / cost.prefill_tokens_s
-    if f.tokens_since_ckpt is not None and at_risk_s > burst_factor * max(g * tau, c):
-        return Decision(workload=f.name, action=Action.checkpoint_now, interval_s=tau, due=True,
-                        reason=f"burst: {at_risk_s:.0f} s of new KV since the last checkpoint "
-                               f"> {burst_factor:g} x {max(g * tau, c):.0f} s")
     due = f.seconds_since_ckpt is None or f.seconds_since_ckpt >= tau
     return Decision(workload=f.name, action=Action.protect, interval_s=tau, due=due, reason=why)
 

@@ -7,8 +7,13 @@ Gated fields (any difference refuses the restore before a CRIU or CUDA call):
 | host     | arch, kernel, glibc, criu                 | CRIU images and mapped libraries are tied to them |
 | gpu      | gpu_model, gpu_count, driver, cuda_driver | the driver restores device state it wrote    |
 | workload | engine, engine_version, model_id, model_revision | a restored engine would serve the old model |
+| container | container_runtime, oci_runtime (container workloads) | the runtime writes and reads its own export format |
 
 Not gated: GPU UUIDs (remapped on restore), python and ckptflow versions (recorded only).
+
+A gated field the checkpoint did not record (an older manifest, a node without NVML) while this
+node knows it is a difference, not a pass: nothing says the checkpoint was taken on the same
+driver, so it is refused like any other difference (``None -> '580.1'``) unless overridden.
 
 Example:
     >>> diff(Fingerprint(driver="580.1"), Fingerprint(driver="590.2")).differences
@@ -25,13 +30,14 @@ GATED = {
     "host": ("arch", "kernel", "glibc", "criu"),
     "gpu": ("gpu_model", "gpu_count", "driver", "cuda_driver"),
     "workload": ("engine", "engine_version", "model_id", "model_revision"),
+    "container": ("container_runtime", "oci_runtime"),
 }
 
 
 @dataclass
 class Compat:
     differences: dict[str, tuple[object, object]] = field(default_factory=dict)
-    skipped: list[str] = field(default_factory=list)      # missing in the older fingerprint
+    skipped: list[str] = field(default_factory=list)      # known on neither side: nothing to compare
     overridden: dict[str, tuple[object, object]] = field(default_factory=dict)
 
     @property
@@ -46,24 +52,28 @@ def diff(old: Fingerprint | None, new: Fingerprint, overrides: frozenset[str] | 
          groups: tuple[str, ...] = ("host", "gpu", "workload")) -> Compat:
     """Differences of the gated fields, old -> new.
 
-    A field the old fingerprint lacks (an older manifest) is skipped, not failed; a field in
-    ``overrides`` is reported as overridden instead of refused.
+    A field the old fingerprint lacks (an older manifest, or no fingerprint at all) while the new
+    one has it is a difference (fail closed); a field neither knows is listed in ``skipped``; a
+    field in ``overrides`` is reported as overridden instead of refused.
+
+    Example:
+        >>> diff(Fingerprint(), Fingerprint(driver="580.1"), groups=("gpu",)).differences
+        {'driver': (None, '580.1')}
     """
     out = Compat()
-    if old is None:
-        out.skipped = [f for g in groups for f in GATED[g]]
-        return out
+    old = old if old is not None else Fingerprint()
     for g in groups:
         for f in GATED[g]:
             a, b = getattr(old, f, None), getattr(new, f, None)
-            if a is None:
+            if a is None and b is None:
                 out.skipped.append(f)
             elif a != b:
                 (out.overridden if f in overrides else out.differences)[f] = (a, b)
     return out
 
 
-def stale(manifests: list[Manifest], current: dict[str, Fingerprint], gpu: bool) -> list[tuple[Manifest, str]]:
+def stale(manifests: list[Manifest], current: dict[str, Fingerprint], gpu: bool,
+          container: bool = False) -> list[tuple[Manifest, str]]:
     """Restorable checkpoints that no eligible node can restore any more, with the reason.
 
     ``current`` maps each eligible node (same GPU class as the workload's node) to its
@@ -73,6 +83,7 @@ def stale(manifests: list[Manifest], current: dict[str, Fingerprint], gpu: bool)
     if not current:
         return []
     groups = ("host", "gpu", "workload") if gpu else ("host", "workload")
+    groups += ("container",) if container else ()  # a container workload: its runtime's versions too
     out = []
     for m in manifests:
         if not m.state.restorable:

@@ -1,26 +1,31 @@
 """Which sessions a two-tier heartbeat protects, and which it moves: one decision per session.
 
 The workload's cadence policy (cadence.py) decides *when* a heartbeat runs; this decides *what*
-goes into it. A short session is never protected (a retry re-prefills it faster than a
-checkpoint moves it); a long one is exported when it changed since its last checkpoint and
-otherwise kept as it was checkpointed (no bytes move). Pure: facts in, decisions with a
+goes into it. Every session is protected, short ones too: a session left out of the checkpoint
+is gone after a restore, and its client's next turn would silently start a fresh one (the
+engine cannot tell a lost session from a new one), which no retry-cost saving is worth — a short
+session's chunks are small. A session is exported when it changed since its last checkpoint
+and otherwise kept as it was checkpointed (no bytes move). Pure: facts in, decisions with a
 one-line reason out.
 
 Example:
     >>> ds = decide_sessions([SessionFacts(id="chat", tokens=4000, tokens_at_ckpt=3500),
     ...                       SessionFacts(id="q", tokens=20),
-    ...                       SessionFacts(id="idle", tokens=900, tokens_at_ckpt=900)], min_tokens=64)
+    ...                       SessionFacts(id="idle", tokens=900, tokens_at_ckpt=900)])
     >>> [(d.id, d.protect, d.export) for d in ds]
-    [('chat', True, True), ('q', False, False), ('idle', True, False)]
-    >>> ds[0].reason
-    'grew by 500 tokens since its last checkpoint (4000 held)'
+    [('chat', True, True), ('q', True, True), ('idle', True, False)]
+    >>> ds[0].reason, ds[1].reason
+    ('grew by 500 tokens since its last checkpoint (4000 held)', 'new session (20 tokens)')
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-MIN_TOKENS = 64  # below this a retry re-prefills the session in well under a checkpoint's pause
+# Sessions shorter than this are left out of a checkpoint. 0: none is. A positive value loses
+# those sessions in a restore without their clients being told (they restart fresh), so it is
+# for an engine that answers a lost session with an error, not the default.
+MIN_TOKENS = 0
 
 
 class SessionFacts(BaseModel):
@@ -44,11 +49,11 @@ def decide_sessions(sessions: list[SessionFacts], *, min_tokens: int = MIN_TOKEN
     for s in sessions:
         if s.tokens < min_tokens:
             out.append(SessionDecision(id=s.id, protect=False, export=False,
-                                       reason=f"short ({s.tokens} tokens < {min_tokens}): a retry re-prefills it "
-                                              "faster than a checkpoint moves it"))
+                                       reason=f"short ({s.tokens} tokens < min_tokens {min_tokens}): left out, "
+                                              "lost in a restore"))
         elif s.tokens_at_ckpt is None:
             out.append(SessionDecision(id=s.id, protect=True, export=True,
-                                       reason=f"new long session ({s.tokens} tokens)"))
+                                       reason=f"new session ({s.tokens} tokens)"))
         elif s.tokens == s.tokens_at_ckpt:
             out.append(SessionDecision(id=s.id, protect=True, export=False,
                                        reason=f"unchanged since its last checkpoint ({s.tokens} tokens)"))

@@ -17,6 +17,13 @@ def cold_start(w: Workload) -> tuple[int, float]:
     Raises:
         RestoreFailed: no start_command is declared, or the worker never became healthy.
     """
+    if w.container is not None and w.container.image:  # `podman run` of its declared image
+        from ckptflow.runners.container import ContainerRunner
+        from ckptflow.runners.node import NodeRunner
+        from ckptflow.store.local import LocalStore
+
+        with NodeRunner(LocalStore(".")) as node:  # no store is read: only the runtime is called
+            return ContainerRunner(node).start(w)
     if not w.start_command:
         raise RestoreFailed(f"workload {w.name}: no checkpoint can be restored and no start_command is declared",
                             fix="declare start_command in the fleet file, or start the worker by hand")

@@ -51,6 +51,7 @@ class CudaProcess:
     state: ProcessState = ProcessState.RUNNING
     footprint: int = 0          # GPU bytes NVML saw before the checkpoint (gates a restore)
     timings: dict[str, float] = field(default_factory=dict)
+    gpus: dict[str, int] = field(default_factory=dict)  # GPU UUID -> bytes of ``footprint`` held there
 
 
 class DriverBackend:
@@ -226,10 +227,14 @@ class CudaRunner:
 
     # --- steps ---------------------------------------------------------------------------
     def lock(self, pids: list[int], footprints: dict[int, int] | None = None,
-             explain: Callable[[], str] | None = None) -> list[CudaProcess]:
+             explain: Callable[[], str] | None = None,
+             usage: dict[int, dict[str, int]] | None = None) -> list[CudaProcess]:
         """Lock every process, or none. ``explain`` says what the engine's processes were doing,
-        for the error of a lock that timed out (e.g. a rank inside a collective)."""
-        procs = [CudaProcess(pid, footprint=(footprints or {}).get(pid, 0)) for pid in pids]
+        for the error of a lock that timed out (e.g. a rank inside a collective). ``usage``: each
+        PID's bytes per GPU (``process_gpu_usage``), which gates the restore of a failed step."""
+        usage = usage or {}
+        procs = [CudaProcess(pid, footprint=(footprints or {}).get(pid, sum(usage.get(pid, {}).values())),
+                             gpus=dict(usage.get(pid, {}))) for pid in pids]
         self._need()
         self._expect(procs, ProcessState.RUNNING, "lock")
         try:
@@ -247,14 +252,20 @@ class CudaRunner:
         self._each(procs, "checkpoint", self.backend.checkpoint)
 
     def restore(self, procs: list[CudaProcess], *, footprint_bytes: int = 0,
-                gpu_pairs: list[tuple[str, str]] | None = None, free_bytes: int | None = None) -> None:
-        """Bring device memory back. Refuses first when free GPU memory is too small.
+                gpu_pairs: list[tuple[str, str]] | None = None, free_bytes: int | None = None,
+                need_by_gpu: dict[str, int] | None = None, free_by_gpu: dict[str, int] | None = None) -> None:
+        """Bring device memory back. Refuses first when free GPU memory is too small: each GPU's
+        own free memory against what the worker's processes need on it (``need_by_gpu``, target
+        GPU UUID -> bytes: a TP worker's ranks each on their GPU), else ``footprint_bytes`` against
+        the GPU with the most free memory (one GPU process).
 
         Raises:
             NotEnoughGpuMemory: free < footprint + margin (the worker stays CHECKPOINTED, intact).
         """
         self._expect(procs, ProcessState.CHECKPOINTED, "restore")
-        if footprint_bytes:
+        if need_by_gpu:
+            gate_gpu_memory_per_gpu(need_by_gpu, free_by_gpu)
+        elif footprint_bytes:
             gate_gpu_memory(footprint_bytes, free_bytes)
         self._each(procs, "restore", lambda pid: self.backend.restore(pid, gpu_pairs))
 
@@ -271,7 +282,10 @@ class CudaRunner:
             try:
                 st = self.state(p.pid)
                 if st == ProcessState.CHECKPOINTED:
-                    gate_gpu_memory(p.footprint)
+                    if p.gpus:  # each GPU it held, against that GPU's own free memory
+                        gate_gpu_memory_per_gpu(p.gpus)
+                    else:
+                        gate_gpu_memory(p.footprint)
                     if self.backend.restore(p.pid, None) == 0:
                         st = ProcessState.LOCKED
                 if st == ProcessState.LOCKED and self.backend.unlock(p.pid) == 0:
@@ -285,9 +299,10 @@ class CudaRunner:
 
     @contextmanager
     def locked(self, pids: list[int], footprints: dict[int, int] | None = None,
-               explain: Callable[[], str] | None = None) -> Iterator[list[CudaProcess]]:
+               explain: Callable[[], str] | None = None,
+               usage: dict[int, dict[str, int]] | None = None) -> Iterator[list[CudaProcess]]:
         """Lock on entry; on any exception inside, restore + unlock every PID, then re-raise."""
-        procs = self.lock(pids, footprints, explain)
+        procs = self.lock(pids, footprints, explain, usage)
         try:
             yield procs
         except BaseException as e:
@@ -333,24 +348,125 @@ def gate_gpu_memory(footprint_bytes: int, free_bytes: int | None = None,
             fix="free GPU memory (stop or move another worker) or restore on another node")
 
 
-def process_gpu_bytes(pids: list[int]) -> int:
-    """GPU memory NVML attributes to ``pids`` (0 when NVML cannot say)."""
+def gpu_free_by_uuid() -> dict[str, int]:
+    """Free memory of each GPU of this node, by UUID (NVML).
+
+    Raises:
+        RunnerUnavailable: NVML cannot be read (no GPU here, no driver, or an NVML error).
+    """
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        raise RunnerUnavailable(f"NVML unavailable: {e}", fix="no GPU here, or the driver is not loaded") from None
+    try:
+        out = {}
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            out[_text(pynvml.nvmlDeviceGetUUID(h))] = pynvml.nvmlDeviceGetMemoryInfo(h).free
+        return out
+    except pynvml.NVMLError as e:
+        raise RunnerUnavailable(f"NVML could not read the GPUs' free memory: {e}",
+                                fix="check the driver (nvidia-smi); no restore is gated on a guess") from None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def gate_gpu_memory_per_gpu(need_by_gpu: dict[str, int], free_by_gpu: dict[str, int] | None = None,
+                            margin_gib: float = RESTORE_MARGIN_GIB) -> None:
+    """Raise NotEnoughGpuMemory unless every GPU has free >= what is needed on it + margin.
+
+    ``need_by_gpu``: target GPU UUID -> bytes (a TP-8 worker of 8 x 20 GiB needs 20 GiB + margin
+    on each of its 8 GPUs, not 160 GiB on one). A target GPU this node does not have is refused.
+
+    Example:
+        >>> gate_gpu_memory_per_gpu({"GPU-a": 20 * 2**30, "GPU-b": 20 * 2**30},
+        ...                         {"GPU-a": 30 * 2**30, "GPU-b": 30 * 2**30})   # each fits its own GPU
+    """
+    free = gpu_free_by_uuid() if free_by_gpu is None else free_by_gpu
+    margin = int(margin_gib * 2**30)
+    short = []
+    for uuid, need in sorted(need_by_gpu.items()):
+        if uuid not in free:
+            short.append(f"{uuid}: not on this node (its GPUs: {', '.join(sorted(free)) or 'none'})")
+        elif need and free[uuid] < need + margin:
+            short.append(f"{uuid}: {free[uuid] / 2**30:.1f} GiB free < {(need + margin) / 2**30:.1f} GiB needed "
+                         f"(footprint {need / 2**30:.1f} GiB + {margin_gib:g} GiB margin)")
+    if short:
+        raise NotEnoughGpuMemory(
+            f"not restoring: {'; '.join(short)}; a restore that runs out of memory breaks the worker for good",
+            fix="free GPU memory on those GPUs (stop or move another worker), remap the worker onto GPUs with "
+                "room (gpu_pairs), or restore on another node")
+
+
+def restore_needs(gpu_footprints: dict[str, int], gpu_pairs: list[tuple[str, str]] | None = None,
+                  taken_on: list[str] | None = None, here: list[str] | None = None) -> dict[str, int]:
+    """What a restore needs on each GPU of this node: the checkpoint's bytes per GPU (by the UUID
+    it ran on), moved to where the restore puts them — ``gpu_pairs`` (old -> new UUID), else the
+    same GPU when this node has it, else the GPU of the same index (``taken_on``: the checkpoint
+    node's UUIDs in index order; ``here``: this node's).
+
+    Example:
+        >>> restore_needs({"GPU-a": 5, "GPU-b": 7}, [("GPU-a", "GPU-b"), ("GPU-b", "GPU-a")])
+        {'GPU-b': 5, 'GPU-a': 7}
+        >>> restore_needs({"GPU-a": 5}, taken_on=["GPU-x", "GPU-a"], here=["GPU-0", "GPU-1"])
+        {'GPU-1': 5}
+    """
+    pairs = dict(gpu_pairs or [])
+    out: dict[str, int] = {}
+    for old, need in gpu_footprints.items():
+        new = pairs.get(old, old)
+        if new == old and here and old not in here and taken_on and old in taken_on and taken_on.index(old) < len(here):
+            new = here[taken_on.index(old)]
+        out[new] = out.get(new, 0) + need
+    return out
+
+
+def process_gpu_usage(pids: list[int]) -> dict[int, dict[str, int]]:
+    """GPU memory NVML attributes to each of ``pids``, per GPU UUID ({pid: {uuid: bytes}}; a PID
+    NVML does not list is absent).
+
+    Raises:
+        RunnerUnavailable: NVML cannot be read. The caller refuses the checkpoint: a footprint
+            read as 0 would switch the restore's memory gate off.
+    """
     try:
         import pynvml
 
         pynvml.nvmlInit()
-    except Exception:
-        return 0
+    except Exception as e:
+        raise RunnerUnavailable(f"NVML unavailable, so the GPU footprint cannot be measured: {e}",
+                                fix="check the driver (nvidia-smi) and nvidia-ml-py on the node") from None
     try:
-        total = 0
+        out: dict[int, dict[str, int]] = {}
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            uuid = None
             for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
                 if p.pid in pids and p.usedGpuMemory:
-                    total += p.usedGpuMemory
-        return total
+                    uuid = uuid or _text(pynvml.nvmlDeviceGetUUID(h))
+                    per = out.setdefault(p.pid, {})
+                    per[uuid] = per.get(uuid, 0) + p.usedGpuMemory
+        return out
+    except pynvml.NVMLError as e:
+        raise RunnerUnavailable(f"NVML could not list the GPU processes: {e}",
+                                fix="check the driver (nvidia-smi); retry once it answers") from None
     finally:
         pynvml.nvmlShutdown()
+
+
+def process_gpu_bytes(pids: list[int]) -> int:
+    """GPU memory NVML attributes to ``pids``, all GPUs together.
+
+    Raises:
+        RunnerUnavailable: NVML cannot be read (see ``process_gpu_usage``).
+    """
+    return sum(b for per in process_gpu_usage(pids).values() for b in per.values())
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def cuda_pids(root_pid: int) -> list[int]:

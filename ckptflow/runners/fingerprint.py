@@ -69,9 +69,12 @@ def node_fingerprint(criu_bin: str | None = None) -> Fingerprint:
     if why:
         notes["criu"] = why
     libc = platform.libc_ver()
+    from ckptflow.runners.container import runtime_versions  # podman and runc, where installed
+
     return Fingerprint(arch=platform.machine(), kernel=platform.release(),
                        glibc=libc[1] if libc[0] == "glibc" else None, criu=criu,
-                       python=platform.python_version(), ckptflow=ckptflow.__version__, notes=notes, **gpu)
+                       python=platform.python_version(), ckptflow=ckptflow.__version__, notes=notes, **gpu,
+                       **runtime_versions())
 
 
 def workload_fingerprint(w: Workload, node: Fingerprint | None = None) -> Fingerprint:

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError,
-                             IncompatibleCheckpoint, RestoreFailed, StorageUnavailable, UndeclaredProcess,
-                             UnsupportedWorkload, WorkloadNotFound, WorkloadRunning)
+from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError, CriuError, EngineProtocolError,
+                             IncompatibleCheckpoint, NotEnoughGpuMemory, RestoreFailed, RunnerUnavailable,
+                             StorageUnavailable, UndeclaredProcess, UnsupportedWorkload, WorkloadNotFound,
+                             WorkloadRunning)
 from ckptflow.models import CheckpointKind, CheckpointState, Fingerprint, Manifest, Workload
 from ckptflow.policies.compat import diff
 from ckptflow.policies.multigpu import FIX as TP_FIX
@@ -89,11 +90,45 @@ class NodeRunner:
         groups = ("host", "gpu", "workload") if w.gpu else ("host", "workload")
         c = diff(m.fingerprint, workload_fingerprint(w, self.node_fp), overrides, groups)
         if c.skipped:
-            log.warning("checkpoint %s of %s: fingerprint lacks %s; not checked", m.id, w.name, ", ".join(c.skipped))
+            log.warning("checkpoint %s of %s: neither it nor this node records %s; not checked", m.id, w.name,
+                        ", ".join(c.skipped))
         for f, (a, b) in c.overridden.items():
             log.warning("OVERRIDE: restoring %s of %s although %s differs: %r -> %r", m.id, w.name, f, a, b)
         if not c.ok:
             raise IncompatibleCheckpoint(c.differences, checkpoint=m.id)
+
+    def restore_needs(self, m: Manifest, gpu_pairs: list[tuple[str, str]] | None = None) -> dict[str, int]:
+        """Bytes a restore of ``m`` needs on each of this node's GPUs (by UUID); {} for a checkpoint
+        that recorded its footprint as one total only (older manifests)."""
+        from ckptflow.runners.cuda import restore_needs
+
+        if not m.gpu_footprints:
+            return {}
+        return restore_needs(m.gpu_footprints, gpu_pairs, m.fingerprint.gpu_uuids if m.fingerprint else None,
+                             self.node_fp.gpu_uuids)
+
+    def gate_gpu_memory(self, w: Workload, m: Manifest, gpu_pairs: list[tuple[str, str]] | None = None) -> None:
+        """Refuse a GPU restore that would not fit, before any CRIU or CUDA call: each target GPU
+        against what the checkpoint held on it (every rank of a TP worker on its own GPU).
+
+        Raises:
+            NotEnoughGpuMemory: a GPU has too little free memory, or the checkpoint recorded no GPU
+                footprint at all (nothing to check it against: refused, not waved through).
+            RunnerUnavailable: NVML cannot be read here.
+        """
+        from ckptflow.runners.cuda import gate_gpu_memory, gate_gpu_memory_per_gpu
+
+        need = self.restore_needs(m, gpu_pairs)
+        if need:
+            gate_gpu_memory_per_gpu(need)
+        elif m.gpu_footprint_bytes:
+            gate_gpu_memory(m.gpu_footprint_bytes)
+        else:
+            raise NotEnoughGpuMemory(
+                f"checkpoint {m.id} of GPU workload {w.name} recorded no GPU footprint, so free GPU memory cannot "
+                "be checked before its restore; not restoring (one that runs out of memory breaks the worker)",
+                fix="take a new checkpoint with this ckptflow (it refuses to checkpoint when NVML cannot say), "
+                    "or cold start the worker")
 
     @property
     def cuda(self) -> "CudaRunner":
@@ -103,9 +138,17 @@ class NodeRunner:
             self._cuda = CudaRunner()
         return self._cuda
 
-    def _dump_gpu(self, w: Workload, proc, images_dir: Path, leave_running: bool) -> tuple[int, dict, int, list[int]]:
-        """lock -> checkpoint -> CRIU dump [-> restore -> unlock]; unlock on any failure."""
-        from ckptflow.runners.cuda import cuda_pids, process_gpu_bytes
+    def _dump_gpu(self, w: Workload, proc, images_dir: Path,
+                  leave_running: bool) -> tuple[int, dict, int, list[int], dict[str, int]]:
+        """lock -> checkpoint -> CRIU dump [-> restore -> unlock]; unlock on any failure.
+        Returns the dumped PID, timings, the footprint (all GPUs), the CUDA PIDs and the footprint
+        per GPU UUID.
+
+        Raises:
+            RunnerUnavailable: NVML cannot say what GPU memory the worker holds (before any lock):
+                without it no restore of this checkpoint could be gated.
+        """
+        from ckptflow.runners.cuda import cuda_pids, process_gpu_usage
 
         t: dict[str, float] = {}
         pids = cuda_pids(proc.pid)
@@ -116,12 +159,28 @@ class NodeRunner:
         quiesced, took = engine.quiesce(w, tp=len(pids) > 1)
         if took is not None:
             t["prepare"] = took
-        footprints = {pid: process_gpu_bytes([pid]) for pid in pids}
         url = quiesced.get("ranks_url")
+        try:
+            usage = process_gpu_usage(pids)
+            unseen = [p for p in pids if not sum(usage.get(p, {}).values())]
+            if unseen:  # a footprint read as 0 would let any restore of this checkpoint through the gate
+                raise RunnerUnavailable(
+                    f"workload {w.name}: NVML attributes no GPU memory to PID(s) {', '.join(map(str, unseen))} "
+                    f"(of {', '.join(map(str, pids))}), so a restore could not be checked against free GPU memory; "
+                    "not checkpointing", fix="run ckptflow's worker in the worker's PID namespace (hostPID for a pod), "
+                    "where NVML's PIDs are the worker's")
+            footprints = {pid: sum(usage[pid].values()) for pid in pids}
+            per_gpu: dict[str, int] = {}
+            for per in usage.values():
+                for uuid, n in per.items():
+                    per_gpu[uuid] = per_gpu.get(uuid, 0) + n
+        except BaseException:
+            engine.resume(w)  # quiesced above: it serves again
+            raise
         t0 = time.perf_counter()
         try:
             # Any failure inside: restore + unlock every rank, then re-raise (CudaRunner.locked).
-            with self.cuda.locked(pids, footprints, explain=lambda: engine.rank_states(url)) as procs:
+            with self.cuda.locked(pids, footprints, explain=lambda: engine.rank_states(url), usage=usage) as procs:
                 t["lock"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 self.cuda.checkpoint(procs)
@@ -130,7 +189,7 @@ class NodeRunner:
                 t["dump"] = res.seconds
                 if leave_running:
                     t0 = time.perf_counter()
-                    self.cuda.restore(procs, footprint_bytes=sum(footprints.values()))
+                    self.cuda.restore(procs, need_by_gpu=per_gpu)  # each GPU against its own share
                     t["cuda_restore"] = time.perf_counter() - t0
                     t0 = time.perf_counter()
                     self.cuda.unlock(procs)
@@ -138,7 +197,7 @@ class NodeRunner:
         finally:
             engine.resume(w)  # a quiesced engine serves again, whatever happened
         t["pause"] = sum(v for k, v in t.items() if k != "prepare")  # prepare runs while serving
-        return res.pid, {k: round(v, 4) for k, v in t.items()}, sum(footprints.values()), pids
+        return res.pid, {k: round(v, 4) for k, v in t.items()}, sum(footprints.values()), pids, per_gpu
 
     def checkpoint(self, w: Workload, *, leave_running: bool = True, kind: str | None = None) -> Manifest:
         """Dump ``w`` into the store and commit its manifest.
@@ -148,23 +207,35 @@ class NodeRunner:
             CriuError: the dump failed (bytes discarded; the worker keeps running on heartbeat).
             StorageFull: the volume filled up (bytes discarded).
         """
+        if w.container is not None:  # through the container runtime (runners/container.py)
+            from ckptflow.runners.container import ContainerRunner
+
+            return ContainerRunner(self).checkpoint(w, leave_running=leave_running, kind=kind)
         with self.store.lock(w.name):
             return self._checkpoint(w, leave_running, kind)
 
     def _checkpoint(self, w: Workload, leave_running: bool, kind: str | None = None) -> Manifest:
         proc = process.resolve(w)
         state = probe(w)
+        if "error" in state:  # stored, it would switch the restore's session check off unseen
+            raise EngineProtocolError(
+                f"workload {w.name}: {state['error']} ({w.probe_url}); not checkpointing: a restore of it could "
+                "not be checked against the sessions it held", retryable=True,
+                fix="check the worker's probe endpoint (probe_url); the next heartbeat tries again")
         load = read_load(w)
         if load is not None:
             state["tokens_total"] = load.tokens_total
         pending = self.store.begin(w.name, node=w.node)
-        footprint, gpu_pids = 0, []
+        footprint, gpu_pids, per_gpu = 0, [], {}
         try:
             if w.gpu:
-                pid, timings, footprint, gpu_pids = self._dump_gpu(w, proc, pending.images_dir, leave_running)
+                pid, timings, footprint, gpu_pids, per_gpu = self._dump_gpu(w, proc, pending.images_dir, leave_running)
             else:
                 res = self.criu.dump(w, pending.images_dir, leave_running=leave_running, proc=proc)
                 pid, timings = res.pid, {"dump": round(res.seconds, 4), "pause": round(res.seconds, 4)}
+        except CriuError as e:
+            self.store.abort(pending)
+            raise _died_during_dump(w, proc.pid, e) or e
         except BaseException:
             self.store.abort(pending)
             raise
@@ -172,7 +243,7 @@ class NodeRunner:
             devshm.remove(pending.images_dir)
         kind = kind or ("heartbeat" if leave_running else "migrate")
         return self.store.commit(pending, timings=timings, probe=state, kind=kind, pid=pid,
-                                 gpu_footprint_bytes=footprint, gpu_pids=gpu_pids,
+                                 gpu_footprint_bytes=footprint, gpu_pids=gpu_pids, gpu_footprints=per_gpu,
                                  fingerprint=workload_fingerprint(w, self.node_fp))
 
     def _restore_gpu(self, w: Workload, pid: int, m: Manifest, gpu_pairs: list[tuple[str, str]] | None) -> dict:
@@ -183,7 +254,8 @@ class NodeRunner:
         # files, so the ranks are known only from the manifest.
         procs = [CudaProcess(p, state=ProcessState.CHECKPOINTED) for p in (m.gpu_pids or cuda_pids(pid))]
         t0 = time.perf_counter()
-        self.cuda.restore(procs, footprint_bytes=m.gpu_footprint_bytes, gpu_pairs=gpu_pairs)
+        self.cuda.restore(procs, footprint_bytes=m.gpu_footprint_bytes, gpu_pairs=gpu_pairs,
+                          need_by_gpu=self.restore_needs(m, gpu_pairs))
         t1 = time.perf_counter()
         self.cuda.unlock(procs)
         t2 = time.perf_counter()
@@ -207,8 +279,19 @@ class NodeRunner:
                 process is unhealthy or its state differs from the checkpoint's.
             CheckpointNotFound: no valid checkpoint is left.
         """
+        if w.container is not None:  # through the container runtime (runners/container.py)
+            from ckptflow.runners.container import ContainerRunner
+
+            return ContainerRunner(self).restore(w, manifest=manifest, fallback=fallback, overrides=overrides,
+                                                 tier=tier)
+        self._trying: str | None = None
         with self.store.lock(w.name):
-            return self._restore(w, manifest, fallback, gpu_pairs, overrides, tier)
+            try:
+                return self._restore(w, manifest, fallback, gpu_pairs, overrides, tier)
+            except CkptflowError as e:  # the alert and the report name the checkpoint that was tried
+                if getattr(e, "checkpoint", None) is None:
+                    e.checkpoint = self._trying
+                raise
 
     def _candidates(self, w: Workload, tier, skipped: list[dict],
                     overrides: frozenset[str]) -> Iterator[tuple[Manifest, dict, int]]:
@@ -271,11 +354,10 @@ class NodeRunner:
         tried = 0
         for m, timings, downloaded in candidates:
             tried += 1
+            self._trying = m.id
             self.gate(w, m, overrides)
-            if w.gpu and m.gpu_footprint_bytes:
-                from ckptflow.runners.cuda import gate_gpu_memory
-
-                gate_gpu_memory(m.gpu_footprint_bytes)  # before CRIU: refuse early, nothing touched
+            if w.gpu:
+                self.gate_gpu_memory(w, m, gpu_pairs)  # before CRIU: refuse early, nothing touched
             try:
                 pid = self._restore_verified(w, m, timings)
             except ChecksumMismatch as e:
@@ -297,9 +379,11 @@ class NodeRunner:
             raise CheckpointNotFound(f"workload {w.name} has no valid checkpoint in {self.store.root}"
                                      + (f" or {tier.location}" if tier is not None else ""),
                                      fix="run a heartbeat first, or cold start the worker")
-        raise ChecksumMismatch(f"workload {w.name}: every valid checkpoint failed its checksums: "
+        err = ChecksumMismatch(f"workload {w.name}: every valid checkpoint failed its checksums: "
                                + "; ".join(s["reason"] for s in skipped),
                                fix="cold start the worker; the store volume may be failing")
+        err.checkpoint = ", ".join(dict.fromkeys(s["id"] for s in skipped))
+        raise err
 
     def _restore_verified(self, w: Workload, m: Manifest, timings: dict[str, float]) -> int:
         """CRIU restore (left stopped) while the image checksums are verified in parallel; the
@@ -343,6 +427,9 @@ class NodeRunner:
 
     def _check_state(self, w: Workload, m: Manifest) -> None:
         want = m.probe.get("sessions")
+        if w.probe_url and want is None:  # a checkpoint taken before probe errors were refused
+            log.warning("workload %s: restored from %s WITHOUT a session check: the checkpoint holds no session "
+                        "digests (%s)", w.name, m.id, m.probe.get("error", "probe not read at checkpoint time"))
         if not want:
             return
         got = engine.probe(w).get("sessions")
@@ -350,6 +437,19 @@ class NodeRunner:
             bad = sorted(k for k in set(want) | set(got or {}) if (got or {}).get(k) != want.get(k))
             raise RestoreFailed(f"workload {w.name}: restored from {m.id} but sessions differ from the "
                                 f"checkpoint: {', '.join(bad[:5])}", fix="mark the checkpoint bad and run verify")
+
+
+def _died_during_dump(w: Workload, pid: int, e: CriuError) -> CriuError | None:
+    """The dump failed because the worker exited under it (CRIU then says e.g. "Operation not
+    permitted", whose usual fix, run as root, is wrong here): that error, said plainly; else None."""
+    if process.pid_alive(pid):
+        return None
+    err = CriuError(f"criu dump of {w.name} failed: the worker (PID {pid}) exited during the dump, so "
+                    "nothing was checkpointed", cmd=e.cmd, log_tail=e.log_tail, returncode=e.returncode,
+                    fix="the worker is gone, not the permissions: recover it from its newest valid checkpoint "
+                        "(ckptflow recover) and see its own log for why it exited")
+    err.__cause__ = e
+    return err
 
 
 def _write_pid_file(path: Path, pid: int) -> None:

@@ -160,6 +160,10 @@ def resolve(w: Workload) -> DeclaredProcess:
     Raises:
         WorkloadNotFound: no live process, or several match (ambiguous: refuse, never guess).
     """
+    if w.container is not None:  # the container's init (runners/container.py)
+        from ckptflow.runners.container import resolve_container
+
+        return resolve_container(w)
     pids = [p for p in _candidates(w) if pid_alive(p)]
     if not pids:
         raise WorkloadNotFound(f"workload {w.name}: no live process found ({_describe(w)})",

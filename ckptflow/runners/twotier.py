@@ -219,11 +219,11 @@ class TwoTierRunner:
                 self.chunks.adopt(stage)
                 pending = self.store.begin(name, node=w.node)
                 if w.gpu:
-                    pid, dump_t, footprint, gpu_pids = self.node._dump_gpu(w, proc, pending.images_dir, True)
+                    pid, dump_t, footprint, gpu_pids, per_gpu = self.node._dump_gpu(w, proc, pending.images_dir, True)
                     t.update(dump_t)
                 else:
                     res = self.node.criu.dump(w, pending.images_dir, leave_running=True, proc=proc)
-                    pid, footprint, gpu_pids = res.pid, 0, []
+                    pid, footprint, gpu_pids, per_gpu = res.pid, 0, [], {}
                     t["dump"] = res.seconds
                 (pending.images_dir / WEIGHTS_FILE).write_text(json.dumps(weights["tensors"]))
                 digests = [d for r in weights["tensors"] for d in r["chunks"]]
@@ -237,6 +237,7 @@ class TwoTierRunner:
         self._unpark(w, weights["tensors"], recs)
         t["unpark"] = time.perf_counter() - t0
         tmpl = self.store.commit(pending, kind="template", pid=pid, gpu_footprint_bytes=footprint, gpu_pids=gpu_pids,
+                                 gpu_footprints=per_gpu,
                                  fingerprint=workload_fingerprint(w, self.node.node_fp),
                                  timings={k: round(v, 4) for k, v in t.items()},
                                  probe={"template_source": w.name, "weights_bytes": weights["total_bytes"],
@@ -337,10 +338,8 @@ class TwoTierRunner:
             t0 = time.perf_counter()
             recs, weights = self._checked_records(m, tmpl)
             t["chunks_checked"] = time.perf_counter() - t0
-            if w.gpu and tmpl.gpu_footprint_bytes:
-                from ckptflow.runners.cuda import gate_gpu_memory
-
-                gate_gpu_memory(tmpl.gpu_footprint_bytes)
+            if w.gpu:  # each GPU against its share; a template that recorded none is refused
+                self.node.gate_gpu_memory(w, tmpl)
             pid = self.node._restore_verified(w, tmpl, t)
             if w.gpu:
                 t.update(self.node._restore_gpu(w, pid, tmpl, None))
@@ -355,6 +354,9 @@ class TwoTierRunner:
                 raise
             t["health"] = engine.wait_healthy(w)
             _check_sessions(w, recs, got, f"restored from template {tmpl.id} + sessions {m.id}")
+            # Counted where status and the exporter read restores, as a whole-process restore is.
+            m = self.store.set_state(m, m.state, m.state_reason,
+                                     restores=[*m.probe.get("restores", []), round(sum(t.values()), 4)])
             return TwoTierResult(manifest=m, template=tmpl, pid=pid, timings={k: round(v, 4) for k, v in t.items()})
 
     def start_replica(self, w: Workload, netns: str, timeout_s: float = 60,
@@ -457,8 +459,8 @@ class TwoTierRunner:
 
 
 def _check_sessions(w: Workload, recs: dict, got: dict[str, str], what: str) -> None:
-    """Every protected session holds the state its export recorded (long unchanged ones as of
-    their own last export; short ones are not protected: policies.sessions).
+    """Every protected session holds the state its export recorded (unchanged ones as of their
+    own last export; every session is protected: policies.sessions).
 
     Raises:
         RestoreFailed: naming the sessions that differ.

@@ -95,6 +95,10 @@ GPU_SANDBOX = ("fingerprint and checksums pass; a GPU checkpoint cannot be resto
 def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: float = 120) -> VerifyResult:
     """Restore ``m`` in a sandbox beside the original and compare its answers. Never raises
     for a bad checkpoint (that is the result); raises only when the node cannot sandbox."""
+    if w.container is not None:  # a copy of the container beside it (runners/container.py)
+        from ckptflow.runners.container import ContainerRunner
+
+        return ContainerRunner(node).verify(w, m, timeout_s)
     t: dict[str, float] = {}
     t0 = time.perf_counter()
     try:
@@ -145,8 +149,14 @@ def _compare(w: Workload, m: Manifest, got: dict, t: dict) -> VerifyResult:
                          if got["sessions"].get(k) != m.probe["sessions"].get(k))
             return VerifyResult(VerifyOutcome.verify_failed, f"session state differs from the checkpoint: {', '.join(bad[:5])}", t)
         checked.append(f"{len(got['sessions'])} session digest(s)")
+    elif w.probe_url:  # declared, but there is nothing to compare: not proven
+        why = m.probe.get("error") or ("the checkpoint recorded no session digests" if m.probe.get("sessions") is None
+                                       else "the sandbox copy's probe returned no sessions")
+        return VerifyResult(VerifyOutcome.unverified, f"healthy, but sessions not compared: {why}"
+                            + (f" ({' and '.join(checked)} equal)" if checked else ""), t)
     if not checked:
-        return VerifyResult(VerifyOutcome.verified, "healthy (no golden request or probe declared to compare)", t)
+        return VerifyResult(VerifyOutcome.unverified, "healthy only: no golden request or probe declared, so nothing "
+                            "compared the copy's state with the checkpoint (declare golden: or probe_url:)", t)
     return VerifyResult(VerifyOutcome.verified, " and ".join(checked) + " equal", t)
 
 

@@ -171,7 +171,8 @@ class LocalStore:
     def commit(self, pending: PendingCheckpoint, *, timings: dict[str, float] | None = None,
                fingerprint: Fingerprint | None = None, probe: dict[str, Any] | None = None,
                kind: CheckpointKind | str = CheckpointKind.heartbeat, pid: int | None = None,
-               gpu_footprint_bytes: int = 0, parent: str | None = None, gpu_pids: list[int] | None = None) -> Manifest:
+               gpu_footprint_bytes: int = 0, parent: str | None = None, gpu_pids: list[int] | None = None,
+               gpu_footprints: dict[str, int] | None = None) -> Manifest:
         """Checksum every image file, then write the manifest last and atomically."""
         t0 = time.perf_counter()
         try:
@@ -188,6 +189,7 @@ class LocalStore:
                          files=files, bytes=sum(f.size for f in files), timings=timings,
                          fingerprint=fingerprint, probe=probe or {}, pid=pid,
                          gpu_footprint_bytes=gpu_footprint_bytes, parent=parent, gpu_pids=gpu_pids or [],
+                         gpu_footprints=gpu_footprints or {},
                          copies=[CheckpointCopy(tier=CopyTier.node, location=pending.node)])
             write_json_atomic(pending.dir / MANIFEST, m.model_dump_json(indent=2))
         except OSError as e:

@@ -7,6 +7,7 @@ The helpers below take that scope, or the whole ``Fleet``: they read only its sc
 
 from __future__ import annotations
 
+import errno
 import socket
 from contextlib import contextmanager
 from pathlib import Path
@@ -89,8 +90,31 @@ def alerter(fleet: Fleet | FleetScope, opened=None) -> Alerter:
     return Alerter(fleet.slack, state=open_fleet_state(fleet.storage, opened), prefect_ui_url=fleet.prefect_ui_url)
 
 
+# I/O failures that can pass on their own (a peer restarting, a busy device, a dropped
+# connection). Anything else outside ckptflow's own errors is a bug or a wrong input: a
+# TypeError or KeyError retried only runs the same broken code again and hides it for longer.
+_TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.EIO, errno.ETIMEDOUT,
+                               errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE,
+                               errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN})
+
+
+def transient(e: BaseException) -> bool:
+    """Whether ``e`` is transient I/O that a retry can outlast (not a ckptflow error).
+
+    Example:
+        >>> transient(ConnectionResetError()), transient(TimeoutError()), transient(KeyError("x"))
+        (True, True, False)
+    """
+    import httpx
+
+    if isinstance(e, (ConnectionError, TimeoutError, httpx.TransportError)):
+        return True
+    return isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS
+
+
 def retry_if_retryable(task, task_run, state) -> bool:
-    """Prefect retry_condition_fn: retry only errors that say a retry can help.
+    """Prefect retry_condition_fn: retry only ckptflow errors that say a retry can help, and
+    transient I/O (``transient``); never a final ckptflow error, never a programming error.
 
     An incompatible checkpoint or a corrupt image never gets better by retrying it.
     """
@@ -98,6 +122,6 @@ def retry_if_retryable(task, task_run, state) -> bool:
         state.result()
     except CkptflowError as e:
         return e.retryable
-    except Exception:
-        return True
+    except Exception as e:
+        return transient(e)
     return False

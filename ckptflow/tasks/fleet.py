@@ -47,12 +47,12 @@ def invalidate_stale(scope: FleetScope, node: str | None, workloads: list[Worklo
     rows = []
     for w in workloads:
         eligible = {n: workload_fingerprint(w, reported[n]) for n in by_class[gpu_class[w.node]]}
-        for m, why in stale(store.list(w.name), eligible, w.gpu):
+        for m, why in stale(store.list(w.name), eligible, w.gpu, w.container is not None):
             store.set_state(m, CheckpointState.invalidated, why)
             rows.append({"workload": w.name, "node": m.node, "checkpoint": m.id, "reason": why,
                          "copy": store.copy_tier.value})
         if t is not None and w.node == node:
-            for m, why in stale(t.manifests(w.name), eligible, w.gpu):
+            for m, why in stale(t.manifests(w.name), eligible, w.gpu, w.container is not None):
                 t.set_state(m, CheckpointState.invalidated, why)
                 rows.append({"workload": w.name, "node": m.node, "checkpoint": m.id, "reason": why,
                              "copy": t.copy_tier.value})

@@ -10,6 +10,7 @@ from ckptflow.errors import CkptflowError
 from ckptflow.fleet import FleetScope, Node, PolicyChoice
 from ckptflow.models import Action, CheckpointMode
 from ckptflow.policies.cadence import decide
+from ckptflow.report import checkpoint_bytes
 from ckptflow.runners.facts import collect_facts, node_mtbf_s
 from ckptflow.runners.twotier import TwoTierRunner
 from ckptflow.tasks.common import alerter, fingerprints, node_runner, node_slot, open_fleet, retry_if_retryable
@@ -56,7 +57,8 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
                 log.info("%s: %s (%s)", name, d.action.value, d.reason)
                 out.append({**row, "ok": True, "checkpoint": None})
                 continue
-            if force:
+            if force:  # the row says what was done; the policy's view stays in the reason
+                row["decision"] = "forced"
                 row["reason"] = f"forced (policy said {d.action.value}: {d.reason})"
             try:
                 with node_slot(node.name):
@@ -68,7 +70,9 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
                 log.error("checkpoint of %s failed: %s", name, e)
                 out.append({**row, "ok": False, "error": str(e).splitlines()[0], "error_type": type(e).__name__})
                 continue
-            log.info("checkpoint %s (%s) of %s: %.1f MiB, pause %.2f s", m.id, m.kind, name, m.bytes / 2**20,
+            size = checkpoint_bytes(m)  # a session checkpoint's bytes are in the chunks it names
+            log.info("checkpoint %s (%s) of %s: %.1f MiB%s, pause %.2f s", m.id, m.kind, name, size / 2**20,
+                     f" ({m.probe['moved_bytes'] / 2**20:.1f} MiB written)" if "moved_bytes" in m.probe else "",
                      m.timings.get("pause", 0.0))
             pushed = {}
             if tier is not None:
@@ -78,7 +82,7 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
                 except CkptflowError as e:  # the local copy stands; the next heartbeat pushes again
                     log.error("upload of %s to S3 failed: %s", m.id, e)
                     pushed = {"upload_error": str(e).splitlines()[0]}
-            out.append({**row, "ok": True, "checkpoint": m.id, "bytes": m.bytes, **pushed,
+            out.append({**row, "ok": True, "checkpoint": m.id, "bytes": size, **pushed,
                         **{f"{k}_s": v for k, v in m.timings.items()}})
     return out
 

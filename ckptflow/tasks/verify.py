@@ -26,8 +26,8 @@ def verify_workload(scope: FleetScope, w: Workload) -> dict:
             res = verify_two_tier(node, w, m) if m.kind == CheckpointKind.sessions else verify_checkpoint(node, w, m)
     row = {"workload": workload, "node": w.node, "checkpoint": m.id, "state": res.state.value, "reason": res.reason,
            **{f"{k}_s": v for k, v in res.timings.items()}}
-    if res.state == VerifyOutcome.skipped:
-        get_run_logger().warning("verify of %s skipped: %s", workload, res.reason)
+    if res.state in (VerifyOutcome.skipped, VerifyOutcome.unverified):  # not proven: the checkpoint stays "complete"
+        get_run_logger().warning("verify of %s %s: %s", workload, res.state.value, res.reason)
         return row
     node.store.set_state(m, CheckpointState(res.state.value), res.reason, verify_timings=res.timings)
     a = alerter(scope)
@@ -49,11 +49,13 @@ def cold_start_workload(fleet_file: str, workload: str) -> dict:
 
 @task(name="alert-restore-failed")
 def alert_restore_failed(scope: FleetScope, workload: str, node: str, reason: str, checkpoint: str | None,
-                         fallback: str | None, log_tail: str = "") -> bool:
-    """Open (or re-post) the workload's restore-failed alert; ``node``: where it runs now."""
+                         fallback: str | None, log_tail: str = "", cause: str | None = None,
+                         fix: str | None = None) -> bool:
+    """Open (or re-post) the workload's restore-failed alert; ``node``: where it runs now;
+    ``checkpoint``: the one tried; ``cause``: the first error line of CRIU's log; ``fix``: ckptflow's."""
     return alerter(scope).send(AlertKind.restore_failed, workload=workload, key=reason, node=node,
                                checkpoint=checkpoint, reason=reason, fallback=fallback, log_tail=log_tail,
-                               flow_run_id=flow_run.get_id())
+                               cause=cause, fix=fix, flow_run_id=flow_run.get_id())
 
 
 @task(name="alert-recovered")

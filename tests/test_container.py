@@ -1,0 +1,335 @@
+"""Container workloads with real containers: podman + runc + CRIU, the demo worker inside an image
+built from this machine's own files (ckptflow.runners.rootfs). Each test compares the restored
+worker's sessions and next tokens with an uninterrupted reference worker (a host process of the
+same model and seed)."""
+
+import os
+import secrets
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import free_port, write_fleet
+from ckptflow.container_models import ContainerSpec, PortMap
+from ckptflow.models import Workload
+
+pytestmark = [pytest.mark.criu, pytest.mark.slow]
+
+CPORT = 8000  # the worker's port inside every container
+
+
+@pytest.fixture(scope="session")
+def demo_image():
+    """The demo worker's image, built from local files and imported when missing (setup.sh
+    builds it too). Fails, not skips, when podman is missing: scripts/setup.sh installs it."""
+    from ckptflow.runners.rootfs import demo_image as build
+
+    return build()
+
+
+def _podman(*args, check=False):
+    return subprocess.run(["podman", *args], capture_output=True, text=True, timeout=120, check=check)
+
+
+def _names(prefix: str) -> set[str]:
+    out = _podman("ps", "-a", "--format", "{{.Names}}").stdout.split()
+    return {n for n in out if n.startswith(prefix)}
+
+
+class DemoContainer:
+    """The demo worker in a container, started through the runner's own cold start."""
+
+    def __init__(self, image: str, tmp_path: Path, name: str, port: int | None = None):
+        from ckptflow.demo import launch
+
+        self.port = port or free_port()
+        self.cname = f"ckt-{name}-{secrets.token_hex(3)}"
+        base = launch.demo_workload(name, self.port, tmp_path / f"{name}.pid")
+        spec = ContainerSpec(name=self.cname, image=image, ports=[PortMap(host=self.port, container=CPORT)],
+                             command=["python3", "-m", "ckptflow.demo.worker", "--host", "0.0.0.0",
+                                      "--port", str(CPORT)],
+                             env={"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
+        data = base.model_dump(exclude={"find", "start_command", "container"})
+        self.workload = Workload(**data, container=spec)
+
+    def start(self, store_root: Path):
+        from ckptflow.runners.container import ContainerRunner
+        from ckptflow.runners.node import NodeRunner
+        from ckptflow.store.local import LocalStore
+
+        with NodeRunner(LocalStore(store_root)) as node:
+            ContainerRunner(node).start(self.workload, timeout_s=60)
+        return self
+
+    def complete(self, prompt, n, sid=None):
+        from ckptflow.demo import launch
+
+        return launch.complete(self.port, prompt, n, sid)
+
+    def digests(self):
+        from ckptflow.demo import launch
+
+        return launch.session_digests(self.port)
+
+    def health(self):
+        from ckptflow.demo import launch
+
+        return launch.http_json(f"http://127.0.0.1:{self.port}/health")
+
+    def state(self):
+        from ckptflow.runners.container import Podman
+
+        return Podman(self.workload.container).inspect(self.cname)
+
+    def kill(self):
+        _podman("kill", "--signal", "KILL", self.cname)
+        # podman marks it exited once conmon saw the death
+        deadline = time.time() + 30
+        while time.time() < deadline and (self.state() and self.state().running):
+            time.sleep(0.1)
+
+    def remove(self):
+        _podman("rm", "--force", "--time", "0", self.cname)
+        for n in _names(f"{self.cname}-verify-"):
+            _podman("rm", "--force", "--time", "0", n)
+
+
+@pytest.fixture
+def container(tmp_path, demo_image):
+    made = []
+
+    def start(name="chat", port=None, store_root=None):
+        c = DemoContainer(demo_image, tmp_path, name, port).start(store_root or tmp_path / "store")
+        made.append(c)
+        return c
+
+    yield start
+    for c in made:
+        c.remove()
+
+
+def _fleet(tmp_path, workloads, store=None):
+    return str(write_fleet(tmp_path / "fleet.yaml", workloads, store or tmp_path / "store"))
+
+
+def _turn(workers, prompt, n, sid="s"):
+    outs = [w.complete(prompt, n, sid) for w in workers]
+    assert all(o == outs[0] for o in outs), "the container and the reference diverged before any restore"
+    return outs[0]
+
+
+def test_kill_then_recover_continues_the_long_session_exactly(tmp_path, prefect_harness, container, demo_worker):
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.recover import recover
+    from ckptflow.store.local import LocalStore
+
+    c, ref = container("chat"), demo_worker("ref")
+    fleet = _fleet(tmp_path, [c.workload])
+    _turn([c, ref], "a long agent session, turn one " * 20, 24)
+    first = heartbeat(fleet, force=True)[0]
+    _turn([c, ref], "turn two adds more context " * 15, 24)
+    second = heartbeat(fleet, force=True)[0]
+    assert first["ok"] and second["ok"] and first["checkpoint"] != second["checkpoint"]
+    m = LocalStore(tmp_path / "store").get("chat", second["checkpoint"])
+    assert [f.path for f in m.files] == ["container.json", "container.tar"]
+    assert m.fingerprint.container_runtime.startswith("podman ") and m.fingerprint.oci_runtime.startswith("runc ")
+    assert m.probe["container"]["name"] == c.cname
+    # Work after the last checkpoint is lost with the container; the reference never saw it.
+    c.complete("lost with the crash", 8, "s")
+    old_pid = c.state().pid
+    c.kill()
+    assert not c.state().running
+    res = recover(fleet, "chat")
+    assert res["checkpoint"] == second["checkpoint"] and not res["cold_start"]
+    st = c.state()
+    assert st.running and st.pid != old_pid and st.name == c.cname
+    assert c.digests() == ref.digests()
+    assert c.complete("and the session goes on", 32, "s") == ref.complete("and the session goes on", 32, "s")
+    # The heartbeat finds the restored container again and checkpoints it.
+    assert heartbeat(fleet, force=True)[0]["ok"]
+
+
+def _squat(pid: int, tries: int = 200) -> subprocess.Popen | None:
+    """A process that holds host PID ``pid`` (through ns_last_pid), or None if another process on
+    the machine took it first each time."""
+    for _ in range(tries):
+        if os.path.exists(f"/proc/{pid}"):
+            return None
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        p = subprocess.Popen(["sleep", "600"])
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.wait()
+    return None
+
+
+def test_recover_where_the_originals_pids_are_taken(tmp_path, container, demo_worker):
+    from ckptflow.runners import process
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.store.local import LocalStore
+
+    c, ref = container("chat"), demo_worker("ref")
+    _turn([c, ref], "a session whose PIDs will be taken " * 20, 16)
+    with NodeRunner(LocalStore(tmp_path / "store")) as node:
+        m = node.checkpoint(c.workload)
+        host_pids = process.tree(c.state().pid)
+        assert m.pid == host_pids[0] and c.health()["pid"] == 1  # PID 1 in its own namespace
+        c.kill()
+        deadline = time.time() + 20
+        while time.time() < deadline and any(os.path.exists(f"/proc/{p}") for p in host_pids):
+            time.sleep(0.05)
+        squatters = [s for s in (_squat(p) for p in host_pids) if s is not None]
+        try:
+            assert squatters and squatters[0].pid == host_pids[0], "could not take the original's init PID"
+            res = node.restore(c.workload)
+            assert all(s.poll() is None for s in squatters)  # still holding every PID they took
+            assert res.pid not in {s.pid for s in squatters}
+            assert c.health()["pid"] == 1  # the same PID inside as before the crash
+            assert c.digests() == ref.digests()
+            assert c.complete("next", 24, "s") == ref.complete("next", 24, "s")
+        finally:
+            for s in squatters:
+                s.kill()
+                s.wait()
+
+
+def test_verify_restores_a_copy_beside_the_running_original(tmp_path, prefect_harness, container):
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.verify import verify
+    from ckptflow.models import CheckpointState
+    from ckptflow.runners.container import ContainerRunner
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.store.local import LocalStore
+
+    c = container("chat")
+    fleet = _fleet(tmp_path, [c.workload])
+    c.complete("a session to verify " * 20, 16, "s1")
+    ckpt = heartbeat(fleet, force=True)[0]["checkpoint"]
+    before, digests = c.state(), c.digests()
+    rows = verify(fleet)
+    assert rows[0]["state"] == "verified", rows
+    assert rows[0]["reason"] == "golden digest and 1 session digest(s) equal"
+    store = LocalStore(tmp_path / "store")
+    assert store.get("chat", ckpt).state == CheckpointState.verified
+    # The copy had its own PID and network namespaces and another host port, beside the original.
+    seen = {}
+
+    def look(copy):
+        seen["copy"] = copy
+        seen["ns"] = {k: os.readlink(f"/proc/{copy.pid}/ns/{k}") for k in ("pid", "net")}
+        seen["orig_alive"] = c.health()["status"] == "ok"
+
+    with NodeRunner(store) as node:
+        m = store.get("chat", ckpt)
+        res = ContainerRunner(node).verify(c.workload, m, inspect_copy=look)
+    assert res.state.value == "verified", res.reason
+    orig_ns = {k: os.readlink(f"/proc/{before.pid}/ns/{k}") for k in ("pid", "net")}
+    host_ns = {k: os.readlink(f"/proc/self/ns/{k}") for k in ("pid", "net")}
+    assert seen["orig_alive"]
+    assert seen["copy"].name.startswith(f"{c.cname}-verify-") and seen["copy"].running
+    assert [p.host for p in seen["copy"].ports] != [c.port]
+    for k in ("pid", "net"):
+        assert seen["ns"][k] != orig_ns[k] and seen["ns"][k] != host_ns[k]
+    # The original is untouched and no copy is left.
+    after = c.state()
+    assert (after.id, after.pid, after.running) == (before.id, before.pid, True)
+    assert c.digests() == digests
+    assert _names(f"{c.cname}-verify-") == set()
+
+
+def test_migrate_through_s3_to_a_second_node(tmp_path, prefect_harness, container, demo_worker, s3):
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.migrate import migrate
+    from ckptflow.tasks.common import open_fleet
+
+    c, ref = container("chat", store_root=tmp_path / "store" / "node-a"), demo_worker("ref")
+    f = write_fleet(tmp_path / "fleet.yaml", [c.workload], tmp_path / "store" / "{node}")
+    data = yaml.safe_load(f.read_text())
+    data["nodes"] = [{"name": "node-a", "work_pool": "node-a"}, {"name": "node-b", "work_pool": "node-b"}]
+    data["workloads"][0]["node"] = "node-a"
+    data["storage"].update(kind="s3", bucket=s3.bucket("ckpt-containers"), endpoint_url=s3.endpoint)
+    f.write_text(yaml.safe_dump(data))
+    fleet = str(f)
+    _turn([c, ref], "an agent session that moves to node-b " * 25, 24)
+    old = c.state()
+    res = migrate(fleet, "chat", "node-b", via_deployments=False)
+    assert res["source"] == "node-a" and res["target"] == "node-b"
+    assert res["out"]["uploaded_bytes"] > 0 and res["in"]["downloaded_bytes"] == res["out"]["bytes"]
+    # node-b restored it from the bucket into its own store: the checkpoint is there now.
+    assert (tmp_path / "store" / "node-b" / "chat" / res["checkpoint"] / "manifest.json").exists()
+    new = c.state()
+    assert new.running and new.id != old.id and new.pid == res["pid"]
+    assert c.digests() == ref.digests()
+    assert c.complete("continue on node-b", 32, "s") == ref.complete("continue on node-b", 32, "s")
+    assert open_fleet(fleet).workload("chat").node == "node-b"
+    rows = heartbeat(fleet, node="node-b", force=True)
+    assert [(r["workload"], r["node"], r["ok"]) for r in rows] == [("chat", "node-b", True)]
+
+
+def test_unknown_container_is_one_line_and_touches_nothing(tmp_path, container):
+    from ckptflow.errors import WorkloadNotFound
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.store.local import LocalStore
+
+    c = container("chat")
+    before, digests = c.state(), c.digests()
+    ghost = c.workload.model_copy(update={
+        "name": "ghost", "container": c.workload.container.model_copy(update={"name": "ckt-no-such-container"})})
+    with NodeRunner(LocalStore(tmp_path / "store")) as node:
+        with pytest.raises(WorkloadNotFound) as e:
+            node.checkpoint(ghost)
+    assert e.value.message == ("workload ghost: container 'ckt-no-such-container' not found in podman on this node")
+    assert "podman ps -a" in e.value.fix and "container.name" in e.value.fix
+    ghost_dir = tmp_path / "store" / "ghost"  # at most the workload's lock file: no checkpoint, no bytes
+    assert [p.name for p in ghost_dir.iterdir() if not p.name.startswith(".")] == []
+    after = c.state()
+    assert (after.id, after.pid, after.running) == (before.id, before.pid, True) and c.digests() == digests
+
+
+def test_port_clash_on_restore_is_refused_and_leaves_the_running_one_untouched(tmp_path, container):
+    from ckptflow.errors import RestoreFailed
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.store.local import LocalStore
+
+    b = container("chat")
+    b.complete("a session of b " * 10, 8, "s")
+    with NodeRunner(LocalStore(tmp_path / "store")) as node:
+        node.checkpoint(b.workload)
+        b.kill()
+        b.remove()
+        a = container("other", port=b.port)  # another worker took b's host port meanwhile
+        a.complete("a session of a " * 10, 8, "s")
+        before, digests = a.state(), a.digests()
+        with pytest.raises(RestoreFailed) as e:
+            node.restore(b.workload)
+    assert e.value.message == (f"workload chat: host port 127.0.0.1:{b.port} (container port {CPORT}) is taken on "
+                               f"node local; refusing to restore container {b.cname!r} onto it")
+    assert "container.ports" in e.value.fix
+    after = a.state()
+    assert (after.id, after.pid, after.running) == (before.id, before.pid, True)
+    assert a.digests() == digests and a.complete("still serving", 8, "s")
+    assert _names(b.cname) == set()  # no half-created container left behind
+
+
+def test_runtime_version_change_is_refused_before_the_runtime_runs(tmp_path, container):
+    from ckptflow.errors import IncompatibleCheckpoint
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.store.local import LocalStore
+
+    c = container("chat")
+    store = LocalStore(tmp_path / "store")
+    with NodeRunner(store) as node:
+        m = node.checkpoint(c.workload)
+        fp = m.fingerprint.model_copy(update={"container_runtime": "podman 3.0.0"})
+        m = m.model_copy(update={"fingerprint": fp})
+        (store.root / "chat" / m.id / "manifest.json").write_text(m.model_dump_json())
+        c.kill()
+        with pytest.raises(IncompatibleCheckpoint) as e:
+            node.restore(c.workload)
+    assert "container_runtime: 'podman 3.0.0' -> 'podman " in e.value.message
+    assert _names(c.cname) == set()  # the dead container was cleared; nothing was restored
