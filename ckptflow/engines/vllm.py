@@ -275,7 +275,9 @@ def workload(name: str, srv: Server, *, model: VllmModel, node: str = "local", i
         model_id=model.model_id, model_revision=model.revision, traffic=traffic,
         find=ProcessFinder(pid_file=str(srv.pid_file), cmdline_must_contain=CMDLINE),
         health_url=srv.url + "/health", metrics_url=srv.url + "/metrics", golden=g,
-        tcp_established=True,  # ckptflow keeps no connection open, but uvicorn may still hold one
+        # torch.distributed's TCPStore connects the engine process to itself over TCP even at TP=1
+        # (CRIU refused the GPU dump without this, measured), and uvicorn may hold a keep-alive.
+        tcp_established=True,
         kv_capacity_tokens=None,
         start_command=start_command(srv.args, srv.env, srv.pid_file, srv.log_file))
 
@@ -317,6 +319,47 @@ def counter(text: str, name: str) -> float:
             if s.name == name:
                 total += s.value
     return total
+
+
+# --- the template tier on GPU: vLLM's sleep mode (what `vllm snapshot` does too) ------------------
+# Needs --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1 (the control endpoints exist only then;
+# keep the server on 127.0.0.1). Measured on an H200 with vLLM 0.26.0 (bench/vllm_gpu.py row c):
+# sleep level 2 leaves 1.8 GiB of the 26.9 GiB on the GPU (context, graphs), so the template's
+# CUDA checkpoint + CRIU dump is 3.6 GiB; after its restore the weights come back from the model
+# directory (reload_weights, 3.0 s for 15 GiB) and the sessions through the connector.
+GPU_ENV = {"VLLM_SERVER_DEV_MODE": "1",
+           # Without flashinfer the V2 model runner's default sampler fails at load (0.26 on the H200).
+           "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+GPU_TEMPLATE_ARGS = ["--enable-sleep-mode"]
+
+
+def park_for_template(url: str, timeout_s: float = 300) -> float:
+    """``POST /sleep?level=2``: weights and KV released, the rest (context, captured graphs) kept;
+    the engine is then what a template checkpoint should hold. Seconds it took.
+
+    Raises:
+        httpx.HTTPStatusError: the engine refused (no --enable-sleep-mode, no dev mode).
+    """
+    import time
+
+    t0 = time.perf_counter()
+    http().post(url + "/sleep?level=2", timeout=timeout_s).raise_for_status()
+    return time.perf_counter() - t0
+
+
+def wake_from_template(url: str, timeout_s: float = 600) -> dict[str, float]:
+    """After a template restore: map the weights' memory again at the same addresses, read them
+    back from the model directory, then the KV pool; seconds per step."""
+    import time
+
+    out = {}
+    for key, path, body in (("wake_weights", "/wake_up?tags=weights", None),
+                            ("reload_weights", "/collective_rpc", {"method": "reload_weights"}),
+                            ("wake_kv_cache", "/wake_up?tags=kv_cache", None)):
+        t0 = time.perf_counter()
+        http().post(url + path, json=body, timeout=timeout_s).raise_for_status()
+        out[key] = round(time.perf_counter() - t0, 4)
+    return out
 
 
 # --- sessions: the connector's blocks in the store -------------------------------------------
