@@ -26,6 +26,10 @@ def _prefect_env(home: Path) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "true")
+    # Prefect waits 20 s for its temporary server; a first start on a busy 2-core machine
+    # (migrations, imports) took longer and the demo died on "Timed out while attempting to
+    # connect to ephemeral Prefect API server".
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
 def run_demo(console: Console | None = None) -> bool:
