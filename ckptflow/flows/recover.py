@@ -40,7 +40,8 @@ def recover(fleet_file: str, workload: str, node: str | None = None, via_deploym
         res = run_step(target, "restore", fleet_file, workload, None, via_deployments)
     except _NO_CHECKPOINT as e:
         reason = str(e).splitlines()[0]
-        cold = run_step(target, "cold_start", fleet_file, workload, None, via_deployments) if w.start_command else None
+        can_start = w.start_command or (w.container is not None and w.container.image)  # a container: its image
+        cold = run_step(target, "cold_start", fleet_file, workload, None, via_deployments) if can_start else None
         alert_restore_failed(fleet.scope(), workload, w.node, reason, None,
                              f"cold start on {target} ({cold['cold_start_s']:.1f} s)" if cold else None)
         create_markdown_artifact(key=f"restore-{workload}", markdown=render(
