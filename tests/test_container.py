@@ -392,3 +392,27 @@ def test_recover_without_a_checkpoint_cold_starts_from_the_declared_rootfs(tmp_p
     finally:
         c.remove()
         _podman("rmi", tag)
+
+
+def test_invalidate_retires_container_checkpoints_when_the_runtime_changes(tmp_path, prefect_harness, container,
+                                                                           demo_worker):
+    """A podman (or runc) upgrade retires the container workloads' checkpoints, and only theirs: a
+    process workload's checkpoint does not depend on the container runtime."""
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.invalidate import invalidate
+    from ckptflow.models import CheckpointState
+    from ckptflow.store.local import LocalStore
+
+    c, p = container("chat"), demo_worker("proc")
+    fleet = _fleet(tmp_path, [c.workload, p.workload])
+    rows = {r["workload"]: r["checkpoint"] for r in heartbeat(fleet, force=True)}
+    store = LocalStore(tmp_path / "store")
+    for name, ckpt in rows.items():  # as if both were taken before this node's podman was upgraded
+        m = store.get(name, ckpt)
+        fp = m.fingerprint.model_copy(update={"container_runtime": "podman 3.0.0"})
+        (store.root / name / ckpt / "manifest.json").write_text(m.model_copy(update={"fingerprint": fp}).model_dump_json())
+    out = invalidate(fleet)
+    assert [(r["workload"], r["checkpoint"]) for r in out["invalidated"]] == [("chat", rows["chat"])]
+    m = store.get("chat", rows["chat"])
+    assert m.state == CheckpointState.invalidated and "container_runtime: 'podman 3.0.0' -> 'podman " in m.state_reason
+    assert store.get("proc", rows["proc"]).state == CheckpointState.complete

@@ -268,12 +268,16 @@ def demo_image(runtime: str = "podman", work_dir: Path | None = None) -> str:
         import_rootfs(runtime, tar, tag)
     finally:
         tar.unlink(missing_ok=True)
-    # Older tags of the demo image go (one still used by a container stays: rmi refuses it).
-    out = subprocess.run([runtime, "images", "--format", "{{.Repository}}:{{.Tag}}", DEMO_REPO],
-                         capture_output=True, text=True, timeout=60).stdout.split()
-    for old in (t for t in out if t != tag):
-        subprocess.run([runtime, "rmi", old], capture_output=True, timeout=120)
+    prune_tags(runtime, DEMO_REPO, keep=tag)
     return tag
+
+
+def prune_tags(runtime: str, repo: str, keep: str) -> None:
+    """Remove ``repo``'s other tags (one still used by a container stays: rmi refuses it)."""
+    out = subprocess.run([runtime, "images", "--format", "{{.Repository}}:{{.Tag}}", repo],
+                         capture_output=True, text=True, timeout=60).stdout.split()
+    for old in (t for t in out if t != keep):
+        subprocess.run([runtime, "rmi", old], capture_output=True, timeout=120)
 
 
 def main(argv: list[str] | None = None) -> int:
