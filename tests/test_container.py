@@ -416,3 +416,19 @@ def test_invalidate_retires_container_checkpoints_when_the_runtime_changes(tmp_p
     m = store.get("chat", rows["chat"])
     assert m.state == CheckpointState.invalidated and "container_runtime: 'podman 3.0.0' -> 'podman " in m.state_reason
     assert store.get("proc", rows["proc"]).state == CheckpointState.complete
+
+
+def test_drain_stops_a_short_request_container_through_its_runtime(tmp_path, container):
+    """A short-request container is stopped by drain with `podman stop`, not by a signal to a PID."""
+    from ckptflow.models import TrafficClass
+    from ckptflow.tasks.move import stop_workload
+
+    c = container("api")
+    c.workload = c.workload.model_copy(update={"traffic": TrafficClass.short_requests})
+    fleet = _fleet(tmp_path, [c.workload])
+    pid = c.state().pid
+    out = stop_workload.fn(fleet, "api", grace_s=10)
+    assert out == {"stopped": True, "pid": pid, "container": c.cname}
+    st = c.state()
+    assert st is not None and not st.running  # stopped, kept (podman rm is the operator's call)
+    assert stop_workload.fn(fleet, "api") == {"stopped": False, "reason": "not running"}

@@ -242,6 +242,28 @@ def resolve_container(w: Workload, podman: Podman | None = None) -> DeclaredProc
     return DeclaredProcess(workload=w.name, pid=c.pid, start_time=st, cmdline=f"container {c.name} ({c.id[:12]})")
 
 
+def stop_container(w: Workload, grace_s: float = 30) -> dict:
+    """Stop a container workload through its runtime (``podman stop``: SIGTERM, SIGKILL after
+    ``grace_s``), or delete its pod; never by a signal to a host PID (a pod's is unknown here)."""
+    spec = _spec(w)
+    if spec.kubernetes is not None:
+        from ckptflow.runners import pod
+
+        try:
+            pod.resolve_pod(w)
+        except WorkloadNotFound:
+            return {"stopped": False, "reason": "not running"}
+        pod.delete(w)
+        return {"stopped": True, "pod": f"{spec.kubernetes.namespace}/{spec.kubernetes.pod}"}
+    pm = Podman(spec)
+    try:
+        proc = resolve_container(w, pm)
+    except WorkloadNotFound:
+        return {"stopped": False, "reason": "not running"}
+    pm.call(["stop", "--time", str(int(grace_s)), spec.name], "stop", timeout_s=grace_s + 60)
+    return {"stopped": True, "pid": proc.pid, "container": spec.name}
+
+
 def _port_taken(ip: str, port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT leftover is no owner

@@ -49,7 +49,8 @@ def _phase(pod: dict | None) -> str:
 
 
 def resolve_pod(w: Workload) -> DeclaredProcess:
-    """The pod of ``w`` while it runs (pid 0: the agent does not act on its processes itself).
+    """The pod of ``w`` while it runs. Its pid is 0: the agent never acts on a pod's processes
+    itself, and nothing may signal it (runners.container.stop_container deletes the pod instead).
 
     Raises:
         WorkloadNotFound: no such pod, or it is not Running.

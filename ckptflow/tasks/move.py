@@ -61,6 +61,10 @@ def restore_local(fleet_file: str, workload: str, node: str, checkpoint: str) ->
 def stop_workload(fleet_file: str, workload: str, grace_s: float = 30) -> dict:
     """SIGTERM a declared worker and wait for it to exit (SIGKILL after ``grace_s``)."""
     w = open_fleet(fleet_file).workload(workload)
+    if w.container is not None:  # through its runtime, never a signal to a host PID
+        from ckptflow.runners.container import stop_container
+
+        return stop_container(w, grace_s)
     try:
         proc = process.resolve(w)
     except WorkloadNotFound:
