@@ -566,6 +566,9 @@ class ContainerRunner:
             RestoreFailed: no image declared, a host port is taken, or it never became healthy.
         """
         spec = _spec(w)
+        if spec.kubernetes is not None:
+            raise RestoreFailed(f"workload {w.name}: a pod is cold started by the cluster, not by the node agent",
+                                fix="let its Deployment/StatefulSet recreate it, or kubectl apply its manifest")
         if not spec.image:
             raise RestoreFailed(f"workload {w.name}: container {spec.name!r} declares no image to start it from",
                                 fix="declare container.image (and container.rootfs where no registry is reachable)")

@@ -98,6 +98,11 @@ def scale_up_in(fleet_file: str, workload: str, node: str, checkpoint: str) -> d
 
     fleet = open_fleet(fleet_file)
     w = fleet.workload(workload).model_copy(update={"node": node})
+    if w.container is not None:
+        from ckptflow.errors import UnsupportedWorkload
+
+        raise UnsupportedWorkload(f"workload {workload}: scale-up replicas of a container workload are not built yet",
+                                  fix="start another container of its image; verify already restores copies beside it")
     t0 = time.perf_counter()
     with node_runner(fleet, node) as runner:
         m, pulled = _tier(fleet).pull(runner.store, workload, checkpoint, node)
