@@ -432,3 +432,29 @@ def test_drain_stops_a_short_request_container_through_its_runtime(tmp_path, con
     st = c.state()
     assert st is not None and not st.running  # stopped, kept (podman rm is the operator's call)
     assert stop_workload.fn(fleet, "api") == {"stopped": False, "reason": "not running"}
+
+
+def test_restore_refused_when_the_node_lacks_the_memory_for_the_image(tmp_path, container, monkeypatch):
+    """The memory gate: a restore that needs more than the node has available is refused before
+    podman runs, and the checkpoint stays restorable."""
+    import psutil
+
+    from ckptflow.errors import RestoreFailed
+    from ckptflow.models import CheckpointState
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.store.local import LocalStore
+
+    c = container("chat")
+    store = LocalStore(tmp_path / "store")
+    with NodeRunner(store) as node:
+        m = node.checkpoint(c.workload)
+        c.kill()
+        real = psutil.virtual_memory()
+        monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=m.bytes // 2))
+        with pytest.raises(RestoreFailed) as e:
+            node.restore(c.workload)
+        assert e.value.message.startswith(f"workload chat: checkpoint {m.id} needs ")
+        assert "GiB available" in e.value.message and "--node" in e.value.fix
+        assert _names(c.cname) == set() and store.get("chat", m.id).state == CheckpointState.complete
+        monkeypatch.undo()
+        assert node.restore(c.workload).manifest.id == m.id and c.state().running
