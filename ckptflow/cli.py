@@ -316,6 +316,8 @@ def deploy(fleet_file: Path = FLEET_ARG,
     units, (ds,) = workers["systemd"], workers["kubernetes"]
     typer.echo(f"rendered {units[0].parent}/ckptflow-prefect-worker-<node>.service ({len(units)} systemd units)")
     typer.echo(f"rendered {ds} ({len({n.work_pool for n in fleet.nodes})} DaemonSets, one per node pool)")
+    for p in workers.get("pods", []):  # pod workloads: rbac.yaml, restore/<workload>.yaml (docs/kubernetes.md)
+        typer.echo(f"rendered {p}")
     if API_URL_PLACEHOLDER in units[0].read_text():
         typer.echo(f"warning: PREFECT_API_URL is not set: the node workers name {API_URL_PLACEHOLDER}; "
                    "pass --api-url and render again", err=True)

@@ -84,6 +84,16 @@ class KubernetesPod(BaseModel):
                            examples=["vllm"])
     service_account: str | None = Field(None, description="ServiceAccount of a restored pod (default: the "
                                         "namespace's default).", examples=["vllm"])
+    kubelet_url: str = Field("https://127.0.0.1:10250", description="The kubelet of the pod's node, as the node "
+                             "agent (hostNetwork) reaches it.", examples=["https://127.0.0.1:10250"])
+    kubelet_ca: str | None = Field(None, description="CA bundle of the kubelet's serving certificate; none: not "
+                                   "verified (kubelets serve a self-signed one by default; the agent asks its own "
+                                   "node over loopback).", examples=["/etc/kubernetes/pki/kubelet-ca.crt"])
+    api_url: str | None = Field(None, description="The API server a restore creates the pod through (default: "
+                                "in-cluster, https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT).",
+                                examples=["https://10.96.0.1:443"])
+    token_file: str = Field("/var/run/secrets/kubernetes.io/serviceaccount/token",
+                            description="The node agent's ServiceAccount token (kubelet and API server).")
 
 
 class ContainerSpec(BaseModel):

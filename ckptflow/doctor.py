@@ -70,6 +70,12 @@ def checks() -> list[tuple[str, bool | None, str]]:
     out.append(_criu_ns(shutil.which(r.criu_bin)))
     out.append(("nft (TCP network lock)", bool(shutil.which("nft")),
                 shutil.which("nft") or "missing: apt-get install nftables"))
+    from ckptflow.runners.container import runtime_versions
+
+    rt = runtime_versions()  # container workloads only: n/a, not a failure, where podman is absent
+    out.append(("podman + runc (container workloads)", True if len(rt) == 2 else None,
+                ", ".join(rt.values()) if len(rt) == 2 else
+                "not installed; for container workloads: ./scripts/setup.sh as root (apt-get install podman runc)"))
     try:
         import pynvml
 

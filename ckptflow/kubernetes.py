@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -48,9 +47,9 @@ def checkpoint_image(w: Workload, checkpoint: str) -> str:
 
 
 def _pod_name(w: Workload, checkpoint: str) -> str:
-    k = w.container.kubernetes
-    suffix = re.sub(r"[^a-z0-9]", "", checkpoint.lower())[-8:] or "restore"
-    return f"{k.pod[:253 - len(suffix) - 3]}-r-{suffix}"
+    """The declared pod name: the restored pod replaces the lost one, and the next heartbeat's kubelet
+    call names it."""
+    return w.container.kubernetes.pod
 
 
 def restore_pod(w: Workload, checkpoint: str, node: str, image: str | None = None) -> str:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import ckptflow
 from ckptflow.errors import RunnerUnavailable
-from ckptflow.runners.rootfs import build_rootfs, image_exists, import_rootfs, inputs_digest
+from ckptflow.runners.rootfs import build_rootfs, image_exists, import_rootfs, inputs_digest, prune_tags
 
 BASE_REPO = "localhost/ckptflow-node-base"
 CONTAINERFILE = Path("deployments/node-image/Containerfile")
@@ -80,6 +80,7 @@ def base_image(runtime: str = "podman", work_dir: Path = Path(".ckptflow/contain
         import_rootfs(runtime, tar, tag)
     finally:
         tar.unlink(missing_ok=True)
+    prune_tags(runtime, BASE_REPO, keep=tag)
     return tag
 
 

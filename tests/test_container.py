@@ -3,6 +3,7 @@ built from this machine's own files (ckptflow.runners.rootfs). Each test compare
 worker's sessions and next tokens with an uninterrupted reference worker (a host process of the
 same model and seed)."""
 
+import json
 import os
 import secrets
 import signal
@@ -333,3 +334,127 @@ def test_runtime_version_change_is_refused_before_the_runtime_runs(tmp_path, con
             node.restore(c.workload)
     assert "container_runtime: 'podman 3.0.0' -> 'podman " in e.value.message
     assert _names(c.cname) == set()  # the dead container was cleared; nothing was restored
+
+
+def _s3_fleet(tmp_path, s3, workloads, bucket):
+    f = write_fleet(tmp_path / "fleet.yaml", workloads, tmp_path / "store" / "{node}")
+    data = yaml.safe_load(f.read_text())
+    data["nodes"] = [{"name": "node-a", "work_pool": "node-a"}, {"name": "node-b", "work_pool": "node-b"}]
+    for w in data["workloads"]:
+        w["node"] = "node-a"
+    data["storage"].update(kind="s3", bucket=s3.bucket(bucket), endpoint_url=s3.endpoint)
+    f.write_text(yaml.safe_dump(data))
+    return str(f)
+
+
+def test_recover_on_another_node_from_the_bucket_after_the_node_is_lost(tmp_path, prefect_harness, container,
+                                                                     demo_worker, s3):
+    import shutil
+
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.recover import recover
+
+    c, ref = container("chat", store_root=tmp_path / "store" / "node-a"), demo_worker("ref")
+    fleet = _s3_fleet(tmp_path, s3, [c.workload], "ckpt-ctr-recover")
+    _turn([c, ref], "a session that outlives its node " * 20, 24)
+    row = heartbeat(fleet, force=True)[0]
+    assert row["ok"] and row["uploaded_bytes"] > 0
+    c.kill()
+    shutil.rmtree(tmp_path / "store" / "node-a")  # the node and its disk are gone: only the bucket has it
+    res = recover(fleet, "chat", node="node-b")
+    assert res["node"] == "node-b" and res["checkpoint"] == row["checkpoint"] and res["downloaded_bytes"] > 0
+    assert c.state().running
+    assert c.digests() == ref.digests()
+    assert c.complete("on node-b now", 32, "s") == ref.complete("on node-b now", 32, "s")
+
+
+def test_recover_without_a_checkpoint_cold_starts_from_the_declared_rootfs(tmp_path, prefect_harness, demo_image,
+                                                                         slack):
+    """No checkpoint and the image missing on the node: recover imports the declared rootfs as the
+    image and starts the container from it (what a new node with no registry gets)."""
+    from ckptflow.flows.recover import recover
+    from ckptflow.runners.rootfs import DEMO_PACKAGES, build_rootfs, image_exists
+
+    tag = f"localhost/ckptflow-demo-cold:t{secrets.token_hex(3)}"
+    tar = build_rootfs(tmp_path / "rootfs.tar", packages=DEMO_PACKAGES)
+    c = DemoContainer(tag, tmp_path, "fresh")
+    c.workload = c.workload.model_copy(update={"container": c.workload.container.model_copy(
+        update={"rootfs": str(tar)})})
+    fleet = str(write_fleet(tmp_path / "fleet.yaml", [c.workload], tmp_path / "store", slack=True))
+    try:
+        assert not image_exists("podman", tag)
+        res = recover(fleet, "fresh")
+        assert res["cold_start"] is True and res["cold_start_s"] > 0
+        assert image_exists("podman", tag) and c.state().running and c.health()["pid"] == 1
+        assert len(c.complete("hello", 8, "s")) == 8  # serving
+        assert len(slack.requests) == 1  # the restore-failed alert says it was cold started
+        assert "cold start" in json.dumps(slack.requests[0]["body"])
+    finally:
+        c.remove()
+        _podman("rmi", tag)
+
+
+def test_invalidate_retires_container_checkpoints_when_the_runtime_changes(tmp_path, prefect_harness, container,
+                                                                           demo_worker):
+    """A podman (or runc) upgrade retires the container workloads' checkpoints, and only theirs: a
+    process workload's checkpoint does not depend on the container runtime."""
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.invalidate import invalidate
+    from ckptflow.models import CheckpointState
+    from ckptflow.store.local import LocalStore
+
+    c, p = container("chat"), demo_worker("proc")
+    fleet = _fleet(tmp_path, [c.workload, p.workload])
+    rows = {r["workload"]: r["checkpoint"] for r in heartbeat(fleet, force=True)}
+    store = LocalStore(tmp_path / "store")
+    for name, ckpt in rows.items():  # as if both were taken before this node's podman was upgraded
+        m = store.get(name, ckpt)
+        fp = m.fingerprint.model_copy(update={"container_runtime": "podman 3.0.0"})
+        (store.root / name / ckpt / "manifest.json").write_text(m.model_copy(update={"fingerprint": fp}).model_dump_json())
+    out = invalidate(fleet)
+    assert [(r["workload"], r["checkpoint"]) for r in out["invalidated"]] == [("chat", rows["chat"])]
+    m = store.get("chat", rows["chat"])
+    assert m.state == CheckpointState.invalidated and "container_runtime: 'podman 3.0.0' -> 'podman " in m.state_reason
+    assert store.get("proc", rows["proc"]).state == CheckpointState.complete
+
+
+def test_drain_stops_a_short_request_container_through_its_runtime(tmp_path, container):
+    """A short-request container is stopped by drain with `podman stop`, not by a signal to a PID."""
+    from ckptflow.models import TrafficClass
+    from ckptflow.tasks.move import stop_workload
+
+    c = container("api")
+    c.workload = c.workload.model_copy(update={"traffic": TrafficClass.short_requests})
+    fleet = _fleet(tmp_path, [c.workload])
+    pid = c.state().pid
+    out = stop_workload.fn(fleet, "api", grace_s=10)
+    assert out == {"stopped": True, "pid": pid, "container": c.cname}
+    st = c.state()
+    assert st is not None and not st.running  # stopped, kept (podman rm is the operator's call)
+    assert stop_workload.fn(fleet, "api") == {"stopped": False, "reason": "not running"}
+
+
+def test_restore_refused_when_the_node_lacks_the_memory_for_the_image(tmp_path, container, monkeypatch):
+    """The memory gate: a restore that needs more than the node has available is refused before
+    podman runs, and the checkpoint stays restorable."""
+    import psutil
+
+    from ckptflow.errors import RestoreFailed
+    from ckptflow.models import CheckpointState
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.store.local import LocalStore
+
+    c = container("chat")
+    store = LocalStore(tmp_path / "store")
+    with NodeRunner(store) as node:
+        m = node.checkpoint(c.workload)
+        c.kill()
+        real = psutil.virtual_memory()
+        monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=m.bytes // 2))
+        with pytest.raises(RestoreFailed) as e:
+            node.restore(c.workload)
+        assert e.value.message.startswith(f"workload chat: checkpoint {m.id} needs ")
+        assert "GiB available" in e.value.message and "--node" in e.value.fix
+        assert _names(c.cname) == set() and store.get("chat", m.id).state == CheckpointState.complete
+        monkeypatch.undo()
+        assert node.restore(c.workload).manifest.id == m.id and c.state().running

@@ -3,7 +3,9 @@ the Kubernetes JSON schema (kubernetes-validate, offline); the kubelet checkpoin
 local stand-in for the kubelet; the checkpoint image a restore pod names, built from a real
 container checkpoint and restored (by podman, which reads the format CRI-O reads).
 
-Not run here (no cluster): a real kubelet's checkpoint, and CRI-O/containerd restoring the pod."""
+The node runner's pod path (runners/pod.py) runs end to end against stand-ins for the kubelet and
+the API server that do with podman what CRI-O does. Not run here (no cluster): a real kubelet's
+checkpoint, a real API server, and CRI-O/containerd restoring the pod."""
 
 import json
 import secrets
@@ -45,14 +47,12 @@ def test_pod_fleet_manifests_validate_against_the_kubernetes_schema(tmp_path):
     for path_docs in docs.values():
         for d in path_docs:
             _validate(d)
-    # The node agent: the ServiceAccount, the node's IP for its kubelet, the kubelet's checkpoint
-    # directory and the node's containers-storage (checkpoint images are built into it).
+    # The node agent: the ServiceAccount, the kubelet's checkpoint directory and the node's
+    # containers-storage (checkpoint images are built into it); hostNetwork reaches its kubelet.
     (ds,) = docs["daemonset.yaml"]
     pod = ds["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "ckptflow-node-agent" and pod["hostNetwork"] is True
     c = pod["containers"][0]
-    env = {e["name"]: e for e in c["env"]}
-    assert env["CKPTFLOW_KUBELET_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.hostIP"}}
     vols = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
     mounts = {m["mountPath"]: vols[m["name"]] for m in c["volumeMounts"]}
     assert mounts["/var/lib/kubelet/checkpoints"] == "/var/lib/kubelet/checkpoints"
@@ -70,7 +70,7 @@ def test_pod_fleet_manifests_validate_against_the_kubernetes_schema(tmp_path):
     (rc,) = rp["spec"]["containers"]
     assert rc["name"] == "llama-server" and rc["imagePullPolicy"] == "Never"
     assert rc["image"] == "localhost/ckptflow-restore/chat-pod:CHECKPOINT" and rp["spec"]["restartPolicy"] == "Never"
-    assert rc["ports"] == [{"containerPort": 8000, "protocol": "TCP"}]
+    assert rc["ports"] == [{"containerPort": 8000, "hostPort": 18101, "protocol": "TCP"}]
     assert rc["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
 
 
@@ -81,7 +81,7 @@ def test_a_restore_pod_for_a_real_checkpoint_validates(tmp_path):
     w = load_fleet(PODS).workload("chat-pod")
     doc = yaml.safe_load(restore_pod(w, "20261130T120000Z-1a2b3c4d", "k8s-node-7"))
     _validate(doc)
-    assert doc["metadata"]["name"] == "chat-pod-0-r-1a2b3c4d"
+    assert doc["metadata"]["name"] == "chat-pod-0"  # the declared name: the next heartbeat finds it
     assert doc["metadata"]["labels"]["ckptflow.io/checkpoint"] == "20261130T120000Z-1a2b3c4d"
     assert doc["spec"]["containers"][0]["image"] == "localhost/ckptflow-restore/chat-pod:20261130T120000Z-1a2b3c4d"
 
@@ -189,3 +189,123 @@ def test_checkpoint_image_of_a_real_checkpoint_restores_the_container(tmp_path):
         subprocess.run(["podman", "rm", "-f", "-t", "0", copy], capture_output=True)
         c.remove()
         subprocess.run(["podman", "rmi", image], capture_output=True)
+
+
+class _Cluster:
+    """Stand-ins for one node's kubelet and the API server, on 127.0.0.1, that do what CRI-O does with
+    podman: a checkpoint call exports the pod's container into the kubelet's checkpoint directory; a
+    pod created from a checkpoint image is restored from it; get reports the container's state as the
+    pod's phase; delete removes it. A pod is a podman container named after it."""
+
+    def __init__(self, tmp_path: Path, names: dict):
+        self.dir = tmp_path / "kubelet-checkpoints"
+        self.dir.mkdir()
+        self.names = names  # (namespace, pod) -> podman container name
+        self.calls: list[str] = []
+        cluster = self
+
+        class H(BaseHTTPRequestHandler):
+            def _send(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self):
+                path = self.path.split("?")[0].split("/")
+                cluster.calls.append(f"POST {self.path}")
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if path[1] == "checkpoint":  # kubelet: /checkpoint/ns/pod/container
+                    out = cluster.dir / f"checkpoint-{path[3]}_{path[2]}-{path[4]}-{secrets.token_hex(2)}.tar"
+                    r = subprocess.run(["podman", "container", "checkpoint", "--leave-running", "--compress", "none",
+                                        "--export", str(out), cluster.names[(path[2], path[3])]],
+                                       capture_output=True, text=True)
+                    return self._send(200 if r.returncode == 0 else 500, {"items": [str(out)]} if r.returncode == 0
+                                      else {"message": r.stderr})
+                pod = json.loads(body)  # API server: /api/v1/namespaces/ns/pods
+                (c,) = pod["spec"]["containers"]
+                (p,) = c["ports"]
+                name = cluster.names[(path[4], pod["metadata"]["name"])]
+                r = subprocess.run(["podman", "--runtime", "runc", "container", "restore", "--name", name,
+                                    "--publish", f"127.0.0.1:{p['hostPort']}:{p['containerPort']}",
+                                    "--ignore-static-ip", "--ignore-static-mac", c["image"]],
+                                   capture_output=True, text=True)
+                self._send(201 if r.returncode == 0 else 500, pod if r.returncode == 0 else {"message": r.stderr})
+
+            def do_GET(self):
+                path = self.path.split("?")[0].split("/")
+                name = cluster.names.get((path[4], path[6]))
+                r = subprocess.run(["podman", "container", "inspect", "--format", "{{.State.Status}}", name or "-"],
+                                   capture_output=True, text=True)
+                if r.returncode != 0:
+                    return self._send(404, {"reason": "NotFound"})
+                phase = {"running": "Running", "created": "Pending"}.get(r.stdout.strip(), "Failed")
+                self._send(200, {"metadata": {"name": path[6]}, "status": {"phase": phase}})
+
+            def do_DELETE(self):
+                path = self.path.split("?")[0].split("/")
+                cluster.calls.append(f"DELETE {self.path}")
+                subprocess.run(["podman", "rm", "-f", "-t", "0", cluster.names[(path[4], path[6])]],
+                               capture_output=True)
+                self._send(200, {})
+
+            def log_message(self, *a):
+                pass
+
+        self.srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
+
+    def stop(self):
+        self.srv.shutdown()
+        self.srv.server_close()
+
+
+@pytest.mark.criu
+@pytest.mark.slow
+def test_pod_workload_heartbeat_and_recover_through_kubelet_and_api_stand_ins(tmp_path, prefect_harness, demo_worker):
+    """The node runner's pod path end to end, against stand-ins (no cluster here): the heartbeat
+    calls the kubelet's checkpoint API and stores the archive it wrote; after the pod's container
+    dies, recover deletes the dead pod, builds the checkpoint image and creates the restore pod
+    through the API server; the session continues exactly."""
+    from conftest import write_fleet
+    from test_container import DemoContainer
+    from ckptflow.container_models import KubernetesPod
+    from ckptflow.flows.heartbeat import heartbeat
+    from ckptflow.flows.recover import recover
+    from ckptflow.flows.verify import verify
+    from ckptflow.runners.rootfs import demo_image
+
+    c, ref = DemoContainer(demo_image(), tmp_path, "chat"), demo_worker("ref")
+    c.start(tmp_path / "store")
+    cluster = _Cluster(tmp_path, {("serving", "chat-0"): c.cname})
+    token = tmp_path / "token"
+    token.write_text("sa-token")
+    k = KubernetesPod(namespace="serving", pod="chat-0", container="worker", kubelet_url=cluster.url,
+                      api_url=cluster.url, token_file=str(token))
+    c.workload = c.workload.model_copy(update={"container": c.workload.container.model_copy(update={"kubernetes": k})})
+    fleet = str(write_fleet(tmp_path / "fleet.yaml", [c.workload], tmp_path / "store"))
+    row = None
+    try:
+        for x in (c, ref):
+            x.complete("a long session in a pod " * 20, 24, "s")
+        row = heartbeat(fleet, force=True)[0]
+        assert row["ok"], row
+        assert cluster.calls == ["POST /checkpoint/serving/chat-0/worker?timeout=600"]
+        assert list(cluster.dir.iterdir()) == []  # the archive moved into the store
+        assert verify(fleet)[0]["state"] == "skipped"
+        c.complete("lost with the pod", 8, "s")
+        c.kill()
+        res = recover(fleet, "chat")
+        assert res["checkpoint"] == row["checkpoint"] and not res["cold_start"]
+        assert cluster.calls[1:] == ["DELETE /api/v1/namespaces/serving/pods/chat-0?gracePeriodSeconds=0",
+                                     "POST /api/v1/namespaces/serving/pods"]
+        assert c.digests() == ref.digests()
+        assert c.complete("the pod goes on", 32, "s") == ref.complete("the pod goes on", 32, "s")
+    finally:
+        cluster.stop()
+        c.remove()
+        if row is not None:
+            subprocess.run(["podman", "rmi", f"localhost/ckptflow-restore/chat:{row['checkpoint']}"], capture_output=True)

@@ -41,7 +41,8 @@ def recover(fleet_file: str, workload: str, node: str | None = None, via_deploym
         res = run_step(target, "restore", fleet_file, workload, None, via_deployments)
     except _NO_CHECKPOINT as e:
         f = failure(e)
-        cold = run_step(target, "cold_start", fleet_file, workload, None, via_deployments) if w.start_command else None
+        can_start = w.start_command or (w.container is not None and w.container.image)  # a container: its image
+        cold = run_step(target, "cold_start", fleet_file, workload, None, via_deployments) if can_start else None
         f["fallback"] = (f"cold start on {target} ({cold['cold_start_s']:.1f} s)" if cold else
                          f"none: {workload} declares no start_command")
         _report_failure(fleet, workload, w.node, target, f)

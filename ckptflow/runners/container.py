@@ -226,6 +226,10 @@ def resolve_container(w: Workload, podman: Podman | None = None) -> DeclaredProc
         WorkloadNotFound: no such container, or it is not running.
     """
     spec = _spec(w)
+    if spec.kubernetes is not None:  # a pod: the API server says whether it runs (runners/pod.py)
+        from ckptflow.runners import pod
+
+        return pod.resolve_pod(w)
     c = (podman or Podman(spec)).inspect(spec.name)
     if c is None:
         raise _not_found(w, spec)
@@ -236,6 +240,28 @@ def resolve_container(w: Workload, podman: Podman | None = None) -> DeclaredProc
     if st is None:
         raise WorkloadNotFound(f"workload {w.name}: container {spec.name!r} exited while being resolved")
     return DeclaredProcess(workload=w.name, pid=c.pid, start_time=st, cmdline=f"container {c.name} ({c.id[:12]})")
+
+
+def stop_container(w: Workload, grace_s: float = 30) -> dict:
+    """Stop a container workload through its runtime (``podman stop``: SIGTERM, SIGKILL after
+    ``grace_s``), or delete its pod; never by a signal to a host PID (a pod's is unknown here)."""
+    spec = _spec(w)
+    if spec.kubernetes is not None:
+        from ckptflow.runners import pod
+
+        try:
+            pod.resolve_pod(w)
+        except WorkloadNotFound:
+            return {"stopped": False, "reason": "not running"}
+        pod.delete(w)
+        return {"stopped": True, "pod": f"{spec.kubernetes.namespace}/{spec.kubernetes.pod}"}
+    pm = Podman(spec)
+    try:
+        proc = resolve_container(w, pm)
+    except WorkloadNotFound:
+        return {"stopped": False, "reason": "not running"}
+    pm.call(["stop", "--time", str(int(grace_s)), spec.name], "stop", timeout_s=grace_s + 60)
+    return {"stopped": True, "pid": proc.pid, "container": spec.name}
 
 
 def _port_taken(ip: str, port: int) -> bool:
@@ -314,25 +340,35 @@ class ContainerRunner:
         pm = self.podman(w)
         spec = _spec(w)
         proc = resolve_container(w, pm)
-        c = pm.inspect(spec.name)
         state = engine.probe(w)
         load = engine.read_load(w)
         if load is not None:
             state["tokens_total"] = load.tokens_total
-        state["container"] = {"name": c.name, "id": c.id, "image": c.image,
-                              "ports": [p.model_dump() for p in c.ports]}
+        if spec.kubernetes is not None:
+            k = spec.kubernetes
+            state["container"] = {"name": spec.name, "pod": f"{k.namespace}/{k.pod}/{k.container}",
+                                  "ports": [p.model_dump() for p in spec.ports]}
+        else:
+            c = pm.inspect(spec.name)
+            state["container"] = {"name": c.name, "id": c.id, "image": c.image,
+                                  "ports": [p.model_dump() for p in c.ports]}
         pending = self.store.begin(w.name, node=w.node)
         try:
             images = pending.images_dir
             (images / SPEC_FILE).write_text(json.dumps(state["container"]))
-            args = ["container", "checkpoint", "--compress", "none", "--export", str(images / IMAGE_FILE)]
-            if leave_running:
-                args.append("--leave-running")
-            if w.tcp_established:
-                args.append("--tcp-established")
-            t0 = time.perf_counter()
-            pm.call([*args, spec.name], "checkpoint")
-            took = round(time.perf_counter() - t0, 4)
+            if spec.kubernetes is not None:  # the kubelet checkpoints it, leaving it running (runners/pod.py)
+                from ckptflow.runners import pod
+
+                took = round(pod.take_archive(w, images / IMAGE_FILE), 4)
+            else:
+                args = ["container", "checkpoint", "--compress", "none", "--export", str(images / IMAGE_FILE)]
+                if leave_running:
+                    args.append("--leave-running")
+                if w.tcp_established:
+                    args.append("--tcp-established")
+                t0 = time.perf_counter()
+                pm.call([*args, spec.name], "checkpoint")
+                took = round(time.perf_counter() - t0, 4)
         except BaseException:
             self.store.abort(pending)
             raise
@@ -340,7 +376,12 @@ class ContainerRunner:
                               kind=kind or ("heartbeat" if leave_running else "migrate"), pid=proc.pid,
                               fingerprint=self.fingerprint(w))
         if not leave_running:  # checkpointed and stopped: free the name for the restore, here or elsewhere
-            pm.remove(spec.name)
+            if spec.kubernetes is not None:
+                from ckptflow.runners import pod
+
+                pod.delete(w)
+            else:
+                pm.remove(spec.name)
         return m
 
     # --- restore ---------------------------------------------------------------------------
@@ -360,6 +401,10 @@ class ContainerRunner:
 
     def _clear_dead(self, w: Workload, pm: Podman) -> None:
         spec = _spec(w)
+        if spec.kubernetes is not None:
+            from ckptflow.runners import pod
+
+            return pod.clear_dead(w)
         c = pm.inspect(spec.name)
         if c is None:
             return
@@ -381,7 +426,7 @@ class ContainerRunner:
 
     def _preflight(self, w: Workload, m: Manifest, ports: list[PortMap]) -> None:
         """Refuse, before the runtime is called, what would fail or break something."""
-        taken = [p for p in ports if _port_taken(p.host_ip, p.host)]
+        taken = [p for p in ports if _port_taken(p.host_ip, p.host)] if _spec(w).kubernetes is None else []
         if taken:
             p = taken[0]
             raise RestoreFailed(
@@ -441,6 +486,11 @@ class ContainerRunner:
         """``podman container restore --import`` as ``name`` publishing ``ports``; the host PID of
         its init. A failed restore leaves no container of that name behind."""
         spec = _spec(w)
+        if spec.kubernetes is not None:  # a checkpoint image and a new pod (runners/pod.py)
+            from ckptflow.runners import pod
+
+            pod.restore(w, m, self.store.images_dir(m) / IMAGE_FILE)
+            return 0
         pm = self.podman(w)
         args = ["--runtime", spec.oci_runtime, "container", "restore", "--import",
                 str(self.store.images_dir(m) / IMAGE_FILE), "--name", name, "--ignore-static-ip",
@@ -477,6 +527,9 @@ class ContainerRunner:
             return VerifyResult(VerifyOutcome.verify_failed, str(e).splitlines()[0], t)
         t["checksum"] = round(time.perf_counter() - t0, 4)
         spec = _spec(w)
+        if spec.kubernetes is not None:
+            return VerifyResult(VerifyOutcome.skipped, "fingerprint and checksums pass; a copy of a pod beside the "
+                                "original is not built yet (docs/kubernetes.md)", t)
         fresh = [p.model_copy(update={"host": free_port(p.host_ip if p.host_ip != "0.0.0.0" else "127.0.0.1")})
                  for p in self._ports(w, m)]
         moved = {old.host: new.host for old, new in zip(self._ports(w, m), fresh)}
@@ -513,6 +566,9 @@ class ContainerRunner:
             RestoreFailed: no image declared, a host port is taken, or it never became healthy.
         """
         spec = _spec(w)
+        if spec.kubernetes is not None:
+            raise RestoreFailed(f"workload {w.name}: a pod is cold started by the cluster, not by the node agent",
+                                fix="let its Deployment/StatefulSet recreate it, or kubectl apply its manifest")
         if not spec.image:
             raise RestoreFailed(f"workload {w.name}: container {spec.name!r} declares no image to start it from",
                                 fix="declare container.image (and container.rootfs where no registry is reachable)")

@@ -157,3 +157,63 @@ def image_annotations(image: str, podman: str = "podman") -> dict[str, str]:
     r = subprocess.run([podman, "image", "inspect", "--format", "json", image], capture_output=True, text=True,
                        timeout=60)
     return (json.loads(r.stdout)[0].get("Annotations") or {}) if r.returncode == 0 else {}
+
+
+class KubeApi:
+    """The few API-server calls a pod restore makes: get, create and delete one pod.
+
+    Args:
+        base_url: the API server (default: in-cluster, from KUBERNETES_SERVICE_HOST/PORT).
+        token_file: a ServiceAccount token allowed to get/create/delete pods (rendered rbac.yaml).
+    """
+
+    def __init__(self, base_url: str | None = None, *, token_file: str | None = SA_TOKEN, timeout_s: float = 60):
+        import os
+
+        if base_url is None:
+            host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+            if not host:
+                raise RunnerUnavailable("no API server to restore a pod through (not in a cluster, and the workload's "
+                                        "container.kubernetes.api_url is not set)",
+                                        fix="run the node agent in the cluster (rendered daemonset.yaml) or set api_url")
+            base_url = f"https://{host}:{port}"
+        self.base_url = base_url.rstrip("/")
+        self.token_file = token_file
+        self.verify: str | bool = SA_CA if Path(SA_CA).exists() else True
+        self.timeout_s = timeout_s
+
+    def _headers(self) -> dict:
+        if self.token_file and Path(self.token_file).exists():
+            return {"Authorization": f"Bearer {Path(self.token_file).read_text().strip()}"}
+        return {}
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> httpx.Response:
+        try:
+            return httpx.request(method, f"{self.base_url}{path}", json=body, headers=self._headers(),
+                                 verify=self.verify, timeout=self.timeout_s)
+        except httpx.HTTPError as e:
+            raise RunnerUnavailable(f"API server {self.base_url}: {method} {path} failed: {e}",
+                                    fix="check the node agent's network and its ServiceAccount") from None
+
+    def get_pod(self, namespace: str, name: str) -> dict | None:
+        r = self._call("GET", f"/api/v1/namespaces/{namespace}/pods/{name}")
+        if r.status_code == 404:
+            return None
+        if r.status_code != 200:
+            raise RunnerUnavailable(f"API server: get pod {namespace}/{name}: {r.status_code} {r.text[:300]}",
+                                    fix="give the node agent get on pods (rendered rbac.yaml)")
+        return r.json()
+
+    def create_pod(self, namespace: str, manifest: dict) -> dict:
+        r = self._call("POST", f"/api/v1/namespaces/{namespace}/pods", manifest)
+        if r.status_code not in (200, 201, 202):
+            raise RestoreFailed(f"API server: create pod {namespace}/{manifest['metadata']['name']}: "
+                                f"{r.status_code} {r.text[:300]}",
+                                fix="give the node agent create on pods (rendered rbac.yaml); see the pod's events")
+        return r.json()
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        r = self._call("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}?gracePeriodSeconds=0")
+        if r.status_code not in (200, 202, 404):
+            raise RunnerUnavailable(f"API server: delete pod {namespace}/{name}: {r.status_code} {r.text[:300]}",
+                                    fix="give the node agent delete on pods (rendered rbac.yaml)")

@@ -268,12 +268,20 @@ def demo_image(runtime: str = "podman", work_dir: Path | None = None) -> str:
         import_rootfs(runtime, tar, tag)
     finally:
         tar.unlink(missing_ok=True)
-    # Older tags of the demo image go (one still used by a container stays: rmi refuses it).
-    out = subprocess.run([runtime, "images", "--format", "{{.Repository}}:{{.Tag}}", DEMO_REPO],
-                         capture_output=True, text=True, timeout=60).stdout.split()
-    for old in (t for t in out if t != tag):
-        subprocess.run([runtime, "rmi", old], capture_output=True, timeout=120)
+    prune_tags(runtime, DEMO_REPO, keep=tag)
     return tag
+
+
+PRUNE_AFTER = "24h"  # another checkout on the node may have built its own tag minutes ago and be about to use it
+
+
+def prune_tags(runtime: str, repo: str, keep: str) -> None:
+    """Remove ``repo``'s other tags older than PRUNE_AFTER (one still used by a container stays:
+    rmi refuses it)."""
+    out = subprocess.run([runtime, "images", "--filter", f"reference={repo}", "--filter", f"until={PRUNE_AFTER}",
+                          "--format", "{{.Repository}}:{{.Tag}}"], capture_output=True, text=True, timeout=60).stdout.split()
+    for old in (t for t in out if t != keep):
+        subprocess.run([runtime, "rmi", old], capture_output=True, timeout=120)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,6 +61,10 @@ def restore_local(fleet_file: str, workload: str, node: str, checkpoint: str) ->
 def stop_workload(fleet_file: str, workload: str, grace_s: float = 30) -> dict:
     """SIGTERM a declared worker and wait for it to exit (SIGKILL after ``grace_s``)."""
     w = open_fleet(fleet_file).workload(workload)
+    if w.container is not None:  # through its runtime, never a signal to a host PID
+        from ckptflow.runners.container import stop_container
+
+        return stop_container(w, grace_s)
     try:
         proc = process.resolve(w)
     except WorkloadNotFound:
@@ -94,6 +98,11 @@ def scale_up_in(fleet_file: str, workload: str, node: str, checkpoint: str) -> d
 
     fleet = open_fleet(fleet_file)
     w = fleet.workload(workload).model_copy(update={"node": node})
+    if w.container is not None:
+        from ckptflow.errors import UnsupportedWorkload
+
+        raise UnsupportedWorkload(f"workload {workload}: scale-up replicas of a container workload are not built yet",
+                                  fix="start another container of its image; verify already restores copies beside it")
     t0 = time.perf_counter()
     with node_runner(fleet, node) as runner:
         m, pulled = _tier(fleet).pull(runner.store, workload, checkpoint, node)
