@@ -4,7 +4,7 @@ each answers (issue #13 item 1: "find what differs ... or name exactly why not")
 
 Usage (GPU node, root; CRIU + criu-ns from the bundle):
     bench/on_device.sh python3 bench/gpu_pidns_probe.py
-Writes bench/results/gpu_pidns.json and appends to bench/RESULTS.md.
+Appends the run to bench/results/gpu_pidns.json (every run kept) and to bench/RESULTS.md.
 
 Vantage points, for the copy whose host PID is H and in-namespace PID is P:
   host            cuCheckpointProcessGetState(H) from this process (the runner's view)
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import BENCH, append_results, md_table  # noqa: E402
+from _common import append_results, md_table, record_run  # noqa: E402
 
 from ckptflow.demo import launch  # noqa: E402
 from ckptflow.runners.node import NodeRunner  # noqa: E402
@@ -124,7 +124,7 @@ def main() -> int:
             pass
         node.close()
     print(json.dumps(out, indent=1))
-    (BENCH / "results" / "gpu_pidns.json").write_text(json.dumps(out, indent=1) + "\n")
+    record_run("gpu_pidns", out)  # every run kept, with date and command
     table = md_table(["copy", "asked from", "PID asked about", "driver answers"], rows)
     print(table)
     append_results("A CUDA-checkpointed copy in its own PID namespace, asked from each vantage point "

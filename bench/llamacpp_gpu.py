@@ -7,14 +7,13 @@ Usage (on the GPU node, as root; no registry needed):
 
 ``--src``: a llama.cpp tree (tar.xz of .ckptflow/llama.cpp/src-<version>, extracted here from
 the hash-checked sdist) for nodes that cannot reach PyPI; the CUDA build then runs
-scripts/install-llamacpp.sh --cuda on it. Writes bench/results/llamacpp_gpu.json and appends to
+scripts/install-llamacpp.sh --cuda on it. Appends the run to bench/results/llamacpp_gpu.json (every run kept) and to
 bench/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -27,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import BENCH, append_results, md_table  # noqa: E402
+from _common import append_results, md_table, record_run  # noqa: E402
 
 from ckptflow.engines import llamacpp  # noqa: E402
 from ckptflow.engines.llamacpp_model import build_model  # noqa: E402
@@ -129,9 +128,7 @@ def main() -> int:
 
     pynvml.nvmlInit()
     gpu = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
-    out = BENCH / "results" / "llamacpp_gpu.json"
-    out.write_text(json.dumps({"gpu": gpu, "driver": pynvml.nvmlSystemGetDriverVersion(), "rows": [row]},
-                              indent=1) + "\n")
+    record_run("llamacpp_gpu", {"gpu": gpu, "driver": pynvml.nvmlSystemGetDriverVersion(), "rows": [row]})
     table = md_table(["model", "model GiB", "GPU GiB", "image GiB", "pause s", "restore-to-ready s", "cold start s",
                       "serving after heartbeat", "bit-exact", "prompt_n after restore"],
                      [[f"random llama {a.size} (f16)", row["model_gib"], row["gpu_footprint_gib"], row["image_gib"],

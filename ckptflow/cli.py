@@ -181,8 +181,10 @@ def ls(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET,
     for col in ("workload", "checkpoint", "state", "age", "size", "copies", "reason"):
         table.add_column(col, no_wrap=col in ("workload", "checkpoint"))
     now = datetime.now(timezone.utc)
-    for name in names:
+    for name in names:  # grows by the templates two-tier checkpoints name: their bytes are listed once
         for m in fleet_manifests(fleet, name):
+            if m.probe.get("template_workload") and m.probe["template_workload"] not in names:
+                names.append(m.probe["template_workload"])
             age = now - m.created
             table.add_row(m.workload, m.id, m.state.value, _age(age.total_seconds()),
                           f"{checkpoint_bytes(m) / 2**20:,.1f} MiB"

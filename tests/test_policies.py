@@ -320,14 +320,6 @@ def test_a_registered_policy_is_chosen_by_name_from_the_fleet_file(tmp_path, mon
     assert isinstance(rule.params, EveryParams) and decide(facts(), rule.policy, rule.params).interval_s == 5
 
 
-def test_a_burst_is_checkpointed_even_where_steady_checkpoints_do_not_pay():
-    # At the KV's average growth checkpoints cost more than they save (the skip above), but
-    # 500 s of new KV since the last one is more than 3 pauses (3 x 104 s): checkpoint it now.
-    d = decide(facts(mtbf_s=6000 * H, live_tokens=2e6, growth_tokens_s=300, tokens_since_ckpt=5e6))
-    assert d.action == Action.checkpoint_now and d.due
-    assert d.reason == "burst: 500 s of new KV since the last checkpoint > 3 x 104 s"
-
-
 def test_small_cost_rates_are_printed_readably():
     # A CPU worker: a 0.3 s dump, a few hundred tokens; both rates are far below 0.1 GPU-s/h.
     d = decide(facts(footprint_gib=0, measured_pause_s=0.3, mtbf_s=6000 * H, live_tokens=500,

@@ -91,3 +91,19 @@ def test_status_shows_the_node_a_migrate_moved_the_workload_to(tmp_path):
     assert fleet_status(load_fleet(f))[0]["node"] == "node-a"
     LocalFleetState(tmp_path / "store").put_placement("chat", "node-b", "20261130T120000Z-0a0b0c0d")
     assert fleet_status(load_fleet(f))[0]["node"] == "node-b"
+
+
+def test_ls_shows_two_tier_sizes_with_their_chunks_and_the_template(tmp_path):
+    import subprocess
+    import sys
+
+    store, tmpl, first, second = _two_tier_store(tmp_path)
+    w = Workload(name="chat", node="local", find=ProcessFinder(pid_file=str(tmp_path / "w.pid")),
+                 checkpoint="two-tier")
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w], tmp_path / "store")
+    out = subprocess.run([sys.executable, "-m", "ckptflow", "ls", str(fleet)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    rows = {line.split("│")[2].strip(): line for line in out.stdout.splitlines() if "│" in line}
+    assert "3.0 MiB (0.0 image + 3.0 chunks)" in rows[second.id]
+    assert tmpl.workload in rows[tmpl.id] and "10.0 MiB (2.0 image + 8.0 chunks)" in rows[tmpl.id]
