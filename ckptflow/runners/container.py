@@ -341,6 +341,13 @@ class ContainerRunner:
         spec = _spec(w)
         proc = resolve_container(w, pm)
         state = engine.probe(w)
+        if "error" in state:  # stored, it would switch the restore's session check off unseen
+            from ckptflow.errors import EngineProtocolError
+
+            raise EngineProtocolError(
+                f"workload {w.name}: {state['error']} ({w.probe_url}); not checkpointing: a restore of it could "
+                "not be checked against the sessions it held", retryable=True,
+                fix="check the worker's probe endpoint (probe_url); the next heartbeat tries again")
         load = engine.read_load(w)
         if load is not None:
             state["tokens_total"] = load.tokens_total
@@ -621,6 +628,7 @@ def compare(w: Workload, m: Manifest, got: dict, t: dict) -> "VerifyResult":
             return VerifyResult(VerifyOutcome.verify_failed,
                                 f"session state differs from the checkpoint: {', '.join(bad[:5]) or got.get('error')}", t)
         checked.append(f"{len(got['sessions'])} session digest(s)")
-    if not checked:
-        return VerifyResult(VerifyOutcome.verified, "healthy (no golden request or probe declared to compare)", t)
+    if not checked:  # a healthy copy proves only that it starts, not that it computes like the original
+        return VerifyResult(VerifyOutcome.unverified, "healthy only: no golden request or probe declared, so nothing "
+                            "was compared", t)
     return VerifyResult(VerifyOutcome.verified, " and ".join(checked) + " equal", t)
