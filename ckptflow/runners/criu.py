@@ -437,17 +437,7 @@ def _record(images_dir: Path, opts: CriuOptions, outputs: list[str], pids: list[
 def io_uring_holder(pids: list[int]) -> tuple[int, str] | None:
     """(PID, name) of the first process of ``pids`` with an io_uring fd or mapping, or None."""
     for pid in pids:
-        links = []
-        for sub in ("fd", "map_files"):
-            try:
-                entries = os.listdir(f"/proc/{pid}/{sub}")
-            except OSError:
-                continue
-            for e in entries:
-                try:
-                    links.append(os.readlink(f"/proc/{pid}/{sub}/{e}"))
-                except OSError:
-                    continue
+        links = devshm.open_paths(pid)
         if any("io_uring" in link for link in links):
             try:
                 name = Path(f"/proc/{pid}/comm").read_text().strip()

@@ -51,22 +51,29 @@ def tree(root_pid: int) -> list[int]:
     return out
 
 
+def open_paths(pid: int) -> list[str]:
+    """What the process's open files and file mappings point to (``/proc/PID/fd`` and
+    ``map_files`` link targets); [] when it is gone or unreadable."""
+    out = []
+    for sub in ("fd", "map_files"):
+        try:
+            entries = os.listdir(f"/proc/{pid}/{sub}")
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                out.append(os.readlink(f"/proc/{pid}/{sub}/{e}"))
+            except OSError:
+                continue
+    return out
+
+
 def files_of(pids: list[int], shm: Path = SHM) -> set[str]:
     """Names of the /dev/shm files the processes hold open or map, that exist under that name."""
     names: set[str] = set()
     prefix = str(shm) + "/"
     for pid in pids:
-        paths: list[str] = []
-        for sub in ("fd", "map_files"):
-            try:
-                entries = os.listdir(f"/proc/{pid}/{sub}")
-            except OSError:
-                continue
-            for e in entries:
-                try:
-                    paths.append(os.readlink(f"/proc/{pid}/{sub}/{e}"))
-                except OSError:
-                    continue
+        paths = open_paths(pid)
         for p in paths:
             # "(deleted)": no name left to restore it under; CRIU keeps those itself (ghost
             # files, or a link-remap file that this module saves by its own name).
@@ -105,19 +112,7 @@ def held(pids: list[int], shm: Path = SHM) -> set[str]:
 def needed(pids: list[int], shm: Path = SHM) -> bool:
     """Whether the tree holds anything in /dev/shm that the image would lack (named or deleted)."""
     prefix = str(shm) + "/"
-    for pid in pids:
-        for sub in ("fd", "map_files"):
-            try:
-                entries = os.listdir(f"/proc/{pid}/{sub}")
-            except OSError:
-                continue
-            for e in entries:
-                try:
-                    if os.readlink(f"/proc/{pid}/{sub}/{e}").startswith(prefix):
-                        return True
-                except OSError:
-                    continue
-    return False
+    return any(p.startswith(prefix) for pid in pids for p in open_paths(pid))
 
 
 def _extents(fd: int, size: int):

@@ -1,0 +1,105 @@
+"""/dev/shm files a worker maps travel in its image (runners/devshm.py), without vLLM.
+
+The worker does what vLLM's processes do: a shared-memory segment under its name in /dev/shm
+(multiprocessing.shared_memory, sparse) and a named semaphore of a spawn context (glibc creates
+it under a temporary name and links it to its own: a link-remap for CRIU). After a heartbeat
+the segment changes and the worker is killed; the restore gives it the bytes of the dump.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptflow.models import CriuOptions, ProcessFinder, Workload
+
+pytestmark = pytest.mark.criu
+
+WORKER = r"""
+import multiprocessing as mp, os, sys, time
+from multiprocessing import shared_memory
+lock = mp.get_context("spawn").Lock()                 # a named semaphore in /dev/shm
+shm = shared_memory.SharedMemory(create=True, size=64 << 20)
+shm.buf[0:5] = b"first"
+shm.buf[32 << 20:(32 << 20) + 6] = b"middle"          # the rest stays a hole
+open(sys.argv[2], "w").write(shm.name)
+open(sys.argv[1], "w").write(str(os.getpid()))
+while True:
+    with lock:
+        time.sleep(0.05)
+"""
+
+
+def test_a_heartbeat_carries_the_workers_shm_and_semaphore_and_the_restore_puts_them_back(tmp_path, criu):
+    from ckptflow.runners import devshm
+    from ckptflow.runners.process import pid_alive, tree
+
+    pid_file, name_file = tmp_path / "w.pid", tmp_path / "shm.name"
+    (tmp_path / "w.py").write_text(WORKER)
+    subprocess.Popen(["/bin/sh", "-c", f"exec {sys.executable} {tmp_path / 'w.py'} {pid_file} {name_file} "
+                      f"</dev/null >>{tmp_path / 'w.log'} 2>&1"], start_new_session=True)
+    deadline = time.time() + 20
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert time.time() < deadline
+        time.sleep(0.05)
+    pid = int(pid_file.read_text())
+    seg = Path("/dev/shm") / name_file.read_text().lstrip("/")
+    w = Workload(name="w", node="local", find=ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="w.py"),
+                 criu=CriuOptions(link_remap=True, devshm=True))
+    img = tmp_path / "img"
+    try:
+        criu.dump(w, img, leave_running=True)
+        saved = {f["name"]: f for f in devshm.saved(img)}
+        assert seg.name in saved and saved[seg.name]["size"] == seg.stat().st_size
+        # Only the data travels: two pages of a 64 MiB segment.
+        assert sum(e[1] for e in saved[seg.name]["extents"]) <= 2 * 4096 * 16
+        assert (img / devshm.DATA).stat().st_size < 1 << 20
+        assert any(n.startswith(devshm.LINK_REMAP) for n in saved)        # the semaphore's remap file
+        assert not any(n.startswith(devshm.LINK_REMAP) for n in os.listdir("/dev/shm"))  # CRIU dropped it
+
+        with open(seg, "r+b") as f:                                       # newer than the image
+            f.write(b"later")
+        pids = tree(pid)
+        for p in pids:
+            os.kill(p, signal.SIGKILL)
+        while any(pid_alive(p) for p in pids):
+            time.sleep(0.02)
+        assert criu.restore(img, old_pid=pid) == pid
+        time.sleep(0.3)
+        assert seg.read_bytes()[:5] == b"first"                           # as at the dump
+        with open(seg, "rb") as f:
+            f.seek(32 << 20)
+            assert f.read(6) == b"middle"
+        # The restored worker runs (its semaphore works): it is not stopped and not a zombie.
+        assert pid_alive(pid)
+        assert not any(n.startswith(devshm.LINK_REMAP) for n in os.listdir("/dev/shm"))
+    finally:
+        held = devshm.held(tree(pid)) if pid_alive(pid) else set()
+        for p in tree(pid):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for n in held | {seg.name}:
+            (Path("/dev/shm") / n).unlink(missing_ok=True)
+
+
+def test_stale_link_remap_files_are_removed_unless_something_maps_them(tmp_path):
+    import mmap
+
+    from ckptflow.runners import devshm
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (shm / "link_remap.7").write_bytes(b"x" * 32)
+    (shm / "link_remap.8").write_bytes(b"y" * 4096)
+    (shm / "psm_keep").write_bytes(b"z")
+    with open(shm / "link_remap.8", "r+b") as f, mmap.mmap(f.fileno(), 4096):
+        assert devshm.remove_stale_link_remaps(shm) == ["link_remap.7"]
+        assert sorted(os.listdir(shm)) == ["link_remap.8", "psm_keep"]
