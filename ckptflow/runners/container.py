@@ -112,7 +112,9 @@ def _runtime_log_tail(stderr: str, lines: int = 20) -> str:
     if m:
         try:
             text = [t for t in Path(m.group(1)).read_text(errors="replace").splitlines() if "RLIMIT_NOFILE" not in t]
-            return "\n".join(text[-lines:] + [stderr.strip()[-500:]])
+            # CRIU's first "Error (" line is the cause; the last lines are its unwinding.
+            first = [t for t in text if "Error (" in t][:1]
+            return "\n".join(first + [t for t in text[-lines:] if t not in first] + [stderr.strip()[-500:]])
         except OSError:
             pass
     return stderr.strip()[-2000:]
