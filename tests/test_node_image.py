@@ -37,7 +37,7 @@ def test_node_image_runs_the_daemonsets_command_and_passes_doctor(tmp_path):
         assert info["Config"]["WorkingDir"] == WORKDIR
         # The DaemonSet ckptflow deploy renders for this image: its command runs in it as written.
         (ds_file,) = render_node_workers(ROOT / "deployments" / "example-h200-fleet.yaml", ROOT, image=tag,
-                                         api_url="http://127.0.0.1:4200/api", out_dir=tmp_path)["kubernetes"]
+                                         api_url="http://prefect.example.internal:4200/api", out_dir=tmp_path)["kubernetes"]
         c = next(d for d in yaml.safe_load_all(ds_file.read_text()) if d)["spec"]["template"]["spec"]["containers"][0]
         assert c["image"] == tag
         prefect = c["command"][0].replace(str(ROOT), WORKDIR)  # deploy --workdir /srv/ckptflow renders this path
