@@ -24,32 +24,6 @@ from ckptflow.engines import vllm
 from ckptflow.models import Action, TrafficClass
 
 pytestmark = pytest.mark.slow
-_WHY = "vLLM is not installed: run ./scripts/setup.sh (it runs scripts/install-vllm.sh)"
-
-
-@pytest.fixture(scope="session")
-def vllm_install():
-    inst = vllm.find_install()
-    if inst is None:
-        # CI installs it through setup.sh: missing there is a broken setup, never a skip.
-        if os.environ.get("CI") or os.environ.get("CKPTFLOW_REQUIRE_CRIU") == "1":
-            pytest.fail(_WHY)
-        pytest.skip(_WHY)
-    return inst
-
-
-@pytest.fixture(scope="session")
-def io_uring_off():
-    """The node setting a checkpointable vLLM needs, put back as it was at the end."""
-    old = vllm.disable_io_uring()
-    yield
-    if old is not None:
-        vllm.IO_URING_SYSCTL.write_text(old)
-
-
-@pytest.fixture(scope="session")
-def vllm_model(vllm_install, tmp_path_factory):
-    return vllm.build_model(vllm_install, tmp_path_factory.mktemp("vllm-model") / "tiny-llama", seed=1234)
 
 
 class Servers:

@@ -24,30 +24,6 @@ from ckptflow.engines import vllm
 from ckptflow.engines import vllm_container as vc
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
-_WHY = "vLLM is not installed: run ./scripts/setup.sh (it runs scripts/install-vllm.sh)"
-
-
-@pytest.fixture(scope="module")
-def vllm_install():
-    inst = vllm.find_install()
-    if inst is None:
-        if os.environ.get("CI") or os.environ.get("CKPTFLOW_REQUIRE_CRIU") == "1":
-            pytest.fail(_WHY)
-        pytest.skip(_WHY)
-    return inst
-
-
-@pytest.fixture(scope="module")
-def io_uring_off():
-    old = vllm.disable_io_uring()
-    yield
-    if old is not None:
-        vllm.IO_URING_SYSCTL.write_text(old)
-
-
-@pytest.fixture(scope="module")
-def vllm_model(vllm_install, tmp_path_factory):
-    return vllm.build_model(vllm_install, tmp_path_factory.mktemp("vllm-model") / "tiny-llama", seed=1234)
 
 
 @pytest.fixture(scope="module")
