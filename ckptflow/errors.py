@@ -116,7 +116,11 @@ class UnsupportedWorkload(CkptflowError):
     NCCL uses P2P/SHM/NVLS transports). Restarting it differently is the fix; retrying is not."""
 
 
-class CudaCheckpointError(CkptflowError):
+class GpuCheckpointError(CkptflowError):
+    """A GPU backend's lock, checkpoint, restore or unlock failed (runners/gpu); names each PID."""
+
+
+class CudaCheckpointError(GpuCheckpointError):
     """A CUDA driver checkpoint call failed; carries the PID, the call and the driver state."""
 
 

@@ -33,7 +33,7 @@ from typing import Any, Literal
 from functools import lru_cache
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from ckptflow.errors import ConfigError
 from ckptflow.models import Engine, Name, TrafficClass, Workload
@@ -103,10 +103,22 @@ class Node(BaseModel):
                            examples=["H200-141GB"])
     gpus: int = Field(0, ge=0, description="GPUs on the node.")
     gpu_memory_gib: float = Field(0, ge=0, description="Memory per GPU.")
+    gpu_backend: str = Field("cuda", description="GPU backend that checkpoints the node's GPU workers, by registered "
+                             "name (runners/gpu: cuda).", examples=["cuda"])
     mtbf_hours: float | None = Field(None, gt=0, description="Mean time between failures of the node.")
     failures: list[datetime] = Field(default_factory=list,
                                      description="Observed failure times (MTBF is estimated from them).")
     maintenance: list[MaintenanceWindow] = Field(default_factory=list)
+
+    @field_validator("gpu_backend")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        # The registry imports no driver (each backend loads its own at its first step).
+        from ckptflow.runners.gpu import BACKENDS, unknown_backend
+
+        if v not in BACKENDS:
+            raise ValueError(unknown_backend(v))
+        return v
 
 
 class PolicyMatch(BaseModel):
@@ -294,7 +306,7 @@ class _PathErrors(ValueError):
 # fail later, at the first heartbeat, as an unreadable "no KV growing" or a silent probe error.
 _WORKLOAD_URLS = ("health_url", "metrics_url", "probe_url", "prepare_url")
 _CROSS_FIELDS = {"nodes": {"__all__": {"name"}},
-                 "workloads": {"__all__": {"name", "node", "golden", "find", "engine", "checkpoint", *_WORKLOAD_URLS}},
+                 "workloads": {"__all__": {"name", "node", "golden", "find", *_WORKLOAD_URLS}},
                  "storage": {"endpoint_url", "path"}, "slack": {"base_url"}, "prefect_ui_url": True}
 # Fields that name one worker: two workloads declaring the same one would checkpoint, probe or
 # restore each other's process (a loopback URL or a pid file is per node).
@@ -347,13 +359,7 @@ def cross_field_problems(data: dict) -> list[tuple[tuple, str]]:
         if isinstance(w.get("golden"), dict):
             urls.append((("golden", "url"), w["golden"].get("url")))
         out += [(("workloads", i, *k), why) for k, v in urls if (why := _url_problem(v))]
-    out += _shared_worker_problems(items("workloads"))
-    for i, w in items("workloads"):
-        engine, mode = (getattr(w.get(k), "value", w.get(k)) for k in ("engine", "checkpoint"))
-        if mode == "two-tier" and engine == "llamacpp":
-            out.append((("workloads", i, "checkpoint"), "checkpoint: two-tier is not supported with engine: llamacpp "
-                        "(llama-server has no template hooks; its sessions are carried by the process checkpoint): "
-                        "use checkpoint: process"))
+    out += _shared_worker_problems(items("workloads"))  # a mode's own refusals: ckptflow.modes
     storage = data.get("storage")
     if isinstance(storage, dict) and isinstance(storage.get("path"), str):
         import string

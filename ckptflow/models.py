@@ -26,9 +26,11 @@ from datetime import datetime, timezone
 from enum import Enum, StrEnum
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, ValidationInfo,
+                      field_validator, model_validator)
 
 from ckptflow.container_models import ContainerSpec
+from ckptflow.modes import DEFAULT_MODE, MODES, ModeParams, unknown_mode
 
 # Names end up in paths and object keys: keep them to a safe alphabet so that a workload
 # called "../../etc" can never address anything outside its own directory.
@@ -138,7 +140,8 @@ VLLM_CRIU = CriuOptions(link_remap=True, ext_unix_sk=True, file_locks=True, devs
 
 
 class CheckpointMode(StrEnum):
-    """How a workload is checkpointed."""
+    """The built-in checkpoint modes' names (every mode, built-in or not, is registered in
+    ckptflow.modes.MODES; ``Workload.checkpoint`` holds the name)."""
 
     process = "process"     # the whole worker: CUDA checkpoint + CRIU (any engine)
     two_tier = "two-tier"   # template + sessions through the engine protocol (docs/engines/protocol.md)
@@ -192,16 +195,47 @@ class Workload(BaseModel):
         "whose prepare quiesces it (tensor-parallel ranks idle on the CPU, new work held) serves "
         "again. Without it, the engine's own hold timeout applies.",
         examples=["http://127.0.0.1:18001/v1/ckptflow/resume"])
-    checkpoint: CheckpointMode = Field(
-        CheckpointMode.process, description="process: the whole worker (CRIU + CUDA), any engine; two-tier: "
-        "a template of the initialised engine plus the sessions it exports, bytes in proportion to "
-        "what changed (the engine must speak ckptflow's protocol).", examples=["two-tier"])
+    checkpoint: str = Field(
+        DEFAULT_MODE, description="Checkpoint mode, by registered name (ckptflow.modes): process: the whole worker "
+        "(CRIU + the node's GPU backend), any engine; two-tier: a template of the initialised engine plus the "
+        "sessions it exports, bytes in proportion to what changed (the engine must speak ckptflow's protocol).",
+        examples=["two-tier"])
+    checkpoint_params: SerializeAsAny[ModeParams] = Field(
+        default_factory=ModeParams, description="Parameters of the checkpoint mode, checked against its model "
+        "(ProcessParams, TwoTierParams).", examples=[{"min_session_tokens": 64}])
     tcp_established: bool = Field(
         False, description="Checkpoint established TCP connections too (CRIU --tcp-established).")
     criu: CriuOptions = Field(default_factory=CriuOptions,
                               description="CRIU options the engine's tree needs (engine: vllm sets them all).",
                               examples=[{"link_remap": True, "devshm": True}])
     labels: dict[str, str] = Field(default_factory=dict, description="Free labels for policy rules.")
+
+    @field_validator("checkpoint")
+    @classmethod
+    def _known_mode(cls, v: str, info: ValidationInfo) -> str:
+        if v not in MODES:
+            raise ValueError(unknown_mode(v))
+        why = MODES[v].refuse(info.data)  # the fields declared above checkpoint are validated already
+        if why:
+            raise ValueError(why)
+        return v
+
+    @field_validator("checkpoint_params", mode="before")
+    @classmethod
+    def _typed_mode_params(cls, v: Any, info: ValidationInfo) -> ModeParams:
+        spec = MODES.get(info.data.get("checkpoint", ""))
+        if spec is None:
+            return ModeParams()  # the unknown mode is the error reported
+        try:
+            return spec.parse(v)
+        except ValidationError as e:
+            err = e.errors()[0]
+            if err["type"] == "extra_forbidden":
+                known = ", ".join(spec.params.model_fields) or "none"
+                raise ValueError(f"checkpoint mode {spec.name} has no parameter {err['loc'][-1]!r} "
+                                 f"(its parameters: {known})") from None
+            where = ".".join(map(str, err["loc"]))
+            raise ValueError(f"{where}: {err['msg']}" if where else err["msg"]) from None
 
     @model_validator(mode="after")
     def _engine_criu_defaults(self) -> "Workload":
@@ -213,16 +247,9 @@ class Workload(BaseModel):
     def _find_or_container(self) -> "Workload":
         if (self.find is None) == (self.container is None):
             raise ValueError("give exactly one of find (a process) or container (a container workload)")
-        if self.container is not None and (self.checkpoint == CheckpointMode.two_tier or self.gpu):
+        if self.container is not None and self.gpu:  # other modes refuse containers themselves (ckptflow.modes)
             raise ValueError("a container workload is checkpointed whole and on CPU only for now: "
                              "drop checkpoint: two-tier and gpu: true, or run it as a process")
-        return self
-
-    @model_validator(mode="after")
-    def _two_tier_single_process(self) -> "Workload":
-        if self.checkpoint == CheckpointMode.two_tier and self.tensor_parallel > 1:
-            raise ValueError("checkpoint: two-tier is not supported with tensor_parallel > 1 yet (no "
-                             "templates for TP groups); use checkpoint: process for this workload")
         return self
 
 

@@ -336,16 +336,11 @@ def gpu_free_bytes() -> int:
 def gate_gpu_memory(footprint_bytes: int, free_bytes: int | None = None,
                     margin_gib: float = RESTORE_MARGIN_GIB) -> None:
     """Raise NotEnoughGpuMemory unless free >= footprint + margin."""
+    from ckptflow.runners.gpu import gate_total
+
     if not footprint_bytes:
         return
-    free = gpu_free_bytes() if free_bytes is None else free_bytes
-    need = footprint_bytes + int(margin_gib * 2**30)
-    if free < need:
-        raise NotEnoughGpuMemory(
-            f"{free / 2**30:.1f} GiB free on the GPU < {need / 2**30:.1f} GiB needed "
-            f"(footprint {footprint_bytes / 2**30:.1f} GiB + {margin_gib:g} GiB margin); not restoring: a restore "
-            "that runs out of memory breaks the worker for good",
-            fix="free GPU memory (stop or move another worker) or restore on another node")
+    gate_total(footprint_bytes, gpu_free_bytes() if free_bytes is None else free_bytes, margin_gib)
 
 
 def gpu_free_by_uuid() -> dict[str, int]:
@@ -384,20 +379,9 @@ def gate_gpu_memory_per_gpu(need_by_gpu: dict[str, int], free_by_gpu: dict[str, 
         >>> gate_gpu_memory_per_gpu({"GPU-a": 20 * 2**30, "GPU-b": 20 * 2**30},
         ...                         {"GPU-a": 30 * 2**30, "GPU-b": 30 * 2**30})   # each fits its own GPU
     """
-    free = gpu_free_by_uuid() if free_by_gpu is None else free_by_gpu
-    margin = int(margin_gib * 2**30)
-    short = []
-    for uuid, need in sorted(need_by_gpu.items()):
-        if uuid not in free:
-            short.append(f"{uuid}: not on this node (its GPUs: {', '.join(sorted(free)) or 'none'})")
-        elif need and free[uuid] < need + margin:
-            short.append(f"{uuid}: {free[uuid] / 2**30:.1f} GiB free < {(need + margin) / 2**30:.1f} GiB needed "
-                         f"(footprint {need / 2**30:.1f} GiB + {margin_gib:g} GiB margin)")
-    if short:
-        raise NotEnoughGpuMemory(
-            f"not restoring: {'; '.join(short)}; a restore that runs out of memory breaks the worker for good",
-            fix="free GPU memory on those GPUs (stop or move another worker), remap the worker onto GPUs with "
-                "room (gpu_pairs), or restore on another node")
+    from ckptflow.runners.gpu import gate_per_device
+
+    gate_per_device(need_by_gpu, gpu_free_by_uuid() if free_by_gpu is None else free_by_gpu, margin_gib)
 
 
 def restore_needs(gpu_footprints: dict[str, int], gpu_pairs: list[tuple[str, str]] | None = None,
@@ -413,14 +397,9 @@ def restore_needs(gpu_footprints: dict[str, int], gpu_pairs: list[tuple[str, str
         >>> restore_needs({"GPU-a": 5}, taken_on=["GPU-x", "GPU-a"], here=["GPU-0", "GPU-1"])
         {'GPU-1': 5}
     """
-    pairs = dict(gpu_pairs or [])
-    out: dict[str, int] = {}
-    for old, need in gpu_footprints.items():
-        new = pairs.get(old, old)
-        if new == old and here and old not in here and taken_on and old in taken_on and taken_on.index(old) < len(here):
-            new = here[taken_on.index(old)]
-        out[new] = out.get(new, 0) + need
-    return out
+    from ckptflow.runners.gpu import restore_needs as needs
+
+    return needs(gpu_footprints, gpu_pairs, taken_on, here)
 
 
 def process_gpu_usage(pids: list[int]) -> dict[int, dict[str, int]]:

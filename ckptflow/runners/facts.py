@@ -17,6 +17,7 @@ from ckptflow.policies.cadence import WorkloadFacts
 from ckptflow.policies.multigpu import tp_problems
 from ckptflow.runners import process
 from ckptflow.runners.engine import read_load
+from ckptflow.runners.gpu import GpuBackend, backend_for, get_backend
 from ckptflow.store.local import LocalStore
 
 
@@ -31,25 +32,28 @@ def node_mtbf_s(mtbf_hours: float | None, failures: Sequence[datetime]) -> float
     return None
 
 
-def tp_unsupported(w: Workload, pids: list[int] | None = None) -> str | None:
-    """Why a tensor-parallel worker's ranks, as started, cannot be checkpointed (None: they can)."""
+def tp_unsupported(w: Workload, pids: list[int] | None = None, gpu: GpuBackend | None = None) -> str | None:
+    """Why a tensor-parallel worker's ranks, as started, cannot be checkpointed (None: they can).
+    ``pids``: its device processes, else found by ``gpu`` (the node's backend, default cuda)."""
     if w.tensor_parallel <= 1:
         return None
-    from ckptflow.runners.cuda import cuda_pids
-
     if pids is None:
         try:
-            pids = cuda_pids(process.resolve(w).pid)
+            pids = backend_for(w, gpu or get_backend()).processes(process.resolve(w).pid)
         except (WorkloadNotFound, UndeclaredProcess):
             return None  # not running: nothing to decide about yet
+    if not pids:
+        return None  # no device state: no ranks to check
     problems = tp_problems(w.tensor_parallel, [process.environ(p) for p in pids])
     return "; ".join(problems) or None
 
 
 def collect_facts(w: Workload, store: LocalStore, *, mtbf_s: float | None = None,
-                  maintenance: Sequence[tuple[float, float]] = (), now: float | None = None) -> WorkloadFacts:
+                  maintenance: Sequence[tuple[float, float]] = (), now: float | None = None,
+                  gpu: GpuBackend | None = None) -> WorkloadFacts:
     """Everything the cadence policy may know about ``w`` right now: its engine's metrics, its
-    checkpoints in ``store``, and the node's ``mtbf_s`` and ``maintenance`` windows (epoch s)."""
+    checkpoints in ``store``, and the node's ``mtbf_s`` and ``maintenance`` windows (epoch s).
+    ``gpu``: the node's GPU backend (default cuda), which finds a TP worker's ranks."""
     now = time.time() if now is None else now
     try:
         process.resolve(w)
@@ -80,12 +84,12 @@ def collect_facts(w: Workload, store: LocalStore, *, mtbf_s: float | None = None
         two_tier = _two_tier_sizes(store, m)
     elif m is not None:
         pause = sum(v for k, v in m.timings.items() if k in ("lock", "cuda_checkpoint", "dump", "cuda_restore"))
-    return WorkloadFacts(checkpoint_mode=w.checkpoint.value, **two_tier,
+    return WorkloadFacts(checkpoint_mode=str(w.checkpoint), **two_tier,
         name=w.name, traffic=w.traffic.value, footprint_gib=footprint, measured_pause_s=pause,
         live_tokens=live, growth_tokens_s=growth, tokens_since_ckpt=since_tokens, seconds_since_ckpt=since_s,
         newest_invalidated=bool(newest) and newest[0].state == CheckpointState.invalidated,
         mean_request_s=load.mean_request_s if load else None, now=now, maintenance=list(maintenance),
-        unsupported=tp_unsupported(w) if w.gpu else None, gone=gone,
+        unsupported=tp_unsupported(w, gpu=gpu), gone=gone,
         **({"mtbf_s": mtbf_s} if mtbf_s else {}))
 
 

@@ -3,7 +3,7 @@
 Example:
     >>> fp = node_fingerprint()          # doctest: +SKIP
     >>> fp.kernel, fp.criu, fp.driver    # ('6.18.44', '4.2.1', None) on a CPU node
-    >>> fp.notes["gpu"]                  # why the GPU fields are empty
+    >>> fp.notes["gpu"]                  # why the GPU fields are empty (the node's GPU backend says)
 """
 
 from __future__ import annotations
@@ -15,36 +15,7 @@ from functools import lru_cache
 import ckptflow
 from ckptflow.models import Fingerprint, Workload
 from ckptflow.runners.criu import find_criu, parse_version
-
-
-def _gpu_fields() -> tuple[dict, str | None]:
-    try:
-        import pynvml
-    except ImportError:
-        return {}, "pynvml missing (pip install nvidia-ml-py)"
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as e:  # NVMLError_LibraryNotFound on a machine without a driver
-        return {}, f"no NVML: {e}"
-    try:
-        n = pynvml.nvmlDeviceGetCount()
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
-
-        def s(v):
-            return v.decode() if isinstance(v, bytes) else v
-
-        cuda = pynvml.nvmlSystemGetCudaDriverVersion_v2()
-        return {"gpu_model": s(pynvml.nvmlDeviceGetName(handles[0])) if handles else None,
-                "gpu_count": n, "gpu_uuids": [s(pynvml.nvmlDeviceGetUUID(h)) for h in handles],
-                "driver": s(pynvml.nvmlSystemGetDriverVersion()),
-                "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}"}, None
-    except pynvml.NVMLError as e:
-        return {}, f"NVML query failed: {e}"
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
+from ckptflow.runners.gpu import get_backend
 
 
 def _criu_version(criu_bin: str) -> tuple[str | None, str | None]:
@@ -57,12 +28,13 @@ def _criu_version(criu_bin: str) -> tuple[str | None, str | None]:
 
 
 @lru_cache(maxsize=4)
-def node_fingerprint(criu_bin: str | None = None) -> Fingerprint:
+def node_fingerprint(criu_bin: str | None = None, gpu_backend: str | None = None) -> Fingerprint:
     """This node's host and GPU fields (cached per process: they change only with a reboot).
-    ``criu_bin``: the runner's CRIU (default: find_criu(), the runner's own lookup)."""
+    ``criu_bin``: the runner's CRIU (default: find_criu(), the runner's own lookup);
+    ``gpu_backend``: the registered backend whose driver gives the GPU fields (default ``cuda``)."""
     criu_bin = find_criu(criu_bin).path
     notes: dict[str, str] = {}
-    gpu, why = _gpu_fields()
+    gpu, why = get_backend(gpu_backend).fingerprint_fields()
     if why:
         notes["gpu"] = why
     criu, why = _criu_version(criu_bin)

@@ -1,9 +1,9 @@
 """One node-level step each: checkpoint a declared workload into the store, restore it back.
 
 This is what the Prefect tasks call. It ties the process finder, the CRIU runner (and, for
-GPU workers, the CUDA runner), the engine's hooks and the store together, records phase
-timings, and leaves nothing half-done: a failed dump discards its bytes, a failed restore
-never marks anything.
+GPU workers, the node's GPU backend: runners/gpu), the engine's hooks and the store together,
+records phase timings, and leaves nothing half-done: a failed dump discards its bytes, a failed
+restore never marks anything.
 
 Example:
     >>> node = NodeRunner(LocalStore(".ckptflow/store"))          # doctest: +SKIP
@@ -36,12 +36,16 @@ from ckptflow.runners.criu import CriuRunner
 from ckptflow.runners.engine import probe, read_load
 from ckptflow.runners.facts import tp_unsupported
 from ckptflow.runners.fingerprint import node_fingerprint, workload_fingerprint
+from ckptflow.runners.gpu import GpuBackend, backend_for, get_backend, restore_needs
 from ckptflow.store.local import LocalStore
 
 if TYPE_CHECKING:
     from ckptflow.runners.cuda import CudaRunner
 
 log = logging.getLogger("ckptflow")
+# The timing keys of the device steps, whatever the backend: manifests, bench results and the
+# cadence facts (runners/facts.py) read these names.
+DEVICE_CHECKPOINT, DEVICE_RESTORE = "cuda_checkpoint", "cuda_restore"
 
 
 @dataclass
@@ -53,15 +57,34 @@ class RestoreResult:
     downloaded_bytes: int = 0                           # pulled from the S3 tier (0: read in place)
 
 
+@dataclass
+class Dumped:
+    """What one dump of a worker took: its image's root PID, phase timings, and its device
+    footprint (all devices, per device UUID, and the PIDs whose device state was taken)."""
+
+    pid: int
+    timings: dict[str, float]
+    footprint: int = 0
+    gpu_pids: list[int] = field(default_factory=list)
+    per_gpu: dict[str, int] = field(default_factory=dict)
+
+
 class NodeRunner:
     """Checkpoint and restore declared workloads of this node."""
 
     def __init__(self, store: LocalStore, criu: CriuRunner | None = None, cuda: "CudaRunner | None" = None,
-                 node_fp: Fingerprint | None = None):
+                 node_fp: Fingerprint | None = None, gpu: GpuBackend | str | None = None):
+        """``gpu``: this node's GPU backend, or its registered name (default ``cuda``, the fleet
+        file's ``gpu_backend:`` of the node); ``cuda``: a CudaRunner for the cuda backend (tests
+        pass a simulated driver)."""
         self.store = store
         self._own_criu = criu is None  # a runner passed in belongs to the caller, who closes it
         self.criu = criu or CriuRunner()
-        self._cuda = cuda
+        if cuda is not None:
+            from ckptflow.runners.gpu.cuda import CudaBackend
+
+            gpu = CudaBackend(runner=cuda)
+        self.gpu = gpu if isinstance(gpu, GpuBackend) else get_backend(gpu)
         self._node_fp = node_fp
 
     def __enter__(self) -> "NodeRunner":
@@ -78,7 +101,7 @@ class NodeRunner:
     @property
     def node_fp(self) -> Fingerprint:
         if self._node_fp is None:
-            self._node_fp = node_fingerprint(self.criu.criu_bin)
+            self._node_fp = node_fingerprint(self.criu.criu_bin, self.gpu.name)
         return self._node_fp
 
     def gate(self, w: Workload, m: Manifest, overrides: frozenset[str] = frozenset()) -> None:
@@ -87,7 +110,7 @@ class NodeRunner:
         Raises:
             IncompatibleCheckpoint: naming every differing field as old -> new (final).
         """
-        groups = ("host", "gpu", "workload") if w.gpu else ("host", "workload")
+        groups = ("host", *self.gpu_for(w).gated, "workload")
         c = diff(m.fingerprint, workload_fingerprint(w, self.node_fp), overrides, groups)
         if c.skipped:
             log.warning("checkpoint %s of %s: neither it nor this node records %s; not checked", m.id, w.name,
@@ -97,11 +120,13 @@ class NodeRunner:
         if not c.ok:
             raise IncompatibleCheckpoint(c.differences, checkpoint=m.id)
 
+    def gpu_for(self, w: Workload) -> GpuBackend:
+        """The backend that handles ``w``'s device state: this node's, or NO_GPU for a CPU worker."""
+        return backend_for(w, self.gpu)
+
     def restore_needs(self, m: Manifest, gpu_pairs: list[tuple[str, str]] | None = None) -> dict[str, int]:
         """Bytes a restore of ``m`` needs on each of this node's GPUs (by UUID); {} for a checkpoint
         that recorded its footprint as one total only (older manifests)."""
-        from ckptflow.runners.cuda import restore_needs
-
         if not m.gpu_footprints:
             return {}
         return restore_needs(m.gpu_footprints, gpu_pairs, m.fingerprint.gpu_uuids if m.fingerprint else None,
@@ -109,49 +134,37 @@ class NodeRunner:
 
     def gate_gpu_memory(self, w: Workload, m: Manifest, gpu_pairs: list[tuple[str, str]] | None = None) -> None:
         """Refuse a GPU restore that would not fit, before any CRIU or CUDA call: each target GPU
-        against what the checkpoint held on it (every rank of a TP worker on its own GPU).
+        against what the checkpoint held on it (every rank of a TP worker on its own GPU). A CPU
+        workload has nothing to fit.
 
         Raises:
             NotEnoughGpuMemory: a GPU has too little free memory, or the checkpoint recorded no GPU
                 footprint at all (nothing to check it against: refused, not waved through).
             RunnerUnavailable: NVML cannot be read here.
         """
-        from ckptflow.runners.cuda import gate_gpu_memory, gate_gpu_memory_per_gpu
-
-        need = self.restore_needs(m, gpu_pairs)
-        if need:
-            gate_gpu_memory_per_gpu(need)
-        elif m.gpu_footprint_bytes:
-            gate_gpu_memory(m.gpu_footprint_bytes)
-        else:
-            raise NotEnoughGpuMemory(
-                f"checkpoint {m.id} of GPU workload {w.name} recorded no GPU footprint, so free GPU memory cannot "
-                "be checked before its restore; not restoring (one that runs out of memory breaks the worker)",
-                fix="take a new checkpoint with this ckptflow (it refuses to checkpoint when NVML cannot say), "
-                    "or cold start the worker")
+        self.gpu_for(w).gate_restore(w.name, m.id, self.restore_needs(m, gpu_pairs), m.gpu_footprint_bytes)
 
     @property
     def cuda(self) -> "CudaRunner":
-        if self._cuda is None:  # imports the driver bindings only when a GPU worker is handled
-            from ckptflow.runners.cuda import CudaRunner
+        """The CUDA runner of a node whose backend is ``cuda`` (its driver state, for tests and benches)."""
+        return self.gpu.runner  # type: ignore[attr-defined]
 
-            self._cuda = CudaRunner()
-        return self._cuda
-
-    def _dump_gpu(self, w: Workload, proc, images_dir: Path,
-                  leave_running: bool) -> tuple[int, dict, int, list[int], dict[str, int]]:
-        """lock -> checkpoint -> CRIU dump [-> restore -> unlock]; unlock on any failure.
-        Returns the dumped PID, timings, the footprint (all GPUs), the CUDA PIDs and the footprint
-        per GPU UUID.
+    def dump(self, w: Workload, proc, images_dir: Path, leave_running: bool) -> Dumped:
+        """CRIU dump of ``w``'s tree, with its device state when it holds any: lock -> checkpoint ->
+        CRIU dump [-> restore -> unlock]; every device restored and unlocked on any failure.
 
         Raises:
-            RunnerUnavailable: NVML cannot say what GPU memory the worker holds (before any lock):
-                without it no restore of this checkpoint could be gated.
+            UnsupportedWorkload: a tensor-parallel worker whose ranks cannot be checkpointed (nothing touched).
+            RunnerUnavailable: the backend cannot say what device memory the worker holds (before any
+                lock): without it no restore of this checkpoint could be gated.
+            CriuError: the dump failed.
         """
-        from ckptflow.runners.cuda import cuda_pids, process_gpu_usage
-
+        gpu = self.gpu_for(w)
+        pids = gpu.processes(proc.pid)
+        if not pids:  # no device state: CRIU alone
+            res = self.criu.dump(w, images_dir, leave_running=leave_running, proc=proc)
+            return Dumped(res.pid, {"dump": round(res.seconds, 4), "pause": round(res.seconds, 4)})
         t: dict[str, float] = {}
-        pids = cuda_pids(proc.pid)
         why = tp_unsupported(w, pids)
         if why:  # before the prepare hook and any lock: nothing touched
             raise UnsupportedWorkload(f"workload {w.name} (tensor_parallel: {w.tensor_parallel}) cannot be "
@@ -161,11 +174,11 @@ class NodeRunner:
             t["prepare"] = took
         url = quiesced.get("ranks_url")
         try:
-            usage = process_gpu_usage(pids)
+            usage = gpu.usage(pids)
             unseen = [p for p in pids if not sum(usage.get(p, {}).values())]
             if unseen:  # a footprint read as 0 would let any restore of this checkpoint through the gate
                 raise RunnerUnavailable(
-                    f"workload {w.name}: NVML attributes no GPU memory to PID(s) {', '.join(map(str, unseen))} "
+                    f"workload {w.name}: {gpu.usage_source} attributes no GPU memory to PID(s) {', '.join(map(str, unseen))} "
                     f"(of {', '.join(map(str, pids))}), so a restore could not be checked against free GPU memory; "
                     "not checkpointing", fix="run ckptflow's worker in the worker's PID namespace (hostPID for a pod), "
                     "where NVML's PIDs are the worker's")
@@ -179,25 +192,27 @@ class NodeRunner:
             raise
         t0 = time.perf_counter()
         try:
-            # Any failure inside: restore + unlock every rank, then re-raise (CudaRunner.locked).
-            with self.cuda.locked(pids, footprints, explain=lambda: engine.rank_states(url), usage=usage) as procs:
+            # Any failure inside: restore + unlock every rank, then re-raise (GpuBackend.locked).
+            with gpu.locked(pids, usage, explain=lambda: engine.rank_states(url)) as procs:
                 t["lock"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                self.cuda.checkpoint(procs)
-                t["cuda_checkpoint"] = time.perf_counter() - t0
+                gpu.checkpoint(procs)
+                t[DEVICE_CHECKPOINT] = time.perf_counter() - t0
                 res = self.criu.dump(w, images_dir, leave_running=leave_running, proc=proc)
                 t["dump"] = res.seconds
                 if leave_running:
                     t0 = time.perf_counter()
-                    self.cuda.restore(procs, need_by_gpu=per_gpu)  # each GPU against its own share
-                    t["cuda_restore"] = time.perf_counter() - t0
+                    gpu.restore(procs, need_by_device=per_gpu)  # each GPU against its own share
+                    t[DEVICE_RESTORE] = time.perf_counter() - t0
                     t0 = time.perf_counter()
-                    self.cuda.unlock(procs)
+                    gpu.unlock(procs)
                     t["unlock"] = time.perf_counter() - t0
         finally:
             engine.resume(w)  # a quiesced engine serves again, whatever happened
         t["pause"] = sum(v for k, v in t.items() if k != "prepare")  # prepare runs while serving
-        return res.pid, {k: round(v, 4) for k, v in t.items()}, sum(footprints.values()), pids, per_gpu
+        return Dumped(res.pid, {k: round(v, 4) for k, v in t.items()}, sum(footprints.values()), pids, per_gpu)
+
+    _dump_gpu = dump  # the name the CUDA path's tests call
 
     def checkpoint(self, w: Workload, *, leave_running: bool = True, kind: str | None = None) -> Manifest:
         """Dump ``w`` into the store and commit its manifest.
@@ -226,13 +241,8 @@ class NodeRunner:
         if load is not None:
             state["tokens_total"] = load.tokens_total
         pending = self.store.begin(w.name, node=w.node)
-        footprint, gpu_pids, per_gpu = 0, [], {}
         try:
-            if w.gpu:
-                pid, timings, footprint, gpu_pids, per_gpu = self._dump_gpu(w, proc, pending.images_dir, leave_running)
-            else:
-                res = self.criu.dump(w, pending.images_dir, leave_running=leave_running, proc=proc)
-                pid, timings = res.pid, {"dump": round(res.seconds, 4), "pause": round(res.seconds, 4)}
+            d = self.dump(w, proc, pending.images_dir, leave_running)
         except CriuError as e:
             self.store.abort(pending)
             raise _died_during_dump(w, proc.pid, e) or e
@@ -242,26 +252,27 @@ class NodeRunner:
         if not leave_running:  # the worker is gone from here; its /dev/shm files travel in the image
             devshm.remove(pending.images_dir)
         kind = kind or ("heartbeat" if leave_running else "migrate")
-        return self.store.commit(pending, timings=timings, probe=state, kind=kind, pid=pid,
-                                 gpu_footprint_bytes=footprint, gpu_pids=gpu_pids, gpu_footprints=per_gpu,
+        return self.store.commit(pending, timings=d.timings, probe=state, kind=kind, pid=d.pid,
+                                 gpu_footprint_bytes=d.footprint, gpu_pids=d.gpu_pids, gpu_footprints=d.per_gpu,
                                  fingerprint=workload_fingerprint(w, self.node_fp))
 
-    def _restore_gpu(self, w: Workload, pid: int, m: Manifest, gpu_pairs: list[tuple[str, str]] | None) -> dict:
-        """CUDA restore (optionally remapping GPU UUIDs) and unlock of a CRIU-restored worker."""
-        from ckptflow.runners.cuda import CudaProcess, ProcessState, cuda_pids
-
-        # CRIU gives every process its PID back; after a CUDA checkpoint they hold no GPU
-        # files, so the ranks are known only from the manifest.
-        procs = [CudaProcess(p, state=ProcessState.CHECKPOINTED) for p in (m.gpu_pids or cuda_pids(pid))]
+    def resume_devices(self, w: Workload, pid: int, m: Manifest, gpu_pairs: list[tuple[str, str]] | None) -> dict:
+        """After CRIU restored ``m`` as ``pid``: its device state back (optionally onto other GPUs,
+        ``gpu_pairs`` old -> new UUID), unlocked, and the engine let go. Timings; {} for a worker
+        without device state."""
+        gpu = self.gpu_for(w)
+        procs = gpu.checkpointed(m.gpu_pids or gpu.processes(pid))
+        if not procs:
+            return {}
         t0 = time.perf_counter()
-        self.cuda.restore(procs, footprint_bytes=m.gpu_footprint_bytes, gpu_pairs=gpu_pairs,
-                          need_by_gpu=self.restore_needs(m, gpu_pairs))
+        gpu.restore(procs, footprint_bytes=m.gpu_footprint_bytes, device_map=gpu_pairs,
+                    need_by_device=self.restore_needs(m, gpu_pairs))
         t1 = time.perf_counter()
-        self.cuda.unlock(procs)
+        gpu.unlock(procs)
         t2 = time.perf_counter()
         # The image was taken while the engine was quiesced: the restored copy is held too.
         engine.resume(w)
-        return {"cuda_restore": round(t1 - t0, 4), "unlock": round(t2 - t1, 4),
+        return {DEVICE_RESTORE: round(t1 - t0, 4), "unlock": round(t2 - t1, 4),
                 "resume": round(time.perf_counter() - t2, 4)}
 
     def restore(self, w: Workload, *, manifest: Manifest | None = None, fallback: bool = True,
@@ -356,8 +367,7 @@ class NodeRunner:
             tried += 1
             self._trying = m.id
             self.gate(w, m, overrides)
-            if w.gpu:
-                self.gate_gpu_memory(w, m, gpu_pairs)  # before CRIU: refuse early, nothing touched
+            self.gate_gpu_memory(w, m, gpu_pairs)  # before CRIU: refuse early, nothing touched
             try:
                 pid = self._restore_verified(w, m, timings)
             except ChecksumMismatch as e:
@@ -366,8 +376,7 @@ class NodeRunner:
                 if not fallback:
                     raise
                 continue
-            if w.gpu:
-                timings.update(self._restore_gpu(w, pid, m, gpu_pairs))
+            timings.update(self.resume_devices(w, pid, m, gpu_pairs))
             if w.find.pid_file:
                 _write_pid_file(Path(w.find.pid_file), pid)
             timings["health"] = round(engine.wait_healthy(w), 4)

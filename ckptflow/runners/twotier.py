@@ -38,6 +38,7 @@ from ckptflow.policies.sessions import MIN_TOKENS, SessionFacts, decide_sessions
 from ckptflow.poll import NotYet, PollTimeout, poll
 from ckptflow.runners import engine, process
 from ckptflow.runners.fingerprint import workload_fingerprint
+from ckptflow.runners.modes import ModeRunner, Restored
 from ckptflow.runners.node import NodeRunner, _write_pid_file
 from ckptflow.store.chunks import REFS_FILE, ChunkStore
 
@@ -218,13 +219,8 @@ class TwoTierRunner:
             try:
                 self.chunks.adopt(stage)
                 pending = self.store.begin(name, node=w.node)
-                if w.gpu:
-                    pid, dump_t, footprint, gpu_pids, per_gpu = self.node._dump_gpu(w, proc, pending.images_dir, True)
-                    t.update(dump_t)
-                else:
-                    res = self.node.criu.dump(w, pending.images_dir, leave_running=True, proc=proc)
-                    pid, footprint, gpu_pids, per_gpu = res.pid, 0, [], {}
-                    t["dump"] = res.seconds
+                dumped = self.node.dump(w, proc, pending.images_dir, leave_running=True)
+                t.update(dumped.timings)
                 (pending.images_dir / WEIGHTS_FILE).write_text(json.dumps(weights["tensors"]))
                 digests = [d for r in weights["tensors"] for d in r["chunks"]]
                 (pending.images_dir / REFS_FILE).write_text(json.dumps(sorted(set(digests))))
@@ -236,8 +232,8 @@ class TwoTierRunner:
         t0 = time.perf_counter()
         self._unpark(w, weights["tensors"], recs)
         t["unpark"] = time.perf_counter() - t0
-        tmpl = self.store.commit(pending, kind="template", pid=pid, gpu_footprint_bytes=footprint, gpu_pids=gpu_pids,
-                                 gpu_footprints=per_gpu,
+        tmpl = self.store.commit(pending, kind="template", pid=dumped.pid, gpu_footprint_bytes=dumped.footprint,
+                                 gpu_pids=dumped.gpu_pids, gpu_footprints=dumped.per_gpu,
                                  fingerprint=workload_fingerprint(w, self.node.node_fp),
                                  timings={k: round(v, 4) for k, v in t.items()},
                                  probe={"template_source": w.name, "weights_bytes": weights["total_bytes"],
@@ -338,11 +334,9 @@ class TwoTierRunner:
             t0 = time.perf_counter()
             recs, weights = self._checked_records(m, tmpl)
             t["chunks_checked"] = time.perf_counter() - t0
-            if w.gpu:  # each GPU against its share; a template that recorded none is refused
-                self.node.gate_gpu_memory(w, tmpl)
+            self.node.gate_gpu_memory(w, tmpl)  # each GPU against its share; a template that recorded none is refused
             pid = self.node._restore_verified(w, tmpl, t)
-            if w.gpu:
-                t.update(self.node._restore_gpu(w, pid, tmpl, None))
+            t.update(self.node.resume_devices(w, pid, tmpl, None))
             if w.find.pid_file:
                 _write_pid_file(Path(w.find.pid_file), pid)
             try:
@@ -371,7 +365,7 @@ class TwoTierRunner:
                 that took it: measured on the H200, see runners/verify.py).
             IncompatibleCheckpoint, CheckpointNotFound, ChecksumMismatch: as ``restore``.
         """
-        if w.gpu:
+        if not self.node.gpu_for(w).restores_beside:
             raise UnsupportedWorkload(f"workload {w.name}: a GPU template cannot be restored beside its source yet",
                                       fix="restore in place (recover) or on another node")
         m, tmpl = self._newest(w)
@@ -470,3 +464,26 @@ def _check_sessions(w: Workload, recs: dict, got: dict[str, str], what: str) -> 
     if bad:
         raise RestoreFailed(f"workload {w.name}: {what}, but sessions differ from their export: "
                             f"{', '.join(bad[:5])}", fix="mark the checkpoint bad and run verify")
+
+
+class TwoTierMode(ModeRunner):
+    """``two-tier`` (ckptflow.modes): template + sessions through ``TwoTierRunner``."""
+
+    def _runner(self) -> TwoTierRunner:
+        n = getattr(self.params, "min_session_tokens", None)
+        return TwoTierRunner(self.node, MIN_TOKENS if n is None else n)
+
+    def checkpoint(self, w: Workload) -> Manifest:
+        return self._runner().heartbeat(w)
+
+    def restore(self, w: Workload, tier=None) -> Restored:
+        tt = self._runner().restore(w, tier=tier)
+        return Restored(tt.manifest, tt.pid, tt.timings, tt.manifest.probe.get("session_bytes", 0), template=tt.template)
+
+    def push(self, m: Manifest, tier) -> dict:
+        return self._runner().push(m, tier)
+
+    def verify(self, w: Workload, m: Manifest):
+        from ckptflow.runners.verify import verify_two_tier
+
+        return verify_two_tier(self.node, w, m)

@@ -107,7 +107,7 @@ def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: flo
     except CkptflowError as e:
         return VerifyResult(VerifyOutcome.verify_failed, str(e).splitlines()[0], t)
     t["checksum"] = round(time.perf_counter() - t0, 4)
-    if w.gpu:
+    if not node.gpu_for(w).restores_beside:
         return VerifyResult(VerifyOutcome.skipped, GPU_SANDBOX, t)
     ns = new_netns("ckv")
     copy = None
@@ -167,7 +167,7 @@ def verify_two_tier(node: NodeRunner, w: Workload, m: Manifest) -> VerifyResult:
     from ckptflow.errors import CkptflowError
     from ckptflow.runners.twotier import TwoTierRunner
 
-    if w.gpu:
+    if not node.gpu_for(w).restores_beside:
         return VerifyResult(state=VerifyOutcome.skipped, reason=GPU_SANDBOX)
     ns = new_netns("cktv")
     copy = None

@@ -1,0 +1,154 @@
+"""Checkpoint modes: how a workload is checkpointed, chosen by name in the fleet file.
+
+A workload names its mode and, if it wants, the mode's parameters; each mode's parameters are
+a pydantic model, so a misspelt key is an error that names its line instead of a default
+silently used::
+
+    workloads:
+      - name: chat-a
+        checkpoint: process                    # ProcessParams: no parameters (the default)
+      - name: agent-b
+        checkpoint: two-tier                   # TwoTierParams
+        checkpoint_params: {min_session_tokens: 64}
+
+Modes are registered by name (``register_mode("two-tier", TwoTierParams, runner=...)``) in
+``MODES``, which the workload model checks ``checkpoint:`` against; an unknown one is refused in
+one line naming the known ones. ``runner`` is where the mode's implementation lives
+(``"module:Class"``, a ``runners.modes.ModeRunner``), imported only when a node step uses it,
+so this module stays pure and importable by the models. docs/extending/checkpoint-mode.md walks
+through adding one.
+
+Example:
+    >>> sorted(MODES)
+    ['process', 'two-tier']
+    >>> get_mode("two-tier").parse({"min_session_tokens": 64})
+    TwoTierParams(min_session_tokens=64)
+    >>> get_mode("snapshot")
+    Traceback (most recent call last):
+    ...
+    KeyError: "unknown checkpoint mode 'snapshot' (known: process, two-tier)"
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_MODE = "process"
+
+
+class ModeParams(BaseModel):
+    """Parameters of one checkpoint mode (a workload's ``checkpoint_params:``). Unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ProcessParams(ModeParams):
+    """``process``: the whole worker, CRIU (+ its GPU backend), any engine (no parameters)."""
+
+
+class TwoTierParams(ModeParams):
+    """``two-tier``: a template of the initialised engine plus the sessions it exports."""
+
+    min_session_tokens: int | None = Field(
+        None, ge=0, description="Sessions shorter than this are left out of a session checkpoint (they restart "
+        "fresh after a restore, unannounced); default policies.sessions.MIN_TOKENS (0: every session is kept).",
+        examples=[64])
+
+
+# Why a declared workload cannot use a mode (None: it can). It gets the workload's fields
+# validated so far, as a mapping: a field that failed its own check is absent.
+Refusal = Callable[[Mapping[str, Any]], "str | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointModeSpec:
+    """A registered mode: its name in fleet files, its parameters' model, where its runner lives,
+    the manifest kinds it writes, and what it refuses."""
+
+    name: str
+    params: type[ModeParams]
+    runner: str                     # "module:Class" of its runners.modes.ModeRunner
+    kinds: tuple[str, ...]          # CheckpointKind values its heartbeats write
+    refuse: Refusal
+    defaults: ModeParams            # what a workload without ``checkpoint_params:`` gets
+    summary: str = ""
+
+    def parse(self, params: Mapping[str, Any] | ModeParams | None) -> ModeParams:
+        """``params`` as this mode's model.
+
+        Raises:
+            pydantic.ValidationError: an unknown key, or a value of the wrong type or range.
+        """
+        if params is None:
+            return self.defaults
+        if isinstance(params, self.params):
+            return params
+        if isinstance(params, ModeParams):
+            params = params.model_dump(exclude_unset=True)
+        return self.params.model_validate(params)
+
+    def load(self) -> type:
+        """The mode's runner class (imported now)."""
+        module, _, cls = self.runner.partition(":")
+        return getattr(importlib.import_module(module), cls)
+
+
+MODES: dict[str, CheckpointModeSpec] = {}
+
+
+def register_mode(name: str, params: type[ModeParams], *, runner: str, kinds: tuple[str, ...],
+                  refuse: Refusal | None = None, summary: str = "") -> CheckpointModeSpec:
+    """Register a checkpoint mode under ``name``: what a workload's ``checkpoint:`` names."""
+    spec = CheckpointModeSpec(name, params, runner, kinds, refuse or (lambda w: None), params(), summary)
+    MODES[name] = spec
+    return spec
+
+
+def unknown_mode(name: object) -> str:
+    return f"unknown checkpoint mode {name!r} (known: {', '.join(sorted(MODES))})"
+
+
+def get_mode(name: str) -> CheckpointModeSpec:
+    """The registered mode called ``name``.
+
+    Raises:
+        KeyError: no mode of that name (the workload model checks names first).
+    """
+    try:
+        return MODES[name]
+    except KeyError:
+        raise KeyError(unknown_mode(name)) from None
+
+
+def mode_of_kind(kind: str) -> CheckpointModeSpec:
+    """The mode whose heartbeats write manifests of ``kind`` (``process`` for any other kind:
+    a whole-process image is what every older manifest holds)."""
+    return next((s for s in MODES.values() if kind in s.kinds), MODES[DEFAULT_MODE])
+
+
+# --- the built-in modes ---------------------------------------------------------------------------
+def _two_tier_refusal(w: Mapping[str, Any]) -> str | None:
+    if w.get("container") is not None:
+        return ("a container workload is checkpointed whole and on CPU only for now: "
+                "drop checkpoint: two-tier and gpu: true, or run it as a process")
+    if (w.get("tensor_parallel") or 1) > 1:
+        return ("checkpoint: two-tier is not supported with tensor_parallel > 1 yet (no "
+                "templates for TP groups); use checkpoint: process for this workload")
+    if getattr(w.get("engine"), "value", w.get("engine")) == "llamacpp":
+        return ("checkpoint: two-tier is not supported with engine: llamacpp (llama-server has no template hooks; "
+                "its sessions are carried by the process checkpoint): use checkpoint: process")
+    return None
+
+
+register_mode("process", ProcessParams, runner="ckptflow.runners.modes:ProcessMode",
+              kinds=("heartbeat", "migrate", "template"),
+              summary="the whole worker: CRIU plus the node's GPU backend, any engine")
+register_mode("two-tier", TwoTierParams, runner="ckptflow.runners.twotier:TwoTierMode", kinds=("sessions",),
+              refuse=_two_tier_refusal,
+              summary="a template of the initialised engine plus the sessions it exports, bytes in proportion to "
+                      "what changed (the engine must speak ckptflow's protocol, docs/engines/protocol.md)")
