@@ -40,6 +40,7 @@ Example:
     Traceback (most recent call last):
     ...
     ckptflow.errors.ConfigError: unknown GPU backend 'rocm' (known: cuda)
+      fix: set the node's gpu_backend: to a registered backend
 """
 
 from __future__ import annotations
