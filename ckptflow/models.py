@@ -201,7 +201,7 @@ class Workload(BaseModel):
         "sessions it exports, bytes in proportion to what changed (the engine must speak ckptflow's protocol).",
         examples=["two-tier"])
     checkpoint_params: SerializeAsAny[ModeParams] = Field(
-        default_factory=ModeParams, description="Parameters of the checkpoint mode, checked against its model "
+        default_factory=ModeParams, validate_default=True, description="Parameters of the checkpoint mode, checked against its model "
         "(ProcessParams, TwoTierParams).", examples=[{"min_session_tokens": 64}])
     tcp_established: bool = Field(
         False, description="Checkpoint established TCP connections too (CRIU --tcp-established).")

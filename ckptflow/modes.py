@@ -75,7 +75,6 @@ class CheckpointModeSpec:
     runner: str                     # "module:Class" of its runners.modes.ModeRunner
     kinds: tuple[str, ...]          # CheckpointKind values its heartbeats write
     refuse: Refusal
-    defaults: ModeParams            # what a workload without ``checkpoint_params:`` gets
     summary: str = ""
 
     def parse(self, params: Mapping[str, Any] | ModeParams | None) -> ModeParams:
@@ -85,7 +84,7 @@ class CheckpointModeSpec:
             pydantic.ValidationError: an unknown key, or a value of the wrong type or range.
         """
         if params is None:
-            return self.defaults
+            params = {}  # its defaults; a mode with a required parameter refuses a workload without it
         if isinstance(params, self.params):
             return params
         if isinstance(params, ModeParams):
@@ -104,7 +103,7 @@ MODES: dict[str, CheckpointModeSpec] = {}
 def register_mode(name: str, params: type[ModeParams], *, runner: str, kinds: tuple[str, ...],
                   refuse: Refusal | None = None, summary: str = "") -> CheckpointModeSpec:
     """Register a checkpoint mode under ``name``: what a workload's ``checkpoint:`` names."""
-    spec = CheckpointModeSpec(name, params, runner, kinds, refuse or (lambda w: None), params(), summary)
+    spec = CheckpointModeSpec(name, params, runner, kinds, refuse or (lambda w: None), summary)
     MODES[name] = spec
     return spec
 
