@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from ckptflow.errors import CudaCheckpointError, NotEnoughGpuMemory, RunnerUnavailable
+from ckptflow.errors import CudaCheckpointError, RunnerUnavailable
 
 LOCK_TIMEOUT_MS = 10_000     # a worker mid-kernel finishes well within 10 s; longer means stuck
 RESTORE_MARGIN_GIB = 1.0     # CUDA context and allocator slack beyond the recorded footprint

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError, CriuError, EngineProtocolError,
-                             IncompatibleCheckpoint, NotEnoughGpuMemory, RestoreFailed, RunnerUnavailable,
+                             IncompatibleCheckpoint, RestoreFailed, RunnerUnavailable,
                              StorageUnavailable, UndeclaredProcess, UnsupportedWorkload, WorkloadNotFound,
                              WorkloadRunning)
 from ckptflow.models import CheckpointKind, CheckpointState, Fingerprint, Manifest, Workload
