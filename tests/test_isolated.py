@@ -1,0 +1,166 @@
+"""Workers born in their own PID and mount namespaces (runners/isolate.py), with real CRIU:
+a restore no longer needs the worker's old PIDs, and a verification copy runs beside the
+live original (the layout in which the H200 restored a GPU copy beside its original)."""
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port, kill_pid_file
+from ckptflow.demo import launch
+from ckptflow.errors import PidBusy
+from ckptflow.models import CheckpointState
+from ckptflow.runners.criu import image_isolated
+from ckptflow.runners.isolate import is_isolated
+from ckptflow.runners.node import NodeRunner
+from ckptflow.runners.verify import VerifyOutcome, verify_checkpoint
+from ckptflow.store.local import LocalStore
+
+pytestmark = pytest.mark.criu
+
+
+class Worker:
+    def __init__(self, tmp_path: Path, name: str, isolated: bool):
+        self.port = free_port()
+        self.pid_file = tmp_path / f"{name}.pid"
+        self.proc = launch.start_worker(self.port, self.pid_file, isolated=isolated)
+        self.workload = launch.demo_workload(name, self.port, self.pid_file)
+
+    @property
+    def pid(self) -> int:
+        return int(self.pid_file.read_text())
+
+    def stop(self):
+        kill_pid_file(self.pid_file, "ckptflow.demo.worker")
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def worker(tmp_path):
+    made = []
+
+    def start(name="chat", isolated=True):
+        made.append(Worker(tmp_path, name, isolated))
+        return made[-1]
+
+    yield start
+    for w in made:
+        w.stop()
+
+
+def _take_pid(pid: int) -> subprocess.Popen:
+    """A sleeper holding exactly ``pid`` (the kernel hands out ns_last_pid + 1 next), as a busy
+    node eventually does by chance."""
+    for _ in range(20):
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        p = subprocess.Popen(["sleep", "300"])
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.wait()
+    pytest.fail(f"could not take PID {pid} for the test")
+
+
+def _kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(100):
+        try:
+            os.waitpid(pid, os.WNOHANG)  # a plain worker is this test's own child
+        except ChildProcessError:
+            pass
+        if not Path(f"/proc/{pid}").exists():
+            return
+        time.sleep(0.05)
+
+
+def test_launch_writes_the_host_pid_and_the_worker_is_init_of_its_namespace(worker):
+    w = worker()
+    assert is_isolated(w.pid)
+    assert Path(f"/proc/{w.pid}/cmdline").read_text().startswith(launch.sys.executable)
+    assert os.readlink(f"/proc/{w.pid}/ns/pid") != os.readlink("/proc/self/ns/pid")
+    plain = worker("plain", isolated=False)
+    assert not is_isolated(plain.pid)
+
+
+def test_restore_succeeds_when_the_old_pid_is_taken_on_the_node(tmp_path, worker):
+    w = worker()
+    w_tokens = launch.complete(w.port, "a long session to keep " * 10, 12, "s1")
+    store = LocalStore(tmp_path / "store")
+    node = NodeRunner(store)
+    m = node.checkpoint(w.workload)
+    assert image_isolated(store.images_dir(m))
+    digests = launch.session_digests(w.port)
+    reference = launch.complete(w.port, "and the next turn", 8, "s1")  # what the restored worker must say
+    old = w.pid
+    _kill(old)
+    sleeper = _take_pid(old)
+    try:
+        r = node.restore(w.workload)
+        assert r.pid != old and w.pid == r.pid and is_isolated(r.pid)  # the pid file follows the worker
+        assert launch.session_digests(w.port) == digests
+        assert launch.complete(w.port, "and the next turn", 8, "s1") == reference
+        assert w_tokens  # the session existed before the checkpoint
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        node.close()
+
+
+def test_a_plain_worker_cannot_be_restored_while_its_pid_is_taken(tmp_path, worker):
+    """What the isolated layout fixes: the same steps on a worker in the node's namespace."""
+    w = worker("plain", isolated=False)
+    node = NodeRunner(LocalStore(tmp_path / "store"))
+    node.criu.pid_free_timeout_s = 1
+    node.checkpoint(w.workload)
+    old = w.pid
+    _kill(old)
+    sleeper = _take_pid(old)
+    try:
+        with pytest.raises(PidBusy, match=str(old)):
+            node.restore(w.workload, fallback=False)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        node.close()
+
+
+def test_verify_runs_a_copy_beside_the_live_original(tmp_path, worker):
+    w = worker()
+    launch.complete(w.port, "keep this session " * 10, 12, "s1")
+    store = LocalStore(tmp_path / "store")
+    node = NodeRunner(store)
+    try:
+        m = node.checkpoint(w.workload)
+        pid, digests = w.pid, launch.session_digests(w.port)
+        res = verify_checkpoint(node, w.workload, m)
+        assert res.state == VerifyOutcome.verified, res
+        assert "1 session digest(s) equal" in res.reason
+        # The original kept running and answering with its own state; no copy is left behind.
+        assert w.pid == pid and launch.session_digests(w.port) == digests
+        left = subprocess.run(["pgrep", "-f", f"^[^ ]*python[^ ]* -m ckptflow.demo.worker .*{tmp_path}/"],
+                              capture_output=True, text=True)
+        assert {int(p) for p in left.stdout.split()} == {pid}
+        assert "root-" not in subprocess.run(["mount"], capture_output=True, text=True).stdout
+    finally:
+        node.close()
+
+
+def test_verify_of_a_changed_image_fails(tmp_path, worker):
+    """The copy really is the checkpoint: a session digest recorded differently fails verify."""
+    w = worker()
+    launch.complete(w.port, "keep this session " * 10, 12, "s1")
+    store = LocalStore(tmp_path / "store")
+    node = NodeRunner(store)
+    try:
+        m = node.checkpoint(w.workload)
+        m = store.set_state(m, CheckpointState.complete, sessions={"s1": "0" * 64})
+        res = verify_checkpoint(node, w.workload, m)
+        assert res.state == VerifyOutcome.verify_failed and "s1" in res.reason
+    finally:
+        node.close()
