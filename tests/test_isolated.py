@@ -164,3 +164,25 @@ def test_verify_of_a_changed_image_fails(tmp_path, worker):
         assert res.state == VerifyOutcome.verify_failed and "s1" in res.reason
     finally:
         node.close()
+
+
+def test_the_cli_starts_an_isolated_worker(tmp_path):
+    port, pid_file, log = free_port(), tmp_path / "cli.pid", tmp_path / "cli.log"
+    proc = subprocess.Popen([launch.sys.executable, "-m", "ckptflow", "run-isolated", "--pid-file", str(pid_file),
+                             "--log", str(log), "--", launch.sys.executable, "-m", "ckptflow.demo.worker",
+                             "--port", str(port), "--pid-file", str(tmp_path / "inner.pid")],
+                            start_new_session=True, stdin=subprocess.DEVNULL)
+    try:
+        launch.wait_healthy(f"http://127.0.0.1:{port}/health", 30, proc=proc)
+        assert is_isolated(int(pid_file.read_text())) and (tmp_path / "inner.pid").read_text().strip() == "1"
+    finally:
+        kill_pid_file(pid_file, "ckptflow.demo.worker")
+        proc.kill()
+        proc.wait()
+
+
+def test_the_cli_refuses_no_command_with_one_line(tmp_path):
+    out = subprocess.run([launch.sys.executable, "-m", "ckptflow", "run-isolated", "--pid-file", str(tmp_path / "p")],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.splitlines()[0] == "error: run-isolated: no worker command given"
