@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from conftest import free_port, write_fleet
+from squat import squat as _squat
 from ckptflow.container_models import ContainerSpec, PortMap
 from ckptflow.models import Workload
 
@@ -152,21 +153,6 @@ def test_kill_then_recover_continues_the_long_session_exactly(tmp_path, prefect_
     assert c.complete("and the session goes on", 32, "s") == ref.complete("and the session goes on", 32, "s")
     # The heartbeat finds the restored container again and checkpoints it.
     assert heartbeat(fleet, force=True)[0]["ok"]
-
-
-def _squat(pid: int, tries: int = 200) -> subprocess.Popen | None:
-    """A process that holds host PID ``pid`` (through ns_last_pid), or None if another process on
-    the machine took it first each time."""
-    for _ in range(tries):
-        if os.path.exists(f"/proc/{pid}"):
-            return None
-        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
-        p = subprocess.Popen(["sleep", "600"])
-        if p.pid == pid:
-            return p
-        p.kill()
-        p.wait()
-    return None
 
 
 def test_recover_where_the_originals_pids_are_taken(tmp_path, container, demo_worker):

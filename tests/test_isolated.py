@@ -2,6 +2,7 @@
 a restore no longer needs the worker's old PIDs, and a verification copy runs beside the
 live original (the layout in which the H200 restored a GPU copy beside its original)."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port, kill_pid_file
+from squat import squat
 from ckptflow.demo import launch
 from ckptflow.errors import PidBusy
 from ckptflow.models import CheckpointState
-from ckptflow.runners.criu import image_isolated
+from ckptflow.runners.criu import TMP_PREFIX, image_isolated
 from ckptflow.runners.isolate import is_isolated
 from ckptflow.runners.node import NodeRunner
 from ckptflow.runners.verify import VerifyOutcome, verify_checkpoint
@@ -42,6 +44,12 @@ class Worker:
 
 
 @pytest.fixture
+def node(tmp_path):
+    with NodeRunner(LocalStore(tmp_path / "store")) as n:
+        yield n
+
+
+@pytest.fixture
 def worker(tmp_path):
     made = []
 
@@ -55,16 +63,10 @@ def worker(tmp_path):
 
 
 def _take_pid(pid: int) -> subprocess.Popen:
-    """A sleeper holding exactly ``pid`` (the kernel hands out ns_last_pid + 1 next), as a busy
-    node eventually does by chance."""
-    for _ in range(20):
-        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
-        p = subprocess.Popen(["sleep", "300"])
-        if p.pid == pid:
-            return p
-        p.kill()
-        p.wait()
-    pytest.fail(f"could not take PID {pid} for the test")
+    p = squat(pid)
+    if p is None:
+        pytest.fail(f"could not take PID {pid} for the test")
+    return p
 
 
 def _kill(pid: int) -> None:
@@ -88,82 +90,68 @@ def test_launch_writes_the_host_pid_and_the_worker_is_init_of_its_namespace(work
     assert not is_isolated(plain.pid)
 
 
-def test_restore_succeeds_when_the_old_pid_is_taken_on_the_node(tmp_path, worker):
-    w = worker()
-    w_tokens = launch.complete(w.port, "a long session to keep " * 10, 12, "s1")
-    store = LocalStore(tmp_path / "store")
-    node = NodeRunner(store)
-    m = node.checkpoint(w.workload)
-    assert image_isolated(store.images_dir(m))
-    digests = launch.session_digests(w.port)
-    reference = launch.complete(w.port, "and the next turn", 8, "s1")  # what the restored worker must say
+@contextlib.contextmanager
+def _killed_and_pid_taken(w: Worker):
     old = w.pid
     _kill(old)
     sleeper = _take_pid(old)
     try:
+        yield old
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_restore_succeeds_when_the_old_pid_is_taken_on_the_node(worker, node):
+    w = worker()
+    launch.complete(w.port, "a long session to keep " * 10, 12, "s1")
+    m = node.checkpoint(w.workload)
+    assert image_isolated(node.store.images_dir(m))
+    digests = launch.session_digests(w.port)
+    reference = launch.complete(w.port, "and the next turn", 8, "s1")  # what the restored worker must say
+    with _killed_and_pid_taken(w) as old:
         r = node.restore(w.workload)
         assert r.pid != old and w.pid == r.pid and is_isolated(r.pid)  # the pid file follows the worker
         assert launch.session_digests(w.port) == digests
         assert launch.complete(w.port, "and the next turn", 8, "s1") == reference
-        assert w_tokens  # the session existed before the checkpoint
-    finally:
-        sleeper.kill()
-        sleeper.wait()
-        node.close()
 
 
-def test_a_plain_worker_cannot_be_restored_while_its_pid_is_taken(tmp_path, worker):
+def test_a_plain_worker_cannot_be_restored_while_its_pid_is_taken(worker, node):
     """What the isolated layout fixes: the same steps on a worker in the node's namespace."""
     w = worker("plain", isolated=False)
-    node = NodeRunner(LocalStore(tmp_path / "store"))
     node.criu.pid_free_timeout_s = 1
     node.checkpoint(w.workload)
-    old = w.pid
-    _kill(old)
-    sleeper = _take_pid(old)
-    try:
-        with pytest.raises(PidBusy, match=str(old)):
-            node.restore(w.workload, fallback=False)
-    finally:
-        sleeper.kill()
-        sleeper.wait()
-        node.close()
+    with _killed_and_pid_taken(w) as old, pytest.raises(PidBusy, match=str(old)):
+        node.restore(w.workload, fallback=False)
 
 
-def test_verify_runs_a_copy_beside_the_live_original(tmp_path, worker):
+def _checkpointed(worker, node):
     w = worker()
     launch.complete(w.port, "keep this session " * 10, 12, "s1")
-    store = LocalStore(tmp_path / "store")
-    node = NodeRunner(store)
-    try:
-        m = node.checkpoint(w.workload)
-        pid, digests = w.pid, launch.session_digests(w.port)
-        res = verify_checkpoint(node, w.workload, m)
-        assert res.state == VerifyOutcome.verified, res
-        assert "1 session digest(s) equal" in res.reason
-        # The original kept running and answering with its own state; no copy is left behind.
-        assert w.pid == pid and launch.session_digests(w.port) == digests
-        left = subprocess.run(["pgrep", "-f", f"^[^ ]*python[^ ]* -m ckptflow.demo.worker .*{tmp_path}/"],
-                              capture_output=True, text=True)
-        assert {int(p) for p in left.stdout.split()} == {pid}
-        assert "root-" not in subprocess.run(["mount"], capture_output=True, text=True).stdout
-    finally:
-        node.close()
+    return w, node.checkpoint(w.workload)
 
 
-def test_verify_of_a_changed_image_fails(tmp_path, worker):
+def test_verify_runs_a_copy_beside_the_live_original(tmp_path, worker, node):
+    w, m = _checkpointed(worker, node)
+    pid, digests = w.pid, launch.session_digests(w.port)
+    res = verify_checkpoint(node, w.workload, m)
+    assert res.state == VerifyOutcome.verified, res
+    assert "1 session digest(s) equal" in res.reason
+    # The original kept running and answering with its own state; no copy is left behind.
+    assert w.pid == pid and launch.session_digests(w.port) == digests
+    left = subprocess.run(["pgrep", "-f", f"^[^ ]*python[^ ]* -m ckptflow.demo.worker .*{tmp_path}/"],
+                          capture_output=True, text=True)
+    assert {int(p) for p in left.stdout.split()} == {pid}
+    mounts = subprocess.run(["mount"], capture_output=True, text=True).stdout
+    assert f"{TMP_PREFIX}{os.getpid()}-" not in mounts  # the rbind of / was never in the node's mount table
+
+
+def test_verify_of_a_changed_image_fails(worker, node):
     """The copy really is the checkpoint: a session digest recorded differently fails verify."""
-    w = worker()
-    launch.complete(w.port, "keep this session " * 10, 12, "s1")
-    store = LocalStore(tmp_path / "store")
-    node = NodeRunner(store)
-    try:
-        m = node.checkpoint(w.workload)
-        m = store.set_state(m, CheckpointState.complete, sessions={"s1": "0" * 64})
-        res = verify_checkpoint(node, w.workload, m)
-        assert res.state == VerifyOutcome.verify_failed and "s1" in res.reason
-    finally:
-        node.close()
+    w, m = _checkpointed(worker, node)
+    m = node.store.set_state(m, CheckpointState.complete, sessions={"s1": "0" * 64})
+    res = verify_checkpoint(node, w.workload, m)
+    assert res.state == VerifyOutcome.verify_failed and "s1" in res.reason
 
 
 def test_the_cli_starts_an_isolated_worker(tmp_path):
