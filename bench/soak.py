@@ -31,8 +31,9 @@ probe session must equal what the original produced right after that checkpoint.
 sessions lost beyond the last checkpoint, leaked CRIU temp dirs (/tmp/ckptflow-criu-<pid>-* of
 this process and its runners), leaked network namespaces, stopped processes of the soak left
 behind, stuck runs (flow runs not in a final state, cycles over the watchdog), alerts opened and
-the opened ones resolved. Writes bench/results/soak.json and appends a table to
-bench/RESULTS.md (unless --no-record). Exit 1 if any must-be-zero count is not zero.
+the opened ones resolved. Appends the run to bench/results/soak.json (every run kept, with date
+and command) and a table to bench/RESULTS.md (unless --no-record; --json also writes this run
+alone to a file). Exit 1 if any must-be-zero count is not zero.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests" / "helpers"))
-from _common import BENCH, append_results, machine, md_table  # noqa: E402
+from _common import append_results, machine, md_table, record_run  # noqa: E402
 from seaweed import SeaweedS3  # noqa: E402
 from slackcap import SlackCapture  # noqa: E402
 
@@ -726,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--session-epoch", type=int, default=SESSION_EPOCH,
                     help="the sessions are replaced by new ones every N cycles")
     ap.add_argument("--dir", default="/var/tmp", help="where the soak's images, bucket and worker live")
-    ap.add_argument("--json", help="write the summary and every cycle here (default bench/results/soak.json)")
+    ap.add_argument("--json", help="also write this run's summary and every cycle here, alone")
     ap.add_argument("--no-record", action="store_true", help="do not touch bench/results or bench/RESULTS.md")
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args(argv)
@@ -757,13 +758,14 @@ def main(argv: list[str] | None = None) -> int:
     text = table(summary)
     print(text)
     bad = failures(summary)
-    out = Path(a.json) if a.json else (None if a.no_record else BENCH / "results" / "soak.json")
-    if out:
+    if a.json:
+        out = Path(a.json)
         out.parent.mkdir(parents=True, exist_ok=True)
         head = json.dumps({"machine": machine(), "seed": a.seed, "summary": summary, "failures": bad}, indent=1)
         rows = ",\n  ".join(json.dumps(r) for r in soak.rows)  # one line per cycle
         out.write_text(head[:-2] + f',\n "cycles": [\n  {rows}\n ]\n}}\n')
     if not a.no_record:
+        record_run("soak", {"seed": a.seed, "summary": summary, "failures": bad, "cycles": soak.rows})
         append_results(f"Soak: {summary['cycles']} kill/recover cycles on the CPU demo worker (bench/soak.py)", text,
                        f"Seed {a.seed}; worker with {a.ballast_mib} MiB of ballast; 1 cycle in {a.flow_every} "
                        "through the heartbeat/recover flows (a "
