@@ -717,6 +717,26 @@ def table(s: dict) -> str:
     return t1 + "\n\n" + t2
 
 
+def record(a: argparse.Namespace, summary: dict, rows: list[dict], bad: list[str], text: str) -> None:
+    """The run into bench/results/soak.json (every run kept) and bench/RESULTS.md unless
+    --no-record; with --json also alone into that file (the CI check reads it)."""
+    if a.json:
+        out = Path(a.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        head = json.dumps({"machine": machine(), "seed": a.seed, "summary": summary, "failures": bad}, indent=1)
+        lines = ",\n  ".join(json.dumps(r) for r in rows)  # one line per cycle
+        out.write_text(head[:-2] + f',\n "cycles": [\n  {lines}\n ]\n}}\n')
+    if not a.no_record:
+        record_run("soak", {"seed": a.seed, "summary": summary, "failures": bad, "cycles": rows})
+        append_results(f"Soak: {summary['cycles']} kill/recover cycles on the CPU demo worker (bench/soak.py)", text,
+                       f"Seed {a.seed}; worker with {a.ballast_mib} MiB of ballast; 1 cycle in {a.flow_every} "
+                       "through the heartbeat/recover flows (a "
+                       "Prefect test server), the others through NodeRunner; S3 = SeaweedFS on 127.0.0.1. "
+                       "\"Kill landed in the moment\": CRIU was still dumping / the runner still restoring / "
+                       "the bucket had no manifest yet when the SIGKILL came. " +
+                       ("All required zeros hold." if not bad else "FAILED: " + "; ".join(bad)))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cycles", type=int, default=200)
@@ -758,21 +778,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(summary)
     print(text)
     bad = failures(summary)
-    if a.json:
-        out = Path(a.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        head = json.dumps({"machine": machine(), "seed": a.seed, "summary": summary, "failures": bad}, indent=1)
-        rows = ",\n  ".join(json.dumps(r) for r in soak.rows)  # one line per cycle
-        out.write_text(head[:-2] + f',\n "cycles": [\n  {rows}\n ]\n}}\n')
-    if not a.no_record:
-        record_run("soak", {"seed": a.seed, "summary": summary, "failures": bad, "cycles": soak.rows})
-        append_results(f"Soak: {summary['cycles']} kill/recover cycles on the CPU demo worker (bench/soak.py)", text,
-                       f"Seed {a.seed}; worker with {a.ballast_mib} MiB of ballast; 1 cycle in {a.flow_every} "
-                       "through the heartbeat/recover flows (a "
-                       "Prefect test server), the others through NodeRunner; S3 = SeaweedFS on 127.0.0.1. "
-                       "\"Kill landed in the moment\": CRIU was still dumping / the runner still restoring / "
-                       "the bucket had no manifest yet when the SIGKILL came. " +
-                       ("All required zeros hold." if not bad else "FAILED: " + "; ".join(bad)))
+    record(a, summary, soak.rows, bad, text)
     if bad:
         print("soak: FAILED: " + "; ".join(bad), file=sys.stderr)
     return 1 if bad else 0
