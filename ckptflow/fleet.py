@@ -381,12 +381,11 @@ def _engine_problems(workloads: list[tuple[int, dict]]) -> list[tuple[tuple, str
     (ckptflow once parsed it as vLLM's). An unknown engine name is the schema's error."""
     from ckptflow.engines.adapter import ADAPTERS, known_engines
 
-    out = []
+    out, known = [], known_engines()  # the built-in adapters are registered from here on
     for i, w in workloads:
-        engine = str(getattr(w.get("engine"), "value", w.get("engine") or "other"))
-        adapter = ADAPTERS.get(engine) if engine in known_engines() else None
+        adapter = ADAPTERS.get(str(getattr(w.get("engine"), "value", w.get("engine") or "other")))
         if adapter is not None and not adapter.metrics and w.get("metrics_url"):
-            mapped = ", ".join(n for n in known_engines() if ADAPTERS[n].metrics)
+            engine, mapped = adapter.name, ", ".join(n for n in known if ADAPTERS[n].metrics)
             out.append((("workloads", i, "metrics_url"), f"engine: {engine} has no metrics mapping, so its "
                         f"/metrics cannot be read: declare the engine ({mapped}) or drop metrics_url"))
     return out
