@@ -4,7 +4,7 @@ its health, and the hooks around a checkpoint (quiesce before the lock, resume a
 Example:
     >>> from ckptflow.runners.engine import golden_digest
     >>> golden_digest({"choices": [{"tokens": [1, 2]}]}, "choices.0.tokens")[:12]
-    'a3cbed3cf6b0'
+    '3a316d6d3226'
 """
 
 from __future__ import annotations
