@@ -36,7 +36,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from ckptflow.errors import ConfigError
-from ckptflow.models import Engine, Name, TrafficClass, Workload
+from ckptflow.models import EngineField, Name, TrafficClass, Workload
 from ckptflow.policies.cadence import POLICIES, PolicyParams
 from ckptflow.policies.retention import Retention
 
@@ -125,7 +125,7 @@ class PolicyMatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     labels: dict[str, str] = Field(default_factory=dict, description="All must equal the workload's labels.")
-    engine: Engine | None = None
+    engine: EngineField | None = None
     traffic: TrafficClass | None = None
 
     def matches(self, w: Workload) -> bool:
@@ -359,7 +359,8 @@ def cross_field_problems(data: dict) -> list[tuple[tuple, str]]:
         if isinstance(w.get("golden"), dict):
             urls.append((("golden", "url"), w["golden"].get("url")))
         out += [(("workloads", i, *k), why) for k, v in urls if (why := _url_problem(v))]
-    out += _shared_worker_problems(items("workloads"))  # a mode's own refusals: ckptflow.modes
+    out += _shared_worker_problems(items("workloads"))  # a checkpoint mode's own refusals: ckptflow.modes
+    out += _engine_problems(items("workloads"))
     storage = data.get("storage")
     if isinstance(storage, dict) and isinstance(storage.get("path"), str):
         import string
@@ -378,6 +379,21 @@ def cross_field_problems(data: dict) -> list[tuple[tuple, str]]:
                               (("prefect_ui_url",), data, "prefect_ui_url")):
         if isinstance(section, dict) and (why := _url_problem(section.get(key))):
             out.append((loc, why))
+    return out
+
+
+def _engine_problems(workloads: list[tuple[int, dict]]) -> list[tuple[tuple, str]]:
+    """A metrics_url on an engine whose adapter has no metrics mapping: its load would be unreadable
+    (ckptflow once parsed it as vLLM's). An unknown engine name is the schema's error."""
+    from ckptflow.engines.adapter import ADAPTERS, known_engines
+
+    out, known = [], known_engines()  # the built-in adapters are registered from here on
+    for i, w in workloads:
+        adapter = ADAPTERS.get(str(getattr(w.get("engine"), "value", w.get("engine") or "other")))
+        if adapter is not None and not adapter.metrics and w.get("metrics_url"):
+            engine, mapped = adapter.name, ", ".join(n for n in known if ADAPTERS[n].metrics)
+            out.append((("workloads", i, "metrics_url"), f"engine: {engine} has no metrics mapping, so its "
+                        f"/metrics cannot be read: declare the engine ({mapped}) or drop metrics_url"))
     return out
 
 

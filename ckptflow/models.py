@@ -26,8 +26,8 @@ from datetime import datetime, timezone
 from enum import Enum, StrEnum
 from typing import Annotated, Any
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SerializeAsAny, ValidationError,
+                      ValidationInfo, field_validator, model_validator)
 
 from ckptflow.container_models import ContainerSpec
 from ckptflow.modes import DEFAULT_MODE, MODES, ModeParams, unknown_mode
@@ -62,10 +62,32 @@ def utcnow() -> datetime:
 
 
 class Engine(str, Enum):
+    """The built-in engines' names, for comparisons; a workload's ``engine`` is any registered
+    adapter's name (EngineName)."""
+
     vllm = "vllm"
     sglang = "sglang"
     llamacpp = "llamacpp"
     other = "other"
+
+
+class EngineName(str):
+    """A registered engine adapter's name (engines/adapter.py). ``.value`` as the Engine enum
+    this field was: the fleet file's ``engine:`` picks an adapter, and a new one is registered
+    without touching this file."""
+
+    @property
+    def value(self) -> str:
+        return str.__str__(self)
+
+
+def _known_engine(v: object) -> EngineName:
+    from ckptflow.engines.adapter import check_engine  # lazily: the built-in adapters import this module
+
+    return EngineName(check_engine(str(getattr(v, "value", v))))
+
+
+EngineField = Annotated[str, BeforeValidator(lambda v: getattr(v, "value", v)), AfterValidator(_known_engine)]
 
 
 class TrafficClass(str, Enum):
@@ -159,7 +181,9 @@ class Workload(BaseModel):
     container: ContainerSpec | None = Field(
         None, description="The worker runs in this container: checkpointed and restored through its runtime "
         "(runners/container.py) instead of a process found by find.", examples=[{"name": "chat-c"}])
-    engine: Engine = Field(Engine.other, description="Serving engine.")
+    engine: EngineField = Field(EngineName("other"), description="Serving engine: a registered engine adapter's "
+                                "name (engines/adapter.py), which says how its metrics, golden request, sessions "
+                                "and template are handled.", examples=["vllm", "llamacpp", "demo"])
     engine_version: str | None = Field(None, description="Declared engine version.",
                                        examples=["0.11.0"])
     model_id: str | None = Field(None, description="Model id.", examples=["meta-llama/Llama-3.1-8B"])
