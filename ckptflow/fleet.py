@@ -306,7 +306,7 @@ class _PathErrors(ValueError):
 # fail later, at the first heartbeat, as an unreadable "no KV growing" or a silent probe error.
 _WORKLOAD_URLS = ("health_url", "metrics_url", "probe_url", "prepare_url")
 _CROSS_FIELDS = {"nodes": {"__all__": {"name"}},
-                 "workloads": {"__all__": {"name", "node", "golden", "find", *_WORKLOAD_URLS}},
+                 "workloads": {"__all__": {"name", "node", "golden", "find", "engine", *_WORKLOAD_URLS}},
                  "storage": {"endpoint_url", "path"}, "slack": {"base_url"}, "prefect_ui_url": True}
 # Fields that name one worker: two workloads declaring the same one would checkpoint, probe or
 # restore each other's process (a loopback URL or a pid file is per node).
