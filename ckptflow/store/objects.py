@@ -51,6 +51,30 @@ def check_key(key: bytes | None) -> None:
                          fix="generate one with: python -c 'import os,base64;print(base64.b64encode(os.urandom(32)).decode())'")
 
 
+def load_key(storage) -> bytes | None:
+    """The client-side encryption key from the env var the fleet file names
+    (``storage.encryption_key_env``; a Prefect Secret block is read by the tasks layer, which
+    passes the key in). None when the fleet file names none.
+
+    Raises:
+        StoreError: the variable is unset, or its value is not base64.
+    """
+    import base64
+
+    raw = None
+    if getattr(storage, "encryption_key_env", None):
+        raw = os.environ.get(storage.encryption_key_env)
+        if not raw:
+            raise StoreError(f"storage.encryption_key_env names {storage.encryption_key_env}, which is not set",
+                             fix="export the base64 key on every node (or use encryption_key_block)")
+    if raw is None:
+        return None
+    try:
+        return base64.b64decode(raw, validate=True)
+    except ValueError:
+        raise StoreError("the chunk encryption key is not valid base64") from None
+
+
 @runtime_checkable
 class ObjectStore(Protocol):
     """The calls a ``ChunkedTier`` makes of an object store. Keys are relative to the tier's

@@ -28,20 +28,23 @@ Example:
 from __future__ import annotations
 
 import hashlib
-import os
 from typing import Iterator
 
-from ckptflow.errors import StorageUnavailable, StoreError
+from ckptflow.errors import StorageUnavailable
 from ckptflow.models import CopyTier
-from ckptflow.store.objects import CHUNK, LEASE_TTL_S, PRUNE_TTL_S, THREADS, ChunkedTier, check_key  # noqa: F401 (names kept)
+from ckptflow.store.objects import (CHUNK, LEASE_TTL_S, PRUNE_TTL_S, THREADS, ChunkedTier,  # noqa: F401 (kept names)
+                                   check_key, load_key)
 
 _PIECE = 256 << 10   # measured best of 64 KiB..4 MiB on the CI machine (see objects._stream_to)
+
 
 class S3Objects:
     """The objects under one prefix of one bucket, every call's error typed
     (``StorageUnavailable``: retry; a missing key: ``ClientError`` NoSuchKey, for the caller to
     read as "none"). What the S3 tier and the S3 fleet state share; one boto3 client each,
-    or one between them (``client``).
+    or one between them (``client``). Its public calls (``put``, ``get``, ``stream``,
+    ``exists``, ``delete``, ``list``) are store.objects' ``ObjectStore``, keys relative to the
+    prefix.
 
     Args:
         bucket: the bucket's name.
@@ -189,7 +192,7 @@ class S3Tier(ChunkedTier):
     def from_storage(cls, storage, key: bytes | None = None) -> "S3Tier":
         return cls(bucket=storage.bucket, prefix=storage.prefix, endpoint_url=storage.endpoint_url,
                    region=storage.region, server_side_encryption=storage.server_side_encryption,
-                   key=key if key is not None else _load_key(storage))
+                   key=key if key is not None else load_key(storage))
 
     # The bucket's own names, which the fleet state (sharing the client) and tools read.
     @property
@@ -216,20 +219,4 @@ def _b64(hexdigest: str) -> str:
     return base64.b64encode(bytes.fromhex(hexdigest)).decode()
 
 
-def _load_key(storage) -> bytes | None:
-    """The client-side encryption key from the env var the fleet file names (a Prefect Secret
-    block is read by the tasks layer, which passes the key in)."""
-    import base64
-
-    raw = None
-    if getattr(storage, "encryption_key_env", None):
-        raw = os.environ.get(storage.encryption_key_env)
-        if not raw:
-            raise StoreError(f"storage.encryption_key_env names {storage.encryption_key_env}, which is not set",
-                             fix="export the base64 key on every node (or use encryption_key_block)")
-    if raw is None:
-        return None
-    try:
-        return base64.b64decode(raw, validate=True)
-    except ValueError:
-        raise StoreError("the chunk encryption key is not valid base64") from None
+_load_key = load_key   # the name tests and older callers use

@@ -16,7 +16,7 @@ from typing import Iterator
 
 from ckptflow.errors import ConfigError, StorageUnavailable
 from ckptflow.store import register_tier
-from ckptflow.store.objects import ChunkedTier
+from ckptflow.store.objects import ChunkedTier, load_key
 
 PIECE = 1 << 20
 
@@ -102,7 +102,7 @@ def open_toy(storage, key: bytes | None) -> ToyTier:
     if not root:
         raise ConfigError("storage.kind is toy but storage.options.root is not set",
                           fix="set storage: {kind: toy, options: {root: /some/dir}}")
-    return ToyTier(root, key=key)
+    return ToyTier(root, key=key if key is not None else load_key(storage))
 
 
 register_tier("toy", open_toy)
