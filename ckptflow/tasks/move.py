@@ -27,8 +27,10 @@ from ckptflow.tasks.common import tier as fleet_tier
 def _tier(scope: FleetScope):
     tier = fleet_tier(scope)
     if tier is None:
-        raise ConfigError(f"fleet {scope.fleet}: moving workloads between nodes needs storage.kind: s3",
-                          fix="set storage: {kind: s3, bucket: ..., endpoint_url: ...} in the fleet file")
+        raise ConfigError(f"fleet {scope.fleet}: moving workloads between nodes needs a shared tier, and "
+                          f"storage.kind {scope.storage.kind.value} has none",
+                          fix="set storage: {kind: s3, bucket: ..., endpoint_url: ...} (or another registered "
+                              "kind) in the fleet file")
     return tier
 
 
