@@ -52,6 +52,11 @@ SLOW_FILES = {
 }
 SLOW_TESTS = {
     "tests/test_criu.py::test_512mib_process_round_trip": "a 512 MiB CRIU image",
+    # `ckptflow simulate` over every policy and seed in a subprocess: 120-240 s each on the
+    # shared 2-core machine (tests/README.md), half the rest of the quick loop together
+    "tests/test_cli.py::test_simulate_json_has_every_policy": "the what-if simulator over every policy",
+    "tests/test_cli.py::test_simulate_profile_two_tier_costs_less_and_a_wrong_profile_is_named":
+        "the what-if simulator over every policy, two profiles",
 }
 
 
