@@ -407,7 +407,7 @@ class Soak:
             t0 = time.monotonic()
             time.sleep(r["u"] * 0.8 * self.est["push"])
             child.kill()
-            hit = ckpt not in self.tier.list(self.w.name)      # no manifest in the bucket: it was mid-push
+            hit = ckpt not in self.tier.ids(self.w.name)      # no manifest in the bucket: it was mid-push
             if not hit:
                 self.est["push"] = max(0.05, 0.8 * self.est["push"] + 0.2 * (time.monotonic() - t0))
         else:
@@ -551,7 +551,7 @@ class Soak:
         if moment == "mid_upload" and row["hit"]:
             # The next push completes the interrupted one (the chunks already there are skipped).
             self.tier.push(self.store, self.store.get(self.w.name, expected))
-            if expected in self.tier.list(self.w.name):
+            if expected in self.tier.ids(self.w.name):
                 self.totals["uploads_resumed"] += 1
             else:
                 row["problems"].append(f"push of {expected} did not complete after the interrupted one")

@@ -45,8 +45,21 @@ _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: ~10x faster 
 
 
 class StorageKind(str, Enum):
+    """The built-in ``storage.kind`` names; a kind registered with ``ckptflow.store.register_tier``
+    (docs/extending/storage-tier.md) is accepted too, as a member made on first use."""
+
     local = "local"
     s3 = "s3"
+
+    @classmethod
+    def _missing_(cls, value):
+        from ckptflow.store import tier_kinds
+
+        if isinstance(value, str) and value in tier_kinds():
+            member = str.__new__(cls, value)
+            member._name_, member._value_ = value, value
+            return member
+        return None
 
 
 class Storage(BaseModel):
@@ -54,7 +67,8 @@ class Storage(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: StorageKind = Field(StorageKind.local, description="local directory or S3-compatible bucket")
+    kind: StorageKind = Field(StorageKind.local, description="local directory, S3-compatible bucket, or a tier "
+                              "kind registered with ckptflow.store.register_tier")
     path: str = Field(".ckptflow/store", description="Root directory for kind=local (relative to the "
                       "fleet file's working directory).")
     bucket: str | None = Field(None, description="Bucket for kind=s3.", examples=["ckpt-prod"])
@@ -68,6 +82,9 @@ class Storage(BaseModel):
         "(AES-256-GCM) before upload.", examples=["CKPTFLOW_CHUNK_KEY"])
     encryption_key_block: str | None = Field(
         None, description="Prefect Secret block holding that key instead of an env var.")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Settings of a registered tier kind that the fields above do not "
+        "cover; its opener reads (and checks) them.", examples=[{"project": "ml-prod"}])
 
     @model_validator(mode="after")
     def _bucket_for_s3(self) -> "Storage":

@@ -308,15 +308,29 @@ class VerifyOutcome(StrEnum):
 
 
 class CopyTier(str, Enum):
+    """Where a copy of a checkpoint is: a node's store, or a shared tier named by its
+    ``storage.kind`` (``s3``, or a kind registered with ``store.register_tier``: such a name,
+    e.g. ``CopyTier("gcs")``, is a member made on first use, so manifests of every tier read
+    back the same way)."""
+
     node = "node"    # the local store of one node (tmpfs or local disk): a restore there reads it in place
     s3 = "s3"        # the fleet's bucket: any node can pull it
+
+    @classmethod
+    def _missing_(cls, value):
+        if isinstance(value, str) and _NAME_RE.match(value) and ".." not in value:
+            member = str.__new__(cls, value)
+            member._name_, member._value_ = value, value
+            return member
+        return None
 
 
 class CheckpointCopy(BaseModel):
     """One place that holds a checkpoint's bytes."""
 
     tier: CopyTier
-    location: str = Field(..., description="Node name for tier node; s3://bucket/prefix for tier s3.")
+    location: str = Field(..., description="Node name for tier node; s3://bucket/prefix for tier s3 (a "
+                          "registered tier: its location).")
     at: datetime = Field(default_factory=lambda: utcnow(), description="When the copy was complete.")
 
 

@@ -411,13 +411,12 @@ def test_drain_stops_a_short_request_container_through_its_runtime(tmp_path, con
 
     c = container("api")
     c.workload = c.workload.model_copy(update={"traffic": TrafficClass.short_requests})
-    fleet = _fleet(tmp_path, [c.workload])
     pid = c.state().pid
-    out = stop_workload.fn(fleet, "api", grace_s=10)
+    out = stop_workload.fn(c.workload, grace_s=10)
     assert out == {"stopped": True, "pid": pid, "container": c.cname}
     st = c.state()
     assert st is not None and not st.running  # stopped, kept (podman rm is the operator's call)
-    assert stop_workload.fn(fleet, "api") == {"stopped": False, "reason": "not running"}
+    assert stop_workload.fn(c.workload) == {"stopped": False, "reason": "not running"}
 
 
 def test_restore_refused_when_the_node_lacks_the_memory_for_the_image(tmp_path, container, monkeypatch):

@@ -19,6 +19,7 @@ from typing import Literal
 
 from prefect import flow
 
+from ckptflow.tasks.common import open_fleet, placed
 from ckptflow.tasks.move import (migrate_in, migrate_out, restore_local, scale_down_in, scale_up_in, stop_workload,
                                  take_template)
 from ckptflow.tasks.node import restore_workload
@@ -32,15 +33,18 @@ Step = Literal["migrate_out", "migrate_in", "restore_local", "stop", "take_templ
 def node_step(fleet_file: str, action: Step, workload: str, node: str, checkpoint: str | None = None,
               replica: str | None = None) -> dict:
     """Run one node-level action for ``workload`` on ``node`` (this node)."""
+    if action == "cold_start":  # its task (tasks/verify.py) still reads the file itself
+        return cold_start_workload(fleet_file, workload)
+    fleet = open_fleet(fleet_file)  # once: each task gets typed values, never the path
+    scope = fleet.scope()
     steps = {
-        "migrate_out": lambda: migrate_out(fleet_file, workload),
-        "migrate_in": lambda: migrate_in(fleet_file, workload, node, checkpoint),
-        "restore_local": lambda: restore_local(fleet_file, workload, node, checkpoint),
-        "stop": lambda: stop_workload(fleet_file, workload),
-        "take_template": lambda: take_template(fleet_file, workload),
-        "scale_up_in": lambda: scale_up_in(fleet_file, workload, node, checkpoint),
-        "scale_down": lambda: scale_down_in(fleet_file, workload, node, replica),
-        "restore": lambda: restore_workload(fleet_file, workload, node),
-        "cold_start": lambda: cold_start_workload(fleet_file, workload),
+        "migrate_out": lambda: migrate_out(scope, placed(fleet, workload)),
+        "migrate_in": lambda: migrate_in(scope, placed(fleet, workload, node), checkpoint),
+        "restore_local": lambda: restore_local(scope, placed(fleet, workload), node, checkpoint),
+        "stop": lambda: stop_workload(placed(fleet, workload)),
+        "take_template": lambda: take_template(scope, placed(fleet, workload)),
+        "scale_up_in": lambda: scale_up_in(scope, placed(fleet, workload, node), checkpoint),
+        "scale_down": lambda: scale_down_in(scope, workload, node, replica),
+        "restore": lambda: restore_workload(scope, placed(fleet, workload, node)),
     }
     return steps[action]()
