@@ -8,11 +8,11 @@ from prefect.runtime import flow_run
 from ckptflow.alerts import AlertKind
 from ckptflow.errors import CkptflowError
 from ckptflow.fleet import FleetScope, Node, PolicyChoice
-from ckptflow.models import Action, CheckpointMode, Workload
+from ckptflow.models import Action, Workload
 from ckptflow.policies.cadence import decide
 from ckptflow.report import checkpoint_bytes
 from ckptflow.runners.facts import collect_facts, node_mtbf_s
-from ckptflow.runners.twotier import TwoTierRunner
+from ckptflow.runners.modes import manifest_runner, mode_runner
 from ckptflow.tasks.common import alerter, fingerprints, node_runner, node_slot, retry_if_retryable
 from ckptflow.tasks.common import tier as fleet_tier
 
@@ -39,7 +39,7 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
         out = []
         for choice in batch:
             w, name = choice.workload, choice.workload.name
-            facts = collect_facts(w, runner.store, mtbf_s=mtbf_s, maintenance=maintenance)
+            facts = collect_facts(w, runner.store, mtbf_s=mtbf_s, maintenance=maintenance, gpu=runner.gpu)
             d = decide(facts, choice.policy, choice.params)
             row = {"workload": name, "node": node.name, "decision": d.action.value, "reason": d.reason}
             if facts.gone:
@@ -62,10 +62,7 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
                 row["reason"] = f"forced (policy said {d.action.value}: {d.reason})"
             try:
                 with node_slot(node.name):
-                    if w.checkpoint == CheckpointMode.two_tier:
-                        m = TwoTierRunner(runner).heartbeat(w)
-                    else:
-                        m = runner.checkpoint(w, leave_running=True)
+                    m = mode_runner(runner, w).checkpoint(w)
             except CkptflowError as e:
                 log.error("checkpoint of %s failed: %s", name, e)
                 out.append({**row, "ok": False, "error": str(e).splitlines()[0], "error_type": type(e).__name__})
@@ -77,8 +74,7 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
             pushed = {}
             if tier is not None:
                 try:  # a session checkpoint goes up with its template (once) and the chunks it names
-                    pushed = (TwoTierRunner(runner).push(m, tier) if m.kind == "sessions"
-                              else tier.push(runner.store, m))
+                    pushed = manifest_runner(runner, w, m).push(m, tier)
                 except CkptflowError as e:  # the local copy stands; the next heartbeat pushes again
                     log.error("upload of %s to S3 failed: %s", m.id, e)
                     pushed = {"upload_error": str(e).splitlines()[0]}
@@ -94,16 +90,5 @@ def restore_workload(scope: FleetScope, w: Workload) -> dict:
     tier (older ones if corrupt)."""
     workload = w.name
     with node_slot(w.node), node_runner(scope, w.node) as runner:
-        if w.checkpoint == CheckpointMode.two_tier:
-            tt = TwoTierRunner(runner).restore(w, tier=fleet_tier(scope))
-            return {"workload": workload, "node": w.node, "checkpoint": tt.manifest.id, "template": tt.template.id,
-                    "pid": tt.pid, "timings": tt.timings, "bytes": tt.manifest.probe.get("session_bytes", 0),
-                    "downloaded_bytes": 0, "copies": [], "skipped": [],
-                    "created": tt.manifest.created.strftime("%Y-%m-%d %H:%M:%S UTC"), "files": 0,
-                    "sessions": len(tt.manifest.probe.get("sessions") or {})}
-        res = runner.restore(w, tier=fleet_tier(scope))
-    return {"workload": workload, "node": w.node, "checkpoint": res.manifest.id, "pid": res.pid,
-            "timings": res.timings, "bytes": res.manifest.bytes, "downloaded_bytes": res.downloaded_bytes,
-            "copies": [f"{c.tier.value}:{c.location}" for c in res.manifest.copies], "skipped": res.skipped,
-            "created": res.manifest.created.strftime("%Y-%m-%d %H:%M:%S UTC"), "files": len(res.manifest.files),
-            "sessions": len(res.manifest.probe.get("sessions") or {})}
+        res = mode_runner(runner, w).restore(w, tier=fleet_tier(scope))
+    return {"workload": workload, "node": w.node, **res.summary()}

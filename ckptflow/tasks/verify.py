@@ -7,9 +7,9 @@ from prefect.runtime import flow_run
 
 from ckptflow.alerts import AlertKind
 from ckptflow.fleet import FleetScope
-from ckptflow.models import CheckpointKind, CheckpointState, VerifyOutcome, Workload
+from ckptflow.models import CheckpointState, VerifyOutcome, Workload
 from ckptflow.runners.coldstart import cold_start
-from ckptflow.runners.verify import verify_checkpoint, verify_two_tier
+from ckptflow.runners.modes import manifest_runner
 from ckptflow.tasks.common import alerter, node_runner, node_slot, open_fleet
 
 
@@ -23,7 +23,7 @@ def verify_workload(scope: FleetScope, w: Workload) -> dict:
         if m is None:
             return {"workload": workload, "state": VerifyOutcome.skipped.value, "reason": "no unverified valid checkpoint"}
         with node_slot(w.node):
-            res = verify_two_tier(node, w, m) if m.kind == CheckpointKind.sessions else verify_checkpoint(node, w, m)
+            res = manifest_runner(node, w, m).verify(w, m)
     row = {"workload": workload, "node": w.node, "checkpoint": m.id, "state": res.state.value, "reason": res.reason,
            **{f"{k}_s": v for k, v in res.timings.items()}}
     if res.state in (VerifyOutcome.skipped, VerifyOutcome.unverified):  # not proven: the checkpoint stays "complete"
