@@ -9,7 +9,7 @@ Usage (after ./scripts/setup.sh):
 Starts `prefect server start` on 127.0.0.1 with its database on PostgreSQL (a private cluster,
 the backing a production Prefect server uses; tests/helpers/postgres.py) or SQLite (a temporary
 PREFECT_HOME), writes a fleet file whose workloads all decide `skip` (no-op checkpoints:
-short-request traffic), and times the heartbeat flow, which runs one task per node batch.
+short-request traffic), and times the heartbeat flow, which runs each node's batch in a few task runs of node groups.
 Every pid file names one live `sleep` process, so each workload is found running (a missing
 process is a "worker gone" alert and a failed heartbeat).
 
@@ -46,7 +46,7 @@ PORT, PG_PORT = 4299, 54399
 RUN = r"""
 import cProfile, io, json, os, pstats, sys, time
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-from ckptflow.flows.heartbeat import heartbeat
+from ckptflow.flows.heartbeat import NODE_GROUPS, heartbeat
 fleet_file, runs, profile = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
     heartbeat(fleet_file)                       # warm-up: imports, first API round trips
@@ -70,6 +70,7 @@ with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             print(s.getvalue(), file=sys.stderr)
         print(json.dumps({"seconds": round(dt, 3), "rows": len(rows),
                           "checkpoints": sum(1 for r in rows if r.get("checkpoint")),
+                          "task_runs": -(-n // -(-n // NODE_GROUPS)) if (n := len({r["node"] for r in rows})) else 0,
                           "client_cpu_s": round(c1.user + c1.system - c0.user - c0.system, 2),
                           "loadavg_before": [round(x, 2) for x in load0],
                           "loadavg_after": [round(x, 2) for x in os.getloadavg()]}), flush=True)
@@ -168,9 +169,10 @@ def main() -> int:
         live.kill()
         live.wait()
         shutil.rmtree(tmp, ignore_errors=True)  # a node's tmp must not collect ticks
-    table = md_table(["run", "db", "nodes", "workloads", "task runs (node batches)", "checkpoints", "seconds",
-                      "load avg (1 min) before", "target"],
-                     [[i + 1, a.db, a.nodes, n_workloads, a.nodes, r["checkpoints"], round(r["seconds"], 2),
+    table = md_table(["run", "db", "nodes", "workloads", "task runs (node groups)", "checkpoints", "seconds",
+                      "CPU s client / server / postgres", "load avg (1 min) before", "target"],
+                     [[i + 1, a.db, a.nodes, n_workloads, r["task_runs"], r["checkpoints"], round(r["seconds"], 2),
+                       f"{r['client_cpu_s']} / {r['server_cpu_s']} / {r.get('postgres_cpu_s', '-')}",
                        r["loadavg_before"][0], f"<= {target:g} s"] for i, r in enumerate(results)])
     print(table)
     if not (a.profile or a.no_record):

@@ -25,7 +25,8 @@ def _fleet(tmp_path, nodes: int, per_node: int, pid: int, dead: set[str] = froze
                        "find": {"pid_file": str(pf)}})
     f = tmp_path / "fleet.yaml"
     f.write_text(yaml.safe_dump({"fleet": "tick", "storage": {"kind": "local", "path": str(tmp_path / "store")},
-                                 "nodes": [{"name": f"node-{i:02d}", "work_pool": f"node-{i:02d}"} for i in range(nodes)],
+                                 "nodes": [{"name": f"node-{i:02d}", "work_pool": f"node-{i:02d}"}
+                                           for i in range(nodes)],
                                  "workloads": ws}))
     return f
 

@@ -26,7 +26,8 @@ def _retryable(e: Exception) -> bool:
 
 
 @task(name="checkpoint-nodes", cache_policy=NO_CACHE)  # a heartbeat is never a cached result: no input hashing
-def checkpoint_nodes(scope: FleetScope, batches: list[tuple[Node, list[PolicyChoice]]], force: bool = False) -> list[dict]:
+def checkpoint_nodes(scope: FleetScope, batches: list[tuple[Node, list[PolicyChoice]]],
+                     force: bool = False) -> list[dict]:
     """The heartbeat of a group of nodes: each node's batch exactly as the ``checkpoint-node-batch``
     task decides and checkpoints it (``tasks.node.checkpoint_batch``), one node after another.
 
