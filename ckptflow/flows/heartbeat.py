@@ -11,7 +11,17 @@ from prefect.utilities.annotations import quote
 from ckptflow.fleet import OnWorkerGone, PolicyChoice
 from ckptflow.flows.recover import recover
 from ckptflow.tasks.common import open_fleet
-from ckptflow.tasks.node import checkpoint_batch
+from ckptflow.tasks.fleet import checkpoint_nodes
+
+# Task runs per tick at most: each node's batch still runs as checkpoint-node-batch decides it,
+# a group of nodes per task run (a task run per node was most of a 1,000-node tick's time and of
+# the Prefect server's work). Groups run in parallel, as many as a one-machine tick uses.
+NODE_GROUPS = 16
+
+
+def _group_name(group: list) -> str:
+    first, last = group[0][0].name, group[-1][0].name
+    return f"checkpoint-nodes-{first}" if first == last else f"checkpoint-nodes-{first}-to-{last}"
 
 
 class HeartbeatFailed(RuntimeError):
@@ -27,7 +37,8 @@ def heartbeat(fleet_file: str, node: str | None = None, workloads: list[str] | N
               force: bool = False) -> list[dict]:
     """Decide and checkpoint the fleet's workloads (optionally one node's, or named ones).
 
-    One task per node batch; each workload's fleet policy decides whether it is due.
+    Each node's workloads are one batch, and a task run takes a group of batches (at most
+    ``NODE_GROUPS`` task runs); each workload's fleet policy decides whether it is due.
     ``force=True`` checkpoints every selected workload regardless (a manual run).
 
     Example:
@@ -41,7 +52,11 @@ def heartbeat(fleet_file: str, node: str | None = None, workloads: list[str] | N
             by_node[w.node].append(fleet.policy_choice(w))
     nodes, scope = {n.name: n for n in fleet.nodes}, fleet.scope()
     # quote(): Prefect would otherwise walk every field of every workload to find upstream futures
-    futures = [checkpoint_batch.submit(scope, nodes[n], quote(batch), force) for n, batch in sorted(by_node.items())]
+    batches = [(nodes[n], batch) for n, batch in sorted(by_node.items())]
+    size = -(-len(batches) // NODE_GROUPS) if batches else 1
+    groups = [batches[i:i + size] for i in range(0, len(batches), size)]
+    futures = [checkpoint_nodes.with_options(task_run_name=_group_name(g)).submit(scope, quote(g), force)
+               for g in groups]
     results = [r for f in futures for r in f.result()]
     choices = {c.workload.name: c for batch in by_node.values() for c in batch}
     for r in results:  # the worker is gone and its rule says recover: bring it back in this run

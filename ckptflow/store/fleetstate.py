@@ -153,7 +153,13 @@ class LocalFleetState:
 
     # --- node fingerprints (``.nodes/<node>.drained`` beside them is the node's drained mark) --
     def put_node_fingerprint(self, node: str, fp: Fingerprint) -> None:
-        write_json_atomic(self._dir(".nodes") / f"{_check_name(node)}.json", fp.model_dump_json(indent=2))
+        path, body = self._dir(".nodes") / f"{_check_name(node)}.json", fp.model_dump_json(indent=2)
+        try:  # every heartbeat reports it, and it changes only with a reboot or an upgrade: an
+            if path.read_text() == body:  # atomic rewrite's two fsyncs per node per tick buy nothing
+                return
+        except (FileNotFoundError, UnicodeDecodeError):
+            pass
+        write_json_atomic(path, body)
 
     def node_fingerprints(self) -> dict[str, Fingerprint]:
         return {n: Fingerprint.model_validate_json(body) for n, body in self._all(".nodes").items()}
