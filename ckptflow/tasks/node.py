@@ -9,7 +9,8 @@ from ckptflow.alerts import AlertKind
 from ckptflow.errors import CkptflowError
 from ckptflow.fleet import FleetScope, Node, PolicyChoice
 from ckptflow.models import Action, CheckpointMode
-from ckptflow.policies.cadence import decide
+from ckptflow.policies.cadence import decide, forced
+from ckptflow.policies.sessions import export_context
 from ckptflow.report import checkpoint_bytes
 from ckptflow.runners.facts import collect_facts, node_mtbf_s
 from ckptflow.runners.twotier import TwoTierRunner
@@ -59,11 +60,11 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
                 continue
             if force:  # the row says what was done; the policy's view stays in the reason
                 row["decision"] = "forced"
-                row["reason"] = f"forced (policy said {d.action.value}: {d.reason})"
+                row["reason"] = forced(d).reason
             try:
                 with node_slot(node.name):
                     if w.checkpoint == CheckpointMode.two_tier:
-                        m = TwoTierRunner(runner).heartbeat(w)
+                        m = TwoTierRunner(runner).heartbeat(w, None if force else export_context(facts, d))
                     else:
                         m = runner.checkpoint(w, leave_running=True)
             except CkptflowError as e:
