@@ -451,19 +451,6 @@ def forced(d: Decision) -> Decision:
                     reason=f"forced (policy said {d.action.value}: {d.reason})")
 
 
-def forced(d: Decision) -> Decision:
-    """What a manual ``heartbeat --force`` run reports for a checkpoint the policy did not ask for:
-    a checkpoint, said to be forced, with the policy's own view kept in the reason.
-
-    Example:
-        >>> d = forced(Decision(workload="chat", action=Action.skip, reason="nothing new"))
-        >>> d.action.value, d.reason
-        ('checkpoint_now', 'forced (policy said skip: nothing new)')
-    """
-    return Decision(workload=d.workload, action=Action.checkpoint_now, interval_s=d.interval_s, due=True,
-                    reason=f"forced (policy said {d.action.value}: {d.reason})")
-
-
 @register("fixed", FixedParams)
 def decide_fixed(f: WorkloadFacts, params: FixedParams, cost: CostModel) -> Decision:
     tau = params.interval_s
