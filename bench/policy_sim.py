@@ -11,23 +11,24 @@ path measured in bench/results/gpu_two_tier.json (pause 0.036 s + 0.036 s per Gi
 restore 2.85 s + weights and KV at 20.9 GiB/s). ``--sensitivity-kv`` reruns seed 0
 (exponential) under two-tier-h200 with other KV bytes per token ("" to skip).
 
-Writes bench/results/policy_sim.json and bench/results/policy_sim.png, appends the tables to
-bench/RESULTS.md, and also times deciding 10,000 workloads. Exit 1 if a target is missed.
-Targets (every profile, seed 0, and the same for seeds 1-4): ckptflow cost <= 1.10 x
-hindsight, and >= 30 % lower than the best fixed-* policy.
+Keeps every run in bench/results/policy_sim.json (``record_run``: date, machine, command; per
+seed its ratios to clairvoyant and to the hindsight-best fixed interval), writes
+bench/results/policy_sim.png, appends the tables to bench/RESULTS.md, and also times deciding
+10,000 workloads. Exit 1 if a target is missed. Targets (every profile and seed): ckptflow cost
+<= 1.10 x hindsight, and >= 30 % lower than the best fixed-* policy; under two-tier-h200 also
+<= 1.5 x clairvoyant (issue #25: sessions protected at turn boundaries).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import BENCH, append_results, md_table  # noqa: E402
+from _common import BENCH, append_results, md_table, record_run  # noqa: E402
 
 from ckptflow.policies.cadence import WorkloadFacts, decide  # noqa: E402
 from ckptflow.sim import PROFILES, profile_config, simulate  # noqa: E402
@@ -152,10 +153,12 @@ def main() -> int:
                 p = run["policies"]
                 best_fixed = min((k for k in p if k.startswith("fixed-")), key=lambda k: p[k]["cost"])
                 ratio_h = p["ckptflow"]["cost"] / p["hindsight"]["cost"]
+                ratio_c = p["ckptflow"]["cost"] / p["clairvoyant"]["cost"]
                 below_fixed = 1 - p["ckptflow"]["cost"] / p[best_fixed]["cost"]
-                met = ratio_h <= 1.10 and below_fixed >= 0.30
+                met = ratio_h <= 1.10 and below_fixed >= 0.30 and (profile != "two-tier-h200" or ratio_c <= 1.5)
                 ok &= met
-                run["targets"] = {"ckptflow_over_hindsight": round(ratio_h, 3), "best_fixed": best_fixed,
+                run["targets"] = {"ckptflow_over_hindsight": round(ratio_h, 3),
+                                  "ckptflow_over_clairvoyant": round(ratio_c, 3), "best_fixed": best_fixed,
                                   "ckptflow_below_best_fixed": round(below_fixed, 3), "met": met}
                 runs.append(run)
                 c = p["ckptflow"]
@@ -165,7 +168,7 @@ def main() -> int:
                              f"{p['clairvoyant']['cost'] / H:,.1f}", f"{c['cost'] / H:,.1f}",
                              f"{gh(c['restart_gpu_s'])} / {gh(c['reprefill_gpu_s'])} / {gh(c['pause_gpu_s'])}",
                              gh(c["kv_kept_gpu_s"]), f"{c['checkpoints']:,.0f}",
-                             f"{ratio_h:.3f}", f"{below_fixed:.1%}", "yes" if met else "NO"])
+                             f"{ratio_h:.3f}", f"{ratio_c:.2f}", f"{below_fixed:.1%}", "yes" if met else "NO"])
     sens = []
     if a.sensitivity_kv and "two-tier-h200" in PROFILES:
         for kv in map(float, a.sensitivity_kv.split(",")):
@@ -180,13 +183,17 @@ def main() -> int:
     cfgs = {name: {k: v for k, v in dataclasses.asdict(profile_config(name)).items() if k != "cost"}
             for name in profiles}
     cost = profile_config(profiles[0]).cost.model_dump()
-    (out / "policy_sim.json").write_text(json.dumps(
-        {"profiles": cfgs, "cost_model": cost, "runs": runs, "sensitivity_two_tier_kv": sens,
-         "decide_10k_s": {k: round(v, 4) for k, v in dt.items()}}, indent=1) + "\n")
+    per_seed = [{"profile": r["profile"], "failure_dist": r["failure_dist"], "seed": r["seed"],
+                 "ckptflow_over_clairvoyant": r["targets"]["ckptflow_over_clairvoyant"],
+                 "ckptflow_over_hindsight": r["targets"]["ckptflow_over_hindsight"]} for r in runs]
+    record_run("policy_sim", {"profiles": cfgs, "cost_model": cost, "per_seed": per_seed, "runs": runs,
+                              "sensitivity_two_tier_kv": sens, "all_targets_met": ok,
+                              "decide_10k_s": {k: round(v, 4) for k, v in dt.items()}})
 
     headers = ["profile", "failures", "seed", "node failures", "never", "best fixed", "young-daly", "hindsight",
                "clairvoyant", "ckptflow", "ckptflow restart / re-prefill / pause", "ckptflow KV kept",
-               "ckptflow checkpoints", "ckptflow / hindsight", "below best fixed", "targets met"]
+               "ckptflow checkpoints", "ckptflow / hindsight", "ckptflow / clairvoyant", "below best fixed",
+               "targets met"]
     table = md_table(headers, rows)
 
     # Where ckptflow's checkpoints go, per profile (exponential failures, seeds summed).
@@ -255,6 +262,20 @@ KV, or a 70B-class bf16 model's per-GPU share at TP 8); weights half the footpri
 10k tokens/s and cold start 10 min as before; the template's one capture per (engine, model)
 (≈ 2.1-2.6 s pause + 1.7 s weight export) is not charged, as the process profile's initialised
 checkpoint is not.
+
+Two tiers, sessions at turn boundaries (issue #25 item 3): each two-tier heartbeat weighs
+every session (policies/sessions.py ``decide_sessions``, the function the live heartbeat calls):
+its new KV is exported, pausing 0.036 s per GiB, when the re-prefill it would save times the
+chance an interruption hits the session while it lives (its expected remaining life, 1 h, over
+the node's MTBF; 1 when maintenance is announced) is larger, and otherwise waits; before a
+maintenance window the drain exports every changed session at the last turn boundary before it
+(30 s earlier) instead of at the tick that decided it. The `ckptflow / clairvoyant` column is
+the ratio the issue asks to bring within 1.5. What stands between them, per the class table
+below: clairvoyant pays no re-prefill at all (it exports right before each failure, knowing
+when); ckptflow re-prefills the KV of unannounced failures on healthy and flaky nodes, where
+moving every token (2.2 % of its re-prefill) costs 11-130 x more than the 0.02-0.2 % chance a
+failure needs it, and on preemptible nodes it moves every session's KV once (the pause column),
+while clairvoyant moves only what ~30 failures per worker hold.
 
 What ckptflow's checkpoints protect, per node class and traffic (exponential failures, mean
 per seed over {n} seeds):

@@ -13,6 +13,10 @@ cost profile (``PROFILES``) fixes the mode with its calibration:
   (bench/results/gpu_two_tier.json). A heartbeat pauses 0.036 s + 0.036 s per GiB of KV that
   changed since the previous one; a restore is the template (2.85 s) plus weights and the
   checkpointed KV streamed at 20.9 GiB/s. KV bytes per token: ``kv_bytes_per_token``.
+  ckptflow's heartbeats there weigh each session (policies/sessions.py ``decide_sessions``, the
+  function the live two-tier heartbeat calls): a session's new KV is exported or waits, as of
+  its last turn boundary; before an announced maintenance window the drain exports every
+  changed session at the last turn boundary before it (``turn_s`` earlier).
 
 Example:
     >>> out = simulate(seed=0, cfg=TraceConfig(days=4, nodes=4))
@@ -36,6 +40,7 @@ import numpy as np
 
 from ckptflow.models import Action
 from ckptflow.policies.cadence import CostBasedParams, CostModel, WorkloadFacts, decide, get_policy, young_interval
+from ckptflow.policies.sessions import ExportContext, SessionFacts, decide_sessions, export_context
 
 DAY = 86400.0
 HOUR = 3600.0
@@ -73,6 +78,9 @@ class TraceConfig:
     # TP 8 is 40 KiB). Weights: the part of the footprint a restore streams besides the KV.
     kv_bytes_per_token: float = 65_536.0
     weights_fraction: float = 0.5
+    # Two-tier only: a drain stops admitting turns and exports each session once its turn in
+    # flight ends, at most the longest request (request_s) before the window.
+    turn_s: float = 30.0
 
     @property
     def two_tier(self) -> bool:
@@ -287,9 +295,14 @@ HINDSIGHT_GRID = [math.inf, 900, 1800, 3600, 2 * 3600, 4 * 3600, 8 * 3600, 12 * 
 FIXED_INTERVALS = [900, 3600, 4 * 3600, DAY, 7 * DAY]
 
 
-def ckptflow_schedule(tr: Trace, w: Workload, params: Mapping[str, Any] | CostBasedParams, tick_s: float = 300,
-                      decide_every: int = 12) -> np.ndarray:
-    """Replay the online policy: it sees only what it could observe at each tick."""
+def ckptflow_heartbeats(tr: Trace, w: Workload, params: Mapping[str, Any] | CostBasedParams, tick_s: float = 300,
+                        decide_every: int = 12) -> list[tuple[float, ExportContext]]:
+    """Replay the online policy: it sees only what it could observe at each tick. Returns each
+    heartbeat with the context its sessions are weighed in (``export_context`` of the facts and
+    decision behind it, as the live heartbeat builds it).
+
+    Two tiers: the heartbeat before a maintenance window is the drain's, at the last turn
+    boundary before the window (``turn_s``), rather than at the tick that decided it."""
     cfg = tr.cfg
     params = get_policy("cost-based").parse(params)  # validated once, not at every decision
     T = cfg.days * DAY
@@ -298,17 +311,27 @@ def ckptflow_schedule(tr: Trace, w: Workload, params: Mapping[str, Any] | CostBa
     ws, we = tr.windows[w.node]
     announced = ws - cfg.maintenance_notice_h * HOUR
     ckpts: list[float] = []
+    out: list[tuple[float, ExportContext]] = []
+    drained = False
+    ctx = drain_ctx = ExportContext(mtbf_s=declared)
     traffic = "short_requests" if w.short else "long_sessions"
     tau, k = math.inf, 0
     for t in np.arange(tick_s, T, tick_s):
         t = float(t)
+        if drained and t >= ws:  # the window's heartbeat is now in the past: the next ones follow it
+            ckpts.append(ws - cfg.turn_s)
+            out.append((ws - cfg.turn_s, drain_ctx))
+            drained = False
         near_window = announced <= t and ws - 3 * HOUR <= t < we
         if k % decide_every and not near_window:
             k += 1
             if math.isfinite(tau) and (not ckpts or t - ckpts[-1] >= tau):
                 ckpts.append(t)
+                out.append((t, ctx))
             continue
         k += 1
+        if drained and t < ws:
+            continue  # the drain's heartbeat is booked; the node is about to go
         seen = int(np.searchsorted(fails, t))
         mtbf_est = (declared + t) / (1 + seen)  # gamma posterior: declared MTBF as one prior failure
         tc = ckpts[-1] if ckpts else None
@@ -322,10 +345,95 @@ def ckptflow_schedule(tr: Trace, w: Workload, params: Mapping[str, Any] | CostBa
                           checkpoint_mode=cfg.checkpoint_mode, weights_gib=cfg.weights_fraction * w.footprint,
                           kv_bytes_per_token=cfg.kv_bytes_per_token)
         d = decide(f, "cost-based", params, cfg.cost)
+        ctx = export_context(f, d, cfg.cost)
         tau = d.interval_s if d.action == Action.protect and d.interval_s else math.inf
         if d.due and d.action in (Action.protect, Action.checkpoint_now):
-            ckpts.append(t)
-    return np.array(ckpts)
+            if cfg.two_tier and d.action == Action.checkpoint_now and d.reason.startswith("maintenance in"):
+                drained, drain_ctx = True, ctx  # taken by the drain, at the window's last turn boundary
+            else:
+                ckpts.append(t)
+                out.append((t, ctx))
+    if drained:
+        out.append((ws - cfg.turn_s, drain_ctx))
+    return out
+
+
+def ckptflow_schedule(tr: Trace, w: Workload, params: Mapping[str, Any] | CostBasedParams, tick_s: float = 300,
+                      decide_every: int = 12) -> np.ndarray:
+    """The times of the online policy's heartbeats (``ckptflow_heartbeats``)."""
+    return np.array([t for t, _ in ckptflow_heartbeats(tr, w, params, tick_s, decide_every)])
+
+
+def session_exports(tr: Trace, w: Workload, heartbeats: list[tuple[float, ExportContext]]
+                    ) -> tuple[list[list[float]], int]:
+    """Which sessions each two-tier heartbeat exports, decided per session by
+    ``policies.sessions.decide_sessions`` on the facts the live heartbeat has (tokens now, tokens
+    in the session's last checkpoint, the node's MTBF estimate, an announced interruption; the
+    engine reports no session ages, so none is given). Returns each session's export times and
+    the number of heartbeats that exported anything (one that exports nothing pauses nothing)."""
+    cfg = tr.cfg
+    exports: list[list[float]] = [[] for _ in range(len(w.start))]
+    at_ckpt = np.full(len(w.start), -1.0)
+    n = 0
+    for t, ctx in heartbeats:
+        lo = np.searchsorted(w.start, t - cfg.session_max_s, "left")
+        hi = np.searchsorted(w.start, t, "right")
+        idx = lo + np.nonzero(w.end[lo:hi] > t)[0]
+        if not len(idx):
+            continue
+        tokens = np.floor(_ctx(cfg, w.start[idx], t)).astype(int)
+        facts = [SessionFacts(id=str(j), tokens=int(n_), tokens_at_ckpt=None if at_ckpt[j] < 0 else int(at_ckpt[j]))
+                 for j, n_ in zip(idx, tokens)]
+        moved = False
+        for j, n_, d in zip(idx, tokens, decide_sessions(facts, context=ctx)):
+            if d.export:
+                exports[j].append(t)
+                at_ckpt[j] = n_
+                moved = True
+        n += moved
+    return exports, n
+
+
+def session_schedule_cost(tr: Trace, w: Workload, exports: list[list[float]], heartbeats: int) -> dict:
+    """``schedule_cost`` of a two-tier schedule whose heartbeats export some sessions only: a
+    failure re-prefills each session's KV since its own last export; what moves in all is each
+    session's KV at its last export (monotone contexts telescope); each heartbeat that exported
+    anything pays the fixed part once. Short requests: drained before maintenance."""
+    import bisect
+
+    cfg, cost = tr.cfg, tr.cfg.cost
+    lost = restart = reprefill = kept = 0.0
+    for t, maint in tr.events(w):
+        lo = np.searchsorted(w.start, t - cfg.session_max_s, "left")
+        hi = np.searchsorted(w.start, t, "right")
+        idx = lo + np.nonzero(w.end[lo:hi] > t)[0]
+        live = float(_ctx(cfg, w.start[idx], t).sum())
+        done = 0.0
+        for j in idx:
+            i = bisect.bisect_right(exports[j], t)
+            if i:
+                done += float(_ctx(cfg, w.start[j:j + 1], exports[j][i - 1])[0])
+        risk = live - done
+        r = restore_of(cfg, w, done)
+        lost += r + risk / cost.prefill_tokens_s
+        restart += r
+        reprefill += risk / cost.prefill_tokens_s
+        kept += done / cost.prefill_tokens_s
+    moved = sum(float(_ctx(cfg, w.start[j:j + 1], ex[-1])[0]) for j, ex in enumerate(exports) if ex)
+    pause = heartbeats * cost.session_pause_fixed_s + cost.session_pause_s_per_gib * cost.kv_gib(
+        moved, cfg.kv_bytes_per_token)
+    return {"lost_gpu_s": lost, "pause_gpu_s": pause, "bytes": moved * cfg.kv_bytes_per_token,
+            "checkpoints": heartbeats, "cost": lost + pause,
+            "restart_gpu_s": restart, "reprefill_gpu_s": reprefill, "kv_kept_gpu_s": kept}
+
+
+def ckptflow_cost(tr: Trace, w: Workload, params: Mapping[str, Any] | CostBasedParams) -> dict:
+    """ckptflow's totals for one worker: whole-process heartbeats, or in two tiers heartbeats
+    that weigh each session."""
+    hb = ckptflow_heartbeats(tr, w, params)
+    if not tr.cfg.two_tier or w.short:
+        return schedule_cost(tr, w, np.array([t for t, _ in hb]), drains_short=True)
+    return session_schedule_cost(tr, w, *session_exports(tr, w, hb))
 
 
 def simulate(seed: int = 0, cfg: TraceConfig | None = None,
@@ -378,7 +486,7 @@ def simulate(seed: int = 0, cfg: TraceConfig | None = None,
     tot: dict = {}
     protects: dict[str, dict] = {}
     for w in tr.workloads:
-        part = schedule_cost(tr, w, ckptflow_schedule(tr, w, params), drains_short=True)
+        part = ckptflow_cost(tr, w, params)
         _add(tot, part)
         key = f"{node_class(cfg, tr.node_mtbf_s[w.node])}/{'short' if w.short else 'long'}"
         row = protects.setdefault(key, {"workloads": 0, "with_checkpoints": 0})

@@ -141,4 +141,11 @@ def test_under_two_tiers_the_policy_protects_long_sessions(seed0):
     best_fixed = min(v["cost"] for k, v in tp.items() if k.startswith("fixed-"))
     assert tc["cost"] <= 1.10 * tp["hindsight"]["cost"] and tc["cost"] <= 0.70 * best_fixed
     assert tp["hindsight"]["checkpoints"] > 0 and tp["clairvoyant"]["cost"] <= tc["cost"]
+    # Sessions weighed one by one, maintenance exported at the drain's last turn boundary (#25 item 3):
+    # 1.89 x clairvoyant on seed 0 (2.10 with whole-worker heartbeats at the deciding tick). The
+    # issue's 1.5 is not reached: see bench/RESULTS.md, 'Two tiers, sessions at turn boundaries'.
+    assert tc["cost"] <= 1.95 * tp["clairvoyant"]["cost"] and tc["cost"] <= 0.60 * tp["hindsight"]["cost"]
+    # Before a window only the drain's last 30 s of growth is lost: healthy nodes re-prefill what
+    # their failures hold, not what grew since the tick that decided the maintenance heartbeat.
+    assert healthy["reprefill_gpu_s"] < 0.6 * 5873.4   # seed 0 before: 5,873 GPU-s (bench/results/policy_sim.json)
     assert math.isclose(tp["never"]["cost"], proc["policies"]["never"]["cost"])  # no checkpoints: same

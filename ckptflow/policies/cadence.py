@@ -38,6 +38,12 @@ plus C0 per heartbeat; the interval is Daly's for C0 and it pays off only when
 C0/tau + k + lambda*min(g*tau/2, A) < lambda*A. Its restore is the template's fixed cost plus
 weights and live KV streamed at ``stream_gib_s``.
 
+A CPU-only worker (``WorkloadFacts.device == "cpu"``: llama.cpp, the demo worker) is costed in
+seconds of the worker, not GPU-seconds (which are 0 for it): its lost KV is recomputed at
+``cpu_prefill_tokens_s`` and a checkpoint costs its pause. Its pause holds no accelerator, so
+new state worth more than ``burst_factor`` pauses of recompute is checkpointed whatever the
+MTBF says; the GPU order (steady-state skip before the burst check) is unchanged.
+
 Example:
     >>> facts = WorkloadFacts(name="chat", traffic="long_sessions", footprint_gib=20, mtbf_s=24 * 3600,
     ...                       live_tokens=2e7, growth_tokens_s=2000, tokens_since_ckpt=1e6,
@@ -112,6 +118,14 @@ class CostModel(BaseModel):
     kv_bytes_per_token: float = Field(
         131_072.0, gt=0, description="KV bytes per token when the facts do not say: bf16 K and V of 32 layers "
         "x 8 KV heads x 128 (an 8B-class GQA model, one GPU).", examples=[65_536, 327_680])
+    cpu_prefill_tokens_s: float = Field(
+        200.0, gt=0, description="Re-prefill rate of lost KV on a CPU-only worker (device cpu). Assumed, not "
+        "measured here: llama.cpp prompt processing of a 7B-class Q4 model on 8-16 cores is roughly "
+        "50-300 tokens/s, 50x below prefill_tokens_s.", examples=[50, 1000])
+
+    def prefill_rate(self, device: str = "gpu") -> float:
+        """Tokens per second a lost KV is recomputed at, on this device."""
+        return self.cpu_prefill_tokens_s if device == "cpu" else self.prefill_tokens_s
 
     def pause_s(self, footprint_gib: float, measured: float | None = None) -> float:
         return measured if measured is not None and measured > 0 else footprint_gib * self.pause_s_per_gib
@@ -154,10 +168,16 @@ class WorkloadFacts:
     checkpoint_mode: str = "process"           # CheckpointMode value: "process" or "two-tier"
     weights_gib: float | None = None           # two-tier: weights a restore streams (None: the footprint)
     kv_bytes_per_token: float | None = None    # two-tier: None = CostModel.kv_bytes_per_token
+    device: str = "gpu"                        # "cpu": a CPU-only worker, costed in its own seconds
 
     @property
     def two_tier(self) -> bool:
         return self.checkpoint_mode == "two-tier"
+
+    @property
+    def unit(self) -> str:
+        """What the policy's cost rates count: GPU-seconds, or a CPU-only worker's own seconds."""
+        return "CPU-s" if self.device == "cpu" else "GPU-s"
 
 
 def heartbeat_pause_s(f: WorkloadFacts, cost: CostModel, changed_tokens: float | None = None) -> float:
@@ -232,8 +252,8 @@ def cost_based_interval(f: WorkloadFacts, cost: CostModel, min_s: float = 0.0, m
         k = cost.session_pause_s_per_gib * cost.kv_gib(max(f.growth_tokens_s, 0.0), f.kv_bytes_per_token)
     else:
         c, k = cost.pause_s(f.footprint_gib, f.measured_pause_s), 0.0
-    g = f.growth_tokens_s / cost.prefill_tokens_s
-    a = f.live_tokens / cost.prefill_tokens_s
+    g = f.growth_tokens_s / cost.prefill_rate(f.device)
+    a = f.live_tokens / cost.prefill_rate(f.device)
     lam = 1.0 / f.mtbf_s
     if g <= 0 or a <= 0:
         return INF, f"no KV growing (live {f.live_tokens:.0f} tokens, +{f.growth_tokens_s:.0f}/s)"
@@ -250,12 +270,12 @@ def cost_based_interval(f: WorkloadFacts, cost: CostModel, min_s: float = 0.0, m
         per_h = cost.kv_gib(f.growth_tokens_s * 3600, f.kv_bytes_per_token)
         pause = f"C={c:.2f}s + {cost.session_pause_s_per_gib:.3f} s/GiB x {per_h:.1f} GiB/h changed"
     else:
-        pause = f"C={c:.0f}s"
-    numbers = (f"{pause}, M={_fmt(f.mtbf_s)}, KV at risk {a:.0f} GPU-s growing {g * 3600:.0f}/h")
+        pause = f"C={c:.2f}s" if f.device == "cpu" else f"C={c:.0f}s"
+    numbers = (f"{pause}, M={_fmt(f.mtbf_s)}, KV at risk {a:.0f} {f.unit} growing {g * 3600:.0f}/h")
     if with_ckpt >= without:
         return INF, (f"checkpoints cost more than they save: {_rate(with_ckpt * 3600)} vs "
-                     f"{_rate(without * 3600)} GPU-s/h ({numbers})")
-    return tau, f"Daly interval {_fmt(tau)} saves {_rate((without - with_ckpt) * 3600)} GPU-s/h ({numbers})"
+                     f"{_rate(without * 3600)} {f.unit}/h ({numbers})")
+    return tau, f"Daly interval {_fmt(tau)} saves {_rate((without - with_ckpt) * 3600)} {f.unit}/h ({numbers})"
 
 
 def _rate(x: float) -> str:
@@ -361,7 +381,7 @@ def decide_cost_based(f: WorkloadFacts, params: CostBasedParams, cost: CostModel
     cs = f"{c:.2f}" if f.two_tier else f"{c:.0f}"
     lead_s = params.maintenance_lead_s if params.maintenance_lead_s is not None else max(900.0, 3 * c)
     at_risk_tokens = f.live_tokens if f.tokens_since_ckpt is None else f.tokens_since_ckpt
-    at_risk_s = at_risk_tokens / cost.prefill_tokens_s
+    at_risk_s = at_risk_tokens / cost.prefill_rate(f.device)
     short = _is_short(f, short_request_s)
 
     m = _maintenance(f, lead_s)
@@ -391,6 +411,14 @@ def decide_cost_based(f: WorkloadFacts, params: CostBasedParams, cost: CostModel
     if f.tokens_since_ckpt is not None and f.tokens_since_ckpt <= 0:
         return Decision(workload=f.name, action=Action.skip,
                         reason=f"nothing new since the last checkpoint {_fmt(f.seconds_since_ckpt)} ago")
+    if f.device == "cpu" and f.tokens_since_ckpt is not None and at_risk_s > burst_factor * c:
+        # Judged before the steady-state skip, unlike a GPU worker's burst: the pause holds no
+        # accelerator and costs the worker well under a second, while the recompute is its own
+        # seconds at CPU prefill speed; an MTBF-weighted rate said skip at every heartbeat.
+        return Decision(workload=f.name, action=Action.checkpoint_now, due=True,
+                        reason=f"CPU worker: {at_risk_s:.1f} s of recompute at risk ({at_risk_tokens:.0f} new KV "
+                               f"tokens at {cost.cpu_prefill_tokens_s:.0f} tokens/s) > {burst_factor:g} x "
+                               f"{c:.2f} s pause")
     tau, why = cost_based_interval(f, cost, min_s, max_s)
     if f.newest_invalidated and at_risk_s > 0 and tau != INF:
         return Decision(workload=f.name, action=Action.checkpoint_now, interval_s=tau, due=True,
@@ -401,13 +429,26 @@ def decide_cost_based(f: WorkloadFacts, params: CostBasedParams, cost: CostModel
     # these very rates say is too rare to pay a pause for.
     if tau == INF:
         return Decision(workload=f.name, action=Action.skip, reason=why)
-    g = f.growth_tokens_s / cost.prefill_tokens_s
+    g = f.growth_tokens_s / cost.prefill_rate(f.device)
     if f.tokens_since_ckpt is not None and at_risk_s > burst_factor * max(g * tau, c):
         return Decision(workload=f.name, action=Action.checkpoint_now, interval_s=tau, due=True,
                         reason=f"burst: {at_risk_s:.0f} s of new KV since the last checkpoint "
                                f"> {burst_factor:g} x {max(g * tau, c):.0f} s")
     due = f.seconds_since_ckpt is None or f.seconds_since_ckpt >= tau
     return Decision(workload=f.name, action=Action.protect, interval_s=tau, due=due, reason=why)
+
+
+def forced(d: Decision) -> Decision:
+    """What a manual ``heartbeat --force`` run reports for a checkpoint the policy did not ask for:
+    a checkpoint, said to be forced, with the policy's own view kept in the reason.
+
+    Example:
+        >>> d = forced(Decision(workload="chat", action=Action.skip, reason="nothing new"))
+        >>> d.action.value, d.reason
+        ('checkpoint_now', 'forced (policy said skip: nothing new)')
+    """
+    return Decision(workload=d.workload, action=Action.checkpoint_now, interval_s=d.interval_s, due=True,
+                    reason=f"forced (policy said {d.action.value}: {d.reason})")
 
 
 @register("fixed", FixedParams)

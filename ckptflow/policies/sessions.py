@@ -4,9 +4,20 @@ The workload's cadence policy (cadence.py) decides *when* a heartbeat runs; this
 goes into it. Every session is protected, short ones too: a session left out of the checkpoint
 is gone after a restore, and its client's next turn would silently start a fresh one (the
 engine cannot tell a lost session from a new one), which no retry-cost saving is worth — a short
-session's chunks are small. A session is exported when it changed since its last checkpoint
-and otherwise kept as it was checkpointed (no bytes move). Pure: facts in, decisions with a
-one-line reason out.
+session's chunks are small. A session that changed since its last checkpoint is exported or
+waits, as of its last turn boundary (between turns its KV does not change); one that did not
+change is kept as it was checkpointed (no bytes move). Pure: facts in, decisions with a one-line
+reason out.
+
+Export now, or wait (``decide_export``, given the worker's ``ExportContext``): exporting the
+``n`` tokens a session gained pauses the engine ``p`` s per GiB of them (two-tier-h200: 0.036
+s/GiB); waiting risks re-prefilling them (n / prefill rate) if an interruption comes while the
+session lives, with probability min(1, R / M): R its expected remaining life (its age, a session
+that has lived a while tends to live as long again, and at least ``session_mean_s``), M the
+node's MTBF; an announced maintenance or a drain makes it 1. The heartbeat's fixed part of the
+pause is the cadence policy's to weigh (it is paid once, whatever the sessions), not a
+session's. The simulator (ckptflow/sim.py) calls the same function for every session at every
+heartbeat it replays.
 
 Example:
     >>> ds = decide_sessions([SessionFacts(id="chat", tokens=4000, tokens_at_ckpt=3500),
@@ -16,16 +27,34 @@ Example:
     [('chat', True, True), ('q', True, True), ('idle', True, False)]
     >>> ds[0].reason, ds[1].reason
     ('grew by 500 tokens since its last checkpoint (4000 held)', 'new session (20 tokens)')
+
+With the worker's costs and MTBF, a grown session waits on a healthy node and is exported on a
+preemptible one or before maintenance:
+    >>> grown = [SessionFacts(id="agent", tokens=90_000, tokens_at_ckpt=30_000, age_s=1800)]
+    >>> ctx = ExportContext(mtbf_s=6000 * 3600, kv_bytes_per_token=65536)
+    >>> decide_sessions(grown, context=ctx)[0].reason
+    'waits: 60000 new tokens would pause 0.132 s > 6.0 s re-prefill x 0.02% chance an interruption hits it (remaining ~1.0 h, M=6000 h)'
+    >>> decide_sessions(grown, context=ctx.model_copy(update={"mtbf_s": 24 * 3600}))[0].export
+    True
+    >>> decide_sessions(grown, context=ctx.model_copy(update={"interruption_ahead": True}))[0].reason
+    'export: 60000 new tokens pause 0.132 s < 6.0 s re-prefill x 100.00% chance an interruption hits it (interruption announced)'
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+
+from ckptflow.models import Action, Decision
+from ckptflow.policies.cadence import CostModel, WorkloadFacts
 
 # Sessions shorter than this are left out of a checkpoint. 0: none is. A positive value loses
 # those sessions in a restore without their clients being told (they restart fresh), so it is
 # for an engine that answers a lost session with an error, not the default.
 MIN_TOKENS = 0
+
+# The simulator's reference trace: lognormal sessions, median 30 min, p99 8 h, mean 1.0 h
+# (its expected remaining life at any age up to 8 h is 1.0-3.3 h, so the floor is the mean).
+SESSION_MEAN_S = 3600.0
 
 
 class SessionFacts(BaseModel):
@@ -35,6 +64,32 @@ class SessionFacts(BaseModel):
     tokens: int = Field(..., ge=0, description="Tokens the session holds now (its KV length).")
     tokens_at_ckpt: int | None = Field(None, ge=0, description="Tokens its last checkpoint holds "
                                        "(None: never checkpointed).")
+    age_s: float | None = Field(None, ge=0, description="Seconds since the session started, where known "
+                                "(None: its expected remaining life is ExportContext.session_mean_s).")
+
+
+class ExportContext(BaseModel):
+    """What a heartbeat knows about its worker when it weighs each session's export."""
+
+    model_config = ConfigDict(frozen=True)
+
+    mtbf_s: float = Field(..., gt=0, description="The node's MTBF as the cadence policy estimates it (seconds).")
+    interruption_ahead: bool = Field(False, description="An announced maintenance window or a drain is next: "
+                                     "every changed session is exported.")
+    kv_bytes_per_token: float | None = Field(None, gt=0, description="KV bytes per token (None: the cost "
+                                             "model's).")
+    session_mean_s: float = Field(SESSION_MEAN_S, gt=0, description="Expected remaining life of a session of "
+                                  "unknown or small age (seconds).")
+    cost: CostModel = Field(default_factory=CostModel, description="Pause per GiB moved and re-prefill rate.")
+    device: str = Field("gpu", description="'cpu' for a CPU-only worker: its KV re-prefills at the CPU rate.")
+
+
+def export_context(f: WorkloadFacts, d: Decision, cost: CostModel | None = None) -> ExportContext:
+    """The context a two-tier heartbeat weighs its sessions in, from the facts and the decision
+    that ran it: the live heartbeat (tasks/node.py) and the simulator build it here, alike."""
+    ahead = d.action == Action.checkpoint_now and d.reason.startswith("maintenance in")
+    return ExportContext(mtbf_s=f.mtbf_s, interruption_ahead=ahead, kv_bytes_per_token=f.kv_bytes_per_token,
+                         device=f.device, **({"cost": cost} if cost is not None else {}))
 
 
 class SessionDecision(BaseModel):
@@ -44,7 +99,34 @@ class SessionDecision(BaseModel):
     reason: str
 
 
-def decide_sessions(sessions: list[SessionFacts], *, min_tokens: int = MIN_TOKENS) -> list[SessionDecision]:
+def _hours(s: float) -> str:
+    return f"{s / 3600:.0f} h" if s >= 36_000 else f"{s / 3600:.1f} h"
+
+
+def decide_export(changed_tokens: float, age_s: float | None, ctx: ExportContext) -> tuple[bool, str]:
+    """Export a session's ``changed_tokens`` now, or wait (see the module's rule); plain floats in,
+    as the simulator asks this for every session at every heartbeat it replays."""
+    cost = ctx.cost
+    pause = cost.session_pause_s_per_gib * cost.kv_gib(changed_tokens, ctx.kv_bytes_per_token)
+    saved = changed_tokens / cost.prefill_rate(ctx.device)
+    if ctx.interruption_ahead:
+        hit, why = 1.0, "interruption announced"
+    else:
+        remaining = max(age_s or 0.0, ctx.session_mean_s)
+        hit = min(1.0, remaining / ctx.mtbf_s)
+        why = f"remaining ~{_hours(remaining)}, M={_hours(ctx.mtbf_s)}"
+    numbers = f"{saved:.1f} s re-prefill x {hit:.2%} chance an interruption hits it ({why})"
+    if saved * hit > pause:
+        return True, f"export: {changed_tokens:.0f} new tokens pause {pause:.3f} s < {numbers}"
+    return False, f"waits: {changed_tokens:.0f} new tokens would pause {pause:.3f} s > {numbers}"
+
+
+def decide_sessions(sessions: list[SessionFacts], *, min_tokens: int = MIN_TOKENS,
+                    context: ExportContext | None = None) -> list[SessionDecision]:
+    """One decision per session. Without a ``context`` (no costs to weigh) every changed session
+    is exported; with one, a grown session is exported or waits by ``decide_export``. A new or
+    rewritten session is always exported: what its checkpoint would otherwise hold is nothing,
+    or KV that is not its own."""
     out = []
     for s in sessions:
         if s.tokens < min_tokens:
@@ -58,9 +140,13 @@ def decide_sessions(sessions: list[SessionFacts], *, min_tokens: int = MIN_TOKEN
             out.append(SessionDecision(id=s.id, protect=True, export=False,
                                        reason=f"unchanged since its last checkpoint ({s.tokens} tokens)"))
         elif s.tokens > s.tokens_at_ckpt:
-            out.append(SessionDecision(id=s.id, protect=True, export=True,
-                                       reason=f"grew by {s.tokens - s.tokens_at_ckpt} tokens since its last "
-                                              f"checkpoint ({s.tokens} held)"))
+            if context is None:
+                out.append(SessionDecision(id=s.id, protect=True, export=True,
+                                           reason=f"grew by {s.tokens - s.tokens_at_ckpt} tokens since its last "
+                                                  f"checkpoint ({s.tokens} held)"))
+            else:
+                export, why = decide_export(s.tokens - s.tokens_at_ckpt, s.age_s, context)
+                out.append(SessionDecision(id=s.id, protect=True, export=export, reason=why))
         else:
             out.append(SessionDecision(id=s.id, protect=True, export=True,
                                        reason=f"rewritten ({s.tokens} tokens, its checkpoint holds {s.tokens_at_ckpt})"))

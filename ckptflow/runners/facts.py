@@ -89,7 +89,7 @@ def collect_facts(w: Workload, store: LocalStore, *, mtbf_s: float | None = None
         live_tokens=live, growth_tokens_s=growth, tokens_since_ckpt=since_tokens, seconds_since_ckpt=since_s,
         newest_invalidated=bool(newest) and newest[0].state == CheckpointState.invalidated,
         mean_request_s=load.mean_request_s if load else None, now=now, maintenance=list(maintenance),
-        unsupported=tp_unsupported(w, gpu=gpu), gone=gone,
+        unsupported=tp_unsupported(w, gpu=gpu), gone=gone, device="gpu" if gpu else "cpu",
         **({"mtbf_s": mtbf_s} if mtbf_s else {}))
 
 

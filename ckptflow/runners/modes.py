@@ -65,8 +65,9 @@ class ModeRunner(ABC):
         self.params = params
 
     @abstractmethod
-    def checkpoint(self, w: Workload) -> Manifest:
-        """A heartbeat of ``w`` (it keeps serving): the committed manifest.
+    def checkpoint(self, w: Workload, context=None) -> Manifest:
+        """A heartbeat of ``w`` (it keeps serving): the committed manifest. ``context``: what the
+        cadence decision saw (policies.sessions.ExportContext), for modes that weigh sessions.
 
         Raises:
             CkptflowError: nothing committed; the worker serves on.
@@ -92,7 +93,7 @@ class ModeRunner(ABC):
 class ProcessMode(ModeRunner):
     """``process``: the whole worker, CRIU plus the node's GPU backend (runners/node.py)."""
 
-    def checkpoint(self, w: Workload) -> Manifest:
+    def checkpoint(self, w: Workload, context=None) -> Manifest:
         return self.node.checkpoint(w, leave_running=True)
 
     def restore(self, w: Workload, tier=None) -> Restored:

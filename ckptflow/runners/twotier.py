@@ -34,7 +34,7 @@ from ckptflow.errors import (CheckpointNotFound, CkptflowError, EngineProtocolEr
                              RestoreFailed, StorageUnavailable, UndeclaredProcess, UnsupportedWorkload,
                              WorkloadNotFound, WorkloadRunning)
 from ckptflow.models import CheckpointState, Manifest, Workload
-from ckptflow.policies.sessions import MIN_TOKENS, SessionFacts, decide_sessions
+from ckptflow.policies.sessions import MIN_TOKENS, ExportContext, SessionFacts, decide_sessions
 from ckptflow.poll import NotYet, PollTimeout, poll
 from ckptflow.runners import engine, process
 from ckptflow.runners.fingerprint import workload_fingerprint
@@ -99,8 +99,9 @@ class TwoTierRunner:
         return json.loads((self.store.images_dir(m) / SESSIONS_FILE).read_text())
 
     # --- session tier -----------------------------------------------------------------------
-    def heartbeat(self, w: Workload) -> Manifest:
+    def heartbeat(self, w: Workload, context: ExportContext | None = None) -> Manifest:
         """A session checkpoint of ``w``; captures the template first when none is valid.
+        ``context``: weigh each grown session's export (policies/sessions.py); None exports all.
 
         Raises:
             EngineProtocolError: the engine refused (nothing written, the worker serves on).
@@ -122,11 +123,11 @@ class TwoTierRunner:
                     tmpl = None
             if tmpl is None:  # the capture exported every session: its checkpoint is this heartbeat's
                 return self._capture_template(w, name)
-            return self._checkpoint_sessions(w, tmpl, held=info["sessions"])
+            return self._checkpoint_sessions(w, tmpl, held=info["sessions"], context=context)
 
     def _checkpoint_sessions(self, w: Workload, tmpl: Manifest, recs: dict | None = None,
                              moved: int | None = None, export_s: float | None = None,
-                             held: dict[str, int] | None = None) -> Manifest:
+                             held: dict[str, int] | None = None, context: ExportContext | None = None) -> Manifest:
         """The session checkpoint of ``w`` over ``tmpl``: ``held`` (session -> tokens, as the
         engine reported them) decides what to export, or ``recs`` were exported already."""
         prev = next((m for m in self._sessions_of(w)
@@ -136,7 +137,8 @@ class TwoTierRunner:
         if recs is not None:
             held = {k: r["tokens"] for k, r in recs.items()}
         decisions = decide_sessions([SessionFacts(id=sid, tokens=n, tokens_at_ckpt=old.get(sid, {}).get("tokens"))
-                                     for sid, n in held.items()], min_tokens=self.min_session_tokens)
+                                     for sid, n in held.items()], min_tokens=self.min_session_tokens,
+                                    context=context)
         keep = {d.id: old[d.id] for d in decisions if d.protect and not d.export}
         export = [d.id for d in decisions if d.export]
         self.chunks.touch([d for ds in _digests(old).values() for d in ds])  # relied on: young for GC
@@ -473,8 +475,8 @@ class TwoTierMode(ModeRunner):
         n = getattr(self.params, "min_session_tokens", None)
         return TwoTierRunner(self.node, MIN_TOKENS if n is None else n)
 
-    def checkpoint(self, w: Workload) -> Manifest:
-        return self._runner().heartbeat(w)
+    def checkpoint(self, w: Workload, context=None) -> Manifest:
+        return self._runner().heartbeat(w, context)
 
     def restore(self, w: Workload, tier=None) -> Restored:
         tt = self._runner().restore(w, tier=tier)

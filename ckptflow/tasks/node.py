@@ -9,7 +9,8 @@ from ckptflow.alerts import AlertKind
 from ckptflow.errors import CkptflowError
 from ckptflow.fleet import FleetScope, Node, PolicyChoice
 from ckptflow.models import Action, Workload
-from ckptflow.policies.cadence import decide
+from ckptflow.policies.cadence import decide, forced
+from ckptflow.policies.sessions import export_context
 from ckptflow.report import checkpoint_bytes
 from ckptflow.runners.facts import collect_facts, node_mtbf_s
 from ckptflow.runners.modes import manifest_runner, mode_runner
@@ -59,10 +60,10 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
                 continue
             if force:  # the row says what was done; the policy's view stays in the reason
                 row["decision"] = "forced"
-                row["reason"] = f"forced (policy said {d.action.value}: {d.reason})"
+                row["reason"] = forced(d).reason
             try:
                 with node_slot(node.name):
-                    m = mode_runner(runner, w).checkpoint(w)
+                    m = mode_runner(runner, w).checkpoint(w, None if force else export_context(facts, d))
             except CkptflowError as e:
                 log.error("checkpoint of %s failed: %s", name, e)
                 out.append({**row, "ok": False, "error": str(e).splitlines()[0], "error_type": type(e).__name__})

@@ -1,0 +1,65 @@
+"""The cost policy on CPU-only workers (#23 item 7): costed in the worker's own seconds (recompute
+at CPU prefill speed vs its pause), so a demo-like worker whose state grew re-checkpoints instead
+of skipping at '0.0 vs 0.0 GPU-s/h'; GPU workers keep their order; a forced run says forced."""
+
+import pytest
+
+from ckptflow.models import Action, Decision
+from ckptflow.policies.cadence import CostModel, WorkloadFacts, decide, forced
+
+DEMO_RULE = {"min_interval_s": 60, "max_interval_s": 3600}     # deployments/local.yaml
+
+
+def demo_worker(**kw) -> WorkloadFacts:
+    """The demo worker after its first checkpoint (17 MiB image, a 0.66 s dump: llamacpp_cpu.json)
+    and a long session of ~2,100 tokens, on the demo node (MTBF 6000 h), no GPU."""
+    base = dict(name="demo-chat", traffic="long_sessions", footprint_gib=17.7e6 / 2**30, measured_pause_s=0.66,
+                mtbf_s=6000 * 3600.0, live_tokens=2100, growth_tokens_s=20, tokens_since_ckpt=600,
+                seconds_since_ckpt=30.0, device="cpu")
+    return WorkloadFacts(**{**base, **kw})
+
+
+def test_a_cpu_worker_whose_state_grew_is_checkpointed_with_its_numbers():
+    d = decide(demo_worker(), params=DEMO_RULE)
+    assert d.action == Action.checkpoint_now and d.due
+    assert "0.0 vs 0.0" not in d.reason
+    # 600 tokens at 200 tokens/s = 3.0 s of recompute, above 3 pauses of 0.66 s.
+    assert d.reason == "CPU worker: 3.0 s of recompute at risk (600 new KV tokens at 200 tokens/s) > 3 x 0.66 s pause"
+
+
+def test_the_same_facts_on_a_gpu_keep_the_skip_first_order_the_simulator_needs():
+    # GPU-seconds: 600 tokens are 0.06 s of re-prefill against a measured 0.66 s pause, at 6000 h MTBF.
+    d = decide(demo_worker(device="gpu"), params=DEMO_RULE)
+    assert d.action == Action.skip and "GPU-s/h" in d.reason
+
+
+def test_a_cpu_worker_with_little_new_state_skips_with_rates_in_cpu_seconds():
+    d = decide(demo_worker(tokens_since_ckpt=110), params=DEMO_RULE)    # 0.55 s < 3 x 0.66 s
+    assert d.action == Action.skip
+    assert "CPU-s/h" in d.reason and "0.0 vs 0.0" not in d.reason and "C=0.66s" in d.reason
+
+
+def test_the_cpu_threshold_follows_the_pause_and_the_prefill_rate():
+    slow = CostModel(cpu_prefill_tokens_s=50)                 # a bigger model: 600 tokens = 12 s
+    assert decide(demo_worker(measured_pause_s=3.0), params=DEMO_RULE).action == Action.skip
+    assert decide(demo_worker(measured_pause_s=3.0), params=DEMO_RULE, cost=slow).action == Action.checkpoint_now
+    # Nothing new: still nothing to do, whatever the device.
+    assert "nothing new" in decide(demo_worker(tokens_since_ckpt=0), params=DEMO_RULE).reason
+
+
+@pytest.mark.parametrize("action", [Action.skip, Action.protect, Action.drain])
+def test_a_forced_run_says_forced_and_keeps_the_policys_view(action):
+    d = Decision(workload="demo-chat", action=action, reason="checkpoints cost more than they save: 0.062 vs 0.0018 CPU-s/h")
+    f = forced(d)
+    assert f.action == Action.checkpoint_now and f.due
+    assert f.reason == f"forced (policy said {action.value}: {d.reason})"
+
+
+def test_the_live_heartbeat_reports_forced_rows_through_forced():
+    # The heartbeat task's row for a --force run is this function's reason (one place for the text).
+    import inspect
+
+    import ckptflow.tasks.node as node
+
+    src = inspect.getsource(node.checkpoint_batch)
+    assert 'row["decision"] = "forced"' in src and "forced(d).reason" in src
