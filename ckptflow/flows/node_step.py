@@ -19,6 +19,7 @@ from typing import Literal
 
 from prefect import flow
 
+from ckptflow.flows.steps import checkpoint_of, wait_running
 from ckptflow.tasks.move import (migrate_in, migrate_out, restore_local, scale_down_in, scale_up_in, stop_workload,
                                  take_template)
 from ckptflow.tasks.node import restore_workload
@@ -30,8 +31,19 @@ Step = Literal["migrate_out", "migrate_in", "restore_local", "stop", "take_templ
 
 @flow(name="node-step", persist_result=True, log_prints=True)
 def node_step(fleet_file: str, action: Step, workload: str, node: str, checkpoint: str | None = None,
-              replica: str | None = None) -> dict:
-    """Run one node-level action for ``workload`` on ``node`` (this node)."""
+              replica: str | None = None, checkpoint_from: str | None = None,
+              when_running: str | None = None) -> dict:
+    """Run one node-level action for ``workload`` on ``node`` (this node).
+
+    A move between nodes pairs two steps (flows.steps.move): ``when_running`` (on migrate_out)
+    is the target step's flow run id, which must be running before this checkpoints;
+    ``checkpoint_from`` (on migrate_in) is the idempotency key of the migrate_out step whose
+    result names the checkpoint, waited for instead of taking ``checkpoint``.
+    """
+    if when_running:
+        wait_running(when_running)
+    if checkpoint_from:
+        checkpoint = checkpoint_of(checkpoint_from)
     steps = {
         "migrate_out": lambda: migrate_out(fleet_file, workload),
         "migrate_in": lambda: migrate_in(fleet_file, workload, node, checkpoint),
