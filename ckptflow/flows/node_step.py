@@ -19,7 +19,7 @@ from typing import Literal
 
 from prefect import flow
 
-from ckptflow.flows.steps import checkpoint_of, wait_running
+from ckptflow.flows.steps import checkpoint_of, publish_checkpoint, wait_running
 from ckptflow.tasks.move import (migrate_in, migrate_out, restore_local, scale_down_in, scale_up_in, stop_workload,
                                  take_template)
 from ckptflow.tasks.node import restore_workload
@@ -43,10 +43,14 @@ def node_step(fleet_file: str, action: Step, workload: str, node: str, checkpoin
     if when_running:
         wait_running(when_running)
     if checkpoint_from:
+        _warm(fleet_file, node)
         checkpoint = checkpoint_of(checkpoint_from)
     steps = {
-        "migrate_out": lambda: migrate_out(fleet_file, workload),
-        "migrate_in": lambda: migrate_in(fleet_file, workload, node, checkpoint),
+        # The flow's own result carries theirs; persisting the task's too was one more S3 write
+        # while the moved worker is down.
+        "migrate_out": lambda: _out(migrate_out.with_options(persist_result=False)(fleet_file, workload),
+                                    paired=bool(when_running)),
+        "migrate_in": lambda: migrate_in.with_options(persist_result=False)(fleet_file, workload, node, checkpoint),
         "restore_local": lambda: restore_local(fleet_file, workload, node, checkpoint),
         "stop": lambda: stop_workload(fleet_file, workload),
         "take_template": lambda: take_template(fleet_file, workload),
@@ -56,3 +60,34 @@ def node_step(fleet_file: str, action: Step, workload: str, node: str, checkpoin
         "cold_start": lambda: cold_start_workload(fleet_file, workload),
     }
     return steps[action]()
+
+
+def _out(res: dict, paired: bool) -> dict:
+    """A paired migrate_out tells its target the checkpoint at once (flows.steps.publish_checkpoint);
+    if that fails, the target reads it from this flow's result when it ends."""
+    if paired:
+        try:
+            publish_checkpoint(res["checkpoint"])
+        except Exception as e:
+            print(f"could not label the flow run with checkpoint {res['checkpoint']} ({e}); the target "
+                  "reads it from this step's result")
+    return res
+
+
+def _warm(fleet_file: str, node: str) -> None:
+    """Do, while the source still serves, what migrate_in would do first once the worker is down:
+    the per-process caches (the parsed fleet file, this node's fingerprint: CRIU, podman and runc
+    versions) and the S3 clients' imports and service models (boto3's default session keeps
+    them). Measured under load: seconds of a restore's hand-off. Anything failing here fails
+    again in the step itself, with its own error."""
+    try:
+        from prefect_aws import S3Bucket  # noqa: F401  (the results block that carries the checkpoint id)
+
+        from ckptflow.tasks.common import node_runner, open_fleet, tier
+
+        fleet = open_fleet(fleet_file)
+        tier(fleet)
+        with node_runner(fleet, node) as runner:
+            runner.node_fp
+    except Exception:
+        pass
