@@ -19,7 +19,7 @@ from typing import Literal
 
 from prefect import flow
 
-from ckptflow.flows.steps import checkpoint_of, publish_checkpoint, wait_running
+from ckptflow.flows.steps import checkpoint_of, mark_ready, publish_checkpoint, wait_ready
 from ckptflow.tasks.move import (migrate_in, migrate_out, restore_local, scale_down_in, scale_up_in, stop_workload,
                                  take_template)
 from ckptflow.tasks.node import restore_workload
@@ -32,24 +32,25 @@ Step = Literal["migrate_out", "migrate_in", "restore_local", "stop", "take_templ
 @flow(name="node-step", persist_result=True, log_prints=True)
 def node_step(fleet_file: str, action: Step, workload: str, node: str, checkpoint: str | None = None,
               replica: str | None = None, checkpoint_from: str | None = None,
-              when_running: str | None = None) -> dict:
+              when_ready: str | None = None) -> dict:
     """Run one node-level action for ``workload`` on ``node`` (this node).
 
-    A move between nodes pairs two steps (flows.steps.move): ``when_running`` (on migrate_out)
-    is the target step's flow run id, which must be running before this checkpoints;
+    A move between nodes pairs two steps (flows.steps.move): ``when_ready`` (on migrate_out)
+    is the target step's flow run id, which must be ready (warmed, waiting) before this checkpoints;
     ``checkpoint_from`` (on migrate_in) is the idempotency key of the migrate_out step whose
     result names the checkpoint, waited for instead of taking ``checkpoint``.
     """
-    if when_running:
-        wait_running(when_running)
+    if when_ready:
+        wait_ready(when_ready)
     if checkpoint_from:
         _warm(fleet_file, node)
+        mark_ready()
         checkpoint = checkpoint_of(checkpoint_from)
     steps = {
         # The flow's own result carries theirs; persisting the task's too was one more S3 write
         # while the moved worker is down.
         "migrate_out": lambda: _out(migrate_out.with_options(persist_result=False)(fleet_file, workload),
-                                    paired=bool(when_running)),
+                                    paired=bool(when_ready)),
         "migrate_in": lambda: migrate_in.with_options(persist_result=False)(fleet_file, workload, node, checkpoint),
         "restore_local": lambda: restore_local(fleet_file, workload, node, checkpoint),
         "stop": lambda: stop_workload(fleet_file, workload),

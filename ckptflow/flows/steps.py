@@ -28,6 +28,9 @@ READY_TIMEOUT_S = 600  # longest a source waits for its target's step to start b
 # reads one label instead of waiting for the source's flow to end and loading its result from
 # the results block (measured under load: ~3 s of the hand-off).
 CHECKPOINT_LABEL = "ckptflow.checkpoint"
+# And the target labels its own run once warmed (flows.node_step._warm) and waiting: "Running"
+# comes seconds earlier, before its imports and caches, and a dump then waited on them.
+READY_LABEL = "ckptflow.ready"
 
 
 class StepFailed(RuntimeError):
@@ -53,15 +56,15 @@ def _params(node, action, fleet_file, workload, checkpoint, replica=None, **extr
 
 
 def run_step(node: str, action: str, fleet_file: str, workload: str, checkpoint: str | None = None,
-             via_deployments: bool = True, replica: str | None = None, when_running: str | None = None) -> dict:
+             via_deployments: bool = True, replica: str | None = None, when_ready: str | None = None) -> dict:
     """Run node-step ``action`` on ``node``: through its deployment ``node-step/<node>`` (its
-    work pool's worker), or in this process. ``when_running``: the flow run id of a step that
-    must be running before this one acts (``move``).
+    work pool's worker), or in this process. ``when_ready``: the flow run id of a step that
+    must be ready before this one acts (``move``).
 
     A failed step raises the step's own typed error when Prefect kept it (so a caller can
     still tell "no checkpoint" from "restore broke"), else StepFailed naming the flow run.
     """
-    params = _params(node, action, fleet_file, workload, checkpoint, replica, when_running=when_running)
+    params = _params(node, action, fleet_file, workload, checkpoint, replica, when_ready=when_ready)
     if not via_deployments:
         from ckptflow.flows.node_step import node_step
 
@@ -98,12 +101,12 @@ def cancel_step(fr: FlowRun) -> None:
 
 def move(source: str, target: str, fleet_file: str, workload: str) -> tuple[dict, FlowRun]:
     """Checkpoint ``workload`` on ``source`` for ``target``, with the target's migrate_in step
-    started first and already running when the source dumps. Returns migrate_out's result and
+    started first and ready (warmed, waiting) when the source dumps. Returns migrate_out's result and
     the target's flow run (``wait_step`` it). A failed migrate_out cancels or ends that run."""
     inn = start_step(target, "migrate_in", fleet_file, workload,
                      checkpoint_from=step_key("migrate_out", workload, source))
     try:
-        out = run_step(source, "migrate_out", fleet_file, workload, when_running=str(inn.id))
+        out = run_step(source, "migrate_out", fleet_file, workload, when_ready=str(inn.id))
     except BaseException:
         try:
             cancel_step(inn)
@@ -113,15 +116,15 @@ def move(source: str, target: str, fleet_file: str, workload: str) -> tuple[dict
     return out, inn
 
 
-def _wait(run_id, done, timeout_s: float, what: str):
-    """Poll flow run ``run_id`` until ``done(state)``; the flow run."""
+def _wait(run_id, done, timeout_s: float, what: str, ready=lambda fr: False):
+    """Poll flow run ``run_id`` until ``done(state)`` or ``ready(flow_run)``; the flow run."""
     from prefect.client.orchestration import get_client
 
     deadline = time.monotonic() + timeout_s
     with get_client(sync_client=True) as c:
         while True:
             fr = c.read_flow_run(run_id)
-            if fr.state is not None and done(fr.state):
+            if ready(fr) or (fr.state is not None and done(fr.state)):
                 return fr
             if time.monotonic() > deadline:
                 raise StepFailed(f"{what}: flow run {run_id} still {fr.state.name if fr.state else 'without a state'} "
@@ -129,17 +132,25 @@ def _wait(run_id, done, timeout_s: float, what: str):
             time.sleep(POLL_S)
 
 
-def wait_running(run_id: str, timeout_s: float = READY_TIMEOUT_S) -> None:
-    """Wait until flow run ``run_id`` runs (a source step waits for its target's step before it
-    checkpoints, so the worker is down only for the move itself).
+def mark_ready() -> None:
+    """Label this flow run (a paired migrate_in) ready: warmed, and waiting for its checkpoint."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        c.update_flow_run_labels(flow_run.get_id(), {READY_LABEL: "1"})
+
+
+def wait_ready(run_id: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Wait until flow run ``run_id`` (the target's step) is ready (``mark_ready``): a source
+    step waits for it before it checkpoints, so the worker is down only for the move itself.
 
     Raises:
-        StepFailed: the run ended first, or did not start within ``timeout_s``.
+        StepFailed: the run ended first, or was not ready within ``timeout_s``.
     """
-    fr = _wait(run_id, lambda s: s.is_running() or s.is_final(), timeout_s,
-               "the target's step never started: nothing was checkpointed")
-    if not fr.state.is_running():
-        raise StepFailed(f"the target's step (flow run {run_id}) ended {fr.state.name} before it ran: "
+    fr = _wait(run_id, lambda s: s.is_final(), timeout_s, "the target's step never got ready: nothing was "
+               "checkpointed", ready=lambda fr: bool((fr.labels or {}).get(READY_LABEL)))
+    if not (fr.labels or {}).get(READY_LABEL):
+        raise StepFailed(f"the target's step (flow run {run_id}) ended {fr.state.name} before it was ready: "
                          "nothing was checkpointed, the worker still runs here")
 
 
