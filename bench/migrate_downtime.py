@@ -282,6 +282,9 @@ def main() -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     if not rows:
         return 1
+    # Which hand-off the rows measured (before RESULTS.md is appended to, which would read as dirty).
+    code = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
     headers = ["move", "downtime s", "dump s", "upload s", "download s", "restore s", "hand-off s",
                "target step running at s", "source step ended at s", "migrate total s", "load (1 min)"]
     table = md_table(headers, [[f"{r['source']} → {r['target']}", r["downtime_s"], r["dump_s"], r["upload_s"],
@@ -298,8 +301,6 @@ def main() -> int:
                 "connection open; the worker ran on): " + "; ".join(f["failed"][:160] for f in failed)
                 if failed else ""))
     append_results("Fleet-mode migrate downtime (CPU demo worker, `prefect deployment run migrate/...`)", table, notes)
-    code = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()  # which hand-off the rows measured
     for r in rows + failed:
         r["code"] = code
     for r in rows:
