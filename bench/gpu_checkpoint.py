@@ -15,7 +15,8 @@ Per footprint size (GiB of GPU memory held by the torch demo worker):
   ``--thp`` (the node setting ckptflow recommends);
 - bitexact: after ckptflow's restore the session KV and ballast digests equal those before
   the checkpoint, and the next tokens equal the reference computed before it (/v1/peek).
-Writes bench/results/gpu_checkpoint.json (rows merged by size) and appends to bench/RESULTS.md.
+Appends the run to bench/results/gpu_checkpoint.json (every run kept, with date and command) and to
+bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy as np
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import BENCH, append_results, md_table  # noqa: E402
+from _common import BENCH, append_results, md_table, record_run, runs_of  # noqa: E402
 
 from ckptflow.demo import launch  # noqa: E402
 from ckptflow.runners.node import NodeRunner  # noqa: E402
@@ -191,14 +192,13 @@ def gpu_name() -> tuple[str, str]:
     return pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0)), pynvml.nvmlSystemGetDriverVersion()
 
 
-def save(out: Path, rows: list[dict], images_on: str) -> None:
-    """Rows replace earlier rows of the same size (keeps other sizes from earlier runs)."""
-    old = json.loads(out.read_text())["rows"] if out.exists() else []
-    merged = {r["footprint_gib"]: r for r in old}
-    merged.update({r["footprint_gib"]: r for r in rows})
+def save(earlier: list[dict], rows: list[dict], images_on: str) -> None:
+    """This run, with the sizes done so far, as the newest run after ``earlier``: called after
+    every size, so a run cut short still leaves its rows, and it stays one run."""
+    out = BENCH / "results" / "gpu_checkpoint.json"
+    out.write_text(json.dumps({"runs": earlier}, indent=1) + "\n")
     gpu, driver = gpu_name()
-    out.write_text(json.dumps({"gpu": gpu, "driver": driver, "images_on": images_on,
-                               "rows": [merged[k] for k in sorted(merged)]}, indent=1) + "\n")
+    record_run("gpu_checkpoint", {"gpu": gpu, "driver": driver, "images_on": images_on, "rows": rows})
 
 
 def main() -> int:
@@ -216,12 +216,11 @@ def main() -> int:
         fills[a.thp] = round(fill_rate(thp=a.thp), 3)
         set_thp(original)
     log(f"fresh-page fill rate {fills} GiB/s; THP was {original}")
-    rows = []
-    out = BENCH / "results" / "gpu_checkpoint.json"
+    rows, earlier = [], runs_of("gpu_checkpoint")
     try:
         for s in a.sizes.split(","):
             rows.append(run_size(float(s), images_root, a.thp or None, tmp, fills))
-            save(out, rows, a.images)  # after every size: a run cut short still leaves its rows
+            save(earlier, rows, a.images)  # after every size: a run cut short still leaves its rows
     finally:
         if original in ("always", "madvise", "never"):
             set_thp(original)

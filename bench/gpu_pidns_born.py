@@ -7,8 +7,8 @@ included, for each vantage point and each way of dumping/restoring tried.
 Usage (GPU node, root; CRIU + criu-ns from the bundle, bench/on_device.sh):
     bench/on_device.sh python3 bench/gpu_pidns_born.py --out $OUT/gpu_pidns_born.json
     python3 bench/gpu_pidns_born.py --cpu --out /tmp/born.json     # plumbing only: CPU worker, no CUDA calls
-    python3 bench/gpu_pidns_born.py --record FILE...               # here: the runs' rows into
-        bench/results/gpu_pidns.json ("born_in_namespace", earlier rows kept) + bench/RESULTS.md
+    python3 bench/gpu_pidns_born.py --record FILE...               # here: each device run appended to
+        bench/results/gpu_pidns.json as a run (every run kept, "probe": "born_in_namespace") + bench/RESULTS.md
 
 Layouts (the original, started with `unshare --pid --fork --mount-proc`, stdio opened inside):
   child  sh is PID 1 of the namespace, the worker PID 2 (its own session). Dumped from inside
@@ -41,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import BENCH, RESULTS_MD, machine, md_table  # noqa: E402
+from _common import RESULTS_MD, machine, md_table, record_run  # noqa: E402
 
 PORTS = {"child": 18681, "init": 18682}
 ORDER = ["all", "pid+mnt", "pid", "host"]  # vantage points for the copy's CUDA restore, first success stops
@@ -480,13 +480,12 @@ LAYOUT_NAMES = {"child": "child: worker PID 2 (sh is 1); criu-ns dump / criu-ns 
 
 
 def record(paths: list[Path]) -> None:
-    """Device runs' JSON into bench/results/gpu_pidns.json ("born_in_namespace", earlier rows
-    kept) and one bench/RESULTS.md entry with every driver call's result."""
+    """Each device run's JSON appended to bench/results/gpu_pidns.json as a run of its own (its
+    date, machine and command are the device's), and one bench/RESULTS.md entry with every
+    driver call's result."""
     runs = [json.loads(p.read_text()) for p in paths]
-    res = BENCH / "results" / "gpu_pidns.json"
-    data = json.loads(res.read_text())
-    data.setdefault("born_in_namespace", []).extend(runs)
-    res.write_text(json.dumps(data, indent=1) + "\n")
+    for r in runs:
+        record_run("gpu_pidns", {"probe": "born_in_namespace", **r})
     rows, notes = [], []
     for n, run_ in enumerate(runs, 1):
         for l, r in run_["layouts"].items():

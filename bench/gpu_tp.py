@@ -18,13 +18,13 @@ restore of the whole tree. ``bitexact``: session KV digests of every rank and th
 those before the checkpoint, and the next tokens equal the reference computed before it;
 ``allreduce_ok``: a collective across all ranks gives the right sum after the restore.
 Also checks the refusal: a TP worker started without the NCCL settings is not touched.
-Writes bench/results/gpu_tp.json and appends to bench/RESULTS.md.
+Appends the run to bench/results/gpu_tp.json (every run kept, with date and command; a run holds
+only the configs it ran) and to bench/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import BENCH, append_results, md_table  # noqa: E402
+from _common import append_results, md_table, record_run  # noqa: E402
 
 from ckptflow.demo import launch  # noqa: E402
 from ckptflow.errors import UnsupportedWorkload  # noqa: E402
@@ -284,7 +284,6 @@ def main() -> int:
     gpu = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
     driver, n_gpus = pynvml.nvmlSystemGetDriverVersion(), pynvml.nvmlDeviceGetCount()
     rows, errors = [], {}
-    out = BENCH / "results" / "gpu_tp.json"
     try:
         for c in a.configs.split(","):
             backend, world, ballast, *flags = c.split(":")
@@ -298,14 +297,9 @@ def main() -> int:
         fail = failure_after_lock(images_root, tmp)
     finally:
         shutil.rmtree(images_root, ignore_errors=True)
-    # Rows of configs not run this time stay from earlier runs (each row says its config).
-    old = json.loads(out.read_text()).get("rows", []) if out.exists() else []
-    ran = {r["config"] for r in rows}
-    rows_all = [r for r in old if r["config"] not in ran] + rows
-    out.write_text(json.dumps({"gpu": gpu, "gpus": n_gpus, "driver": driver, "images_on": a.images,
-                               "network_lock": os.environ["CKPTFLOW_CRIU_NETWORK_LOCK"], "rows": rows_all,
-                               "errors": errors, "refusal": ref, "failure_after_lock": fail,
-                               "heartbeat_under_load": busy}, indent=1) + "\n")
+    record_run("gpu_tp", {"gpu": gpu, "gpus": n_gpus, "driver": driver, "images_on": a.images,
+                          "network_lock": os.environ["CKPTFLOW_CRIU_NETWORK_LOCK"], "rows": rows, "errors": errors,
+                          "refusal": ref, "failure_after_lock": fail, "heartbeat_under_load": busy})
     headers = ["config", "GPU procs", "rank GPUs before → after", "image GiB", "pause s", "restore-to-ready s", "cold start s",
                "serving after heartbeat", "all-reduce after restore", "bit-exact"]
     table = md_table(headers, [[r["config"], r["gpu_processes"],

@@ -13,7 +13,8 @@ restore-to-ready, bit-exact check (session state digests and the next 32 tokens 
 
 Usage (GPU node, root; CRIU from the bundle):
     bench/on_device.sh python3 bench/gpu_two_tier.py [--rows A,B --layers 43 --sessions 4 --tokens 1500]
-Writes bench/results/gpu_two_tier.json and appends to bench/RESULTS.md.
+Appends the run to bench/results/gpu_two_tier.json (every run kept, with date and command; a
+--faults-only run holds only ``faults``) and to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import BENCH, append_results, md_table  # noqa: E402
+from _common import append_results, md_table, record_run  # noqa: E402
 
 from ckptflow.demo import launch  # noqa: E402
 from ckptflow.models import ProcessFinder  # noqa: E402
@@ -272,10 +273,7 @@ def main() -> int:
     log(f"stream limit file -> GPU (no hashing): {limit:.1f} GiB/s")
     if a.faults_only:
         faults = run_faults(a, weights, tmp)
-        res = BENCH / "results" / "gpu_two_tier.json"
-        data = json.loads(res.read_text())
-        data["faults"] = faults
-        res.write_text(json.dumps(data, indent=1) + "\n")
+        record_run("gpu_two_tier", {"engine": "ckptflow.demo.llm_worker", "layers": a.layers, "faults": faults})
         ok = faults.get("repaired_bitexact") and not faults.get("session_left_running") \
             and not faults.get("weights_left_running") and faults["session"].startswith("refused before CRIU") \
             and "torn" in faults["weights"]
@@ -298,7 +296,7 @@ def main() -> int:
     gpu = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
     out = {"gpu": gpu, "engine": "ckptflow.demo.llm_worker", "layers": a.layers, "sessions": a.sessions,
            "tokens_per_session": a.tokens, "changed_tokens": a.changed_tokens, "rows": rows}
-    (BENCH / "results" / "gpu_two_tier.json").write_text(json.dumps(out, indent=1) + "\n")
+    record_run("gpu_two_tier", out)
 
     def f(v):
         return "null" if v is None else v

@@ -31,8 +31,9 @@ probe session must equal what the original produced right after that checkpoint.
 sessions lost beyond the last checkpoint, leaked CRIU temp dirs (/tmp/ckptflow-criu-<pid>-* of
 this process and its runners), leaked network namespaces, stopped processes of the soak left
 behind, stuck runs (flow runs not in a final state, cycles over the watchdog), alerts opened and
-the opened ones resolved. Writes bench/results/soak.json and appends a table to
-bench/RESULTS.md (unless --no-record). Exit 1 if any must-be-zero count is not zero.
+the opened ones resolved. Appends the run to bench/results/soak.json (every run kept, with date
+and command) and a table to bench/RESULTS.md (unless --no-record; --json also writes this run
+alone to a file). Exit 1 if any must-be-zero count is not zero.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests" / "helpers"))
-from _common import BENCH, append_results, machine, md_table  # noqa: E402
+from _common import append_results, machine, md_table, record_run  # noqa: E402
 from seaweed import SeaweedS3  # noqa: E402
 from slackcap import SlackCapture  # noqa: E402
 
@@ -406,7 +407,7 @@ class Soak:
             t0 = time.monotonic()
             time.sleep(r["u"] * 0.8 * self.est["push"])
             child.kill()
-            hit = ckpt not in self.tier.list(self.w.name)      # no manifest in the bucket: it was mid-push
+            hit = ckpt not in self.tier.ids(self.w.name)      # no manifest in the bucket: it was mid-push
             if not hit:
                 self.est["push"] = max(0.05, 0.8 * self.est["push"] + 0.2 * (time.monotonic() - t0))
         else:
@@ -550,7 +551,7 @@ class Soak:
         if moment == "mid_upload" and row["hit"]:
             # The next push completes the interrupted one (the chunks already there are skipped).
             self.tier.push(self.store, self.store.get(self.w.name, expected))
-            if expected in self.tier.list(self.w.name):
+            if expected in self.tier.ids(self.w.name):
                 self.totals["uploads_resumed"] += 1
             else:
                 row["problems"].append(f"push of {expected} did not complete after the interrupted one")
@@ -716,6 +717,26 @@ def table(s: dict) -> str:
     return t1 + "\n\n" + t2
 
 
+def record(a: argparse.Namespace, summary: dict, rows: list[dict], bad: list[str], text: str) -> None:
+    """The run into bench/results/soak.json (every run kept) and bench/RESULTS.md unless
+    --no-record; with --json also alone into that file (the CI check reads it)."""
+    if a.json:
+        out = Path(a.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        head = json.dumps({"machine": machine(), "seed": a.seed, "summary": summary, "failures": bad}, indent=1)
+        lines = ",\n  ".join(json.dumps(r) for r in rows)  # one line per cycle
+        out.write_text(head[:-2] + f',\n "cycles": [\n  {lines}\n ]\n}}\n')
+    if not a.no_record:
+        record_run("soak", {"seed": a.seed, "summary": summary, "failures": bad, "cycles": rows})
+        append_results(f"Soak: {summary['cycles']} kill/recover cycles on the CPU demo worker (bench/soak.py)", text,
+                       f"Seed {a.seed}; worker with {a.ballast_mib} MiB of ballast; 1 cycle in {a.flow_every} "
+                       "through the heartbeat/recover flows (a "
+                       "Prefect test server), the others through NodeRunner; S3 = SeaweedFS on 127.0.0.1. "
+                       "\"Kill landed in the moment\": CRIU was still dumping / the runner still restoring / "
+                       "the bucket had no manifest yet when the SIGKILL came. " +
+                       ("All required zeros hold." if not bad else "FAILED: " + "; ".join(bad)))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cycles", type=int, default=200)
@@ -726,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--session-epoch", type=int, default=SESSION_EPOCH,
                     help="the sessions are replaced by new ones every N cycles")
     ap.add_argument("--dir", default="/var/tmp", help="where the soak's images, bucket and worker live")
-    ap.add_argument("--json", help="write the summary and every cycle here (default bench/results/soak.json)")
+    ap.add_argument("--json", help="also write this run's summary and every cycle here, alone")
     ap.add_argument("--no-record", action="store_true", help="do not touch bench/results or bench/RESULTS.md")
     ap.add_argument("--verbose", action="store_true")
     a = ap.parse_args(argv)
@@ -757,20 +778,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(summary)
     print(text)
     bad = failures(summary)
-    out = Path(a.json) if a.json else (None if a.no_record else BENCH / "results" / "soak.json")
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        head = json.dumps({"machine": machine(), "seed": a.seed, "summary": summary, "failures": bad}, indent=1)
-        rows = ",\n  ".join(json.dumps(r) for r in soak.rows)  # one line per cycle
-        out.write_text(head[:-2] + f',\n "cycles": [\n  {rows}\n ]\n}}\n')
-    if not a.no_record:
-        append_results(f"Soak: {summary['cycles']} kill/recover cycles on the CPU demo worker (bench/soak.py)", text,
-                       f"Seed {a.seed}; worker with {a.ballast_mib} MiB of ballast; 1 cycle in {a.flow_every} "
-                       "through the heartbeat/recover flows (a "
-                       "Prefect test server), the others through NodeRunner; S3 = SeaweedFS on 127.0.0.1. "
-                       "\"Kill landed in the moment\": CRIU was still dumping / the runner still restoring / "
-                       "the bucket had no manifest yet when the SIGKILL came. " +
-                       ("All required zeros hold." if not bad else "FAILED: " + "; ".join(bad)))
+    record(a, summary, soak.rows, bad, text)
     if bad:
         print("soak: FAILED: " + "; ".join(bad), file=sys.stderr)
     return 1 if bad else 0

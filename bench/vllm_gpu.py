@@ -24,7 +24,8 @@ Usage on the GPU node (root; vLLM, its deps and CRIU carried by scripts/carry-vl
     eval "$(scripts/carry-vllm.sh env)"; python3 bench/vllm_gpu.py --rows a,b,c
     python3 bench/vllm_gpu.py --rows c            # merges into the rows of this machine ($HOME state)
     python3 bench/vllm_gpu.py --rows c --resume-from bench/results/vllm_gpu.json   # on a fresh machine
-Here, after fetching the JSON:  python3 bench/vllm_gpu.py --append-results bench/results/vllm_gpu.json
+Here, after fetching the device's $OUT/vllm_gpu.json:  python3 bench/vllm_gpu.py --append-results FETCHED.json
+(appends it as a run to bench/results/vllm_gpu.json, every run kept, and to bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import machine, md_table  # noqa: E402
+from _common import machine, md_table, record_run  # noqa: E402
 
 GiB = 2**30
 VLLM_VERSION = "0.26.0"
@@ -747,9 +748,11 @@ def main() -> None:
     p.add_argument("--port", type=int, default=18720)
     p.add_argument("--start-timeout", type=float, default=420)
     p.add_argument("--connector", choices=["auto", "ckptflow", "ckptflow-bench", "example"], default="auto")
-    p.add_argument("--resume-from", type=Path, default=None, help="results JSON whose rows this run adds to")
+    p.add_argument("--resume-from", type=Path, default=None,
+                   help="results JSON whose rows this run adds to (of bench/results/vllm_gpu.json: its newest run)")
     p.add_argument("--store", type=Path, default=None, help="checkpoint store (default: /dev/shm if it has room)")
-    p.add_argument("--append-results", type=Path, default=None, help="here: append RESULTS.md from a fetched JSON")
+    p.add_argument("--append-results", type=Path, default=None,
+                   help="here: a fetched device JSON into bench/results/vllm_gpu.json and RESULTS.md")
     p.add_argument("--write-model", type=Path, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.write_model:
@@ -761,6 +764,11 @@ def main() -> None:
         return
     if a.append_results:
         res = json.loads(a.append_results.read_text())
+        if "runs" in res:
+            raise SystemExit(f"--append-results: {a.append_results} is a results file (it has runs); "
+                             "pass the vllm_gpu.json the device run wrote under $OUT")
+        # Date and command of the recording; the device's own machine and commands are the run's.
+        record_run("vllm_gpu", res)
         from datetime import datetime, timezone
 
         from _common import RESULTS_MD
@@ -780,6 +788,8 @@ def main() -> None:
         res = json.loads(STATE.read_text())
     elif a.resume_from and a.resume_from.exists():  # rows of an earlier machine (a fresh one has no $HOME state)
         res = json.loads(a.resume_from.read_text())
+        if "runs" in res:  # bench/results/vllm_gpu.json keeps every run: resume from the newest
+            res = {k: v for k, v in res["runs"][-1].items() if k not in ("date", "command", "note")}
     else:
         res = {"rows": {}}
     res.update(machine=machine(), work=str(a.work), vllm=VLLM_VERSION,

@@ -8,6 +8,7 @@ Examples:
     ckptflow recover deployments/local.yaml demo-chat [--node N]
     ckptflow recover-node deployments/example-h200-fleet.yaml h200-07   # a lost node: its workloads elsewhere
     ckptflow simulate --seed 0 --json   # policies on the reference fleet trace
+    setsid ckptflow run-isolated --pid-file /run/w.pid -- python3 -m ...   # a worker in its own namespaces
 
 Exit codes: 0 done; 1 the command ran and something failed (a checkpoint, a prerequisite, an
 unexpected error); 2 refused: bad input or a typed error, printed as `error: …` and `fix: …`
@@ -167,6 +168,26 @@ def doctor() -> None:
         table.add_row(name, state, escape(detail))  # a detail may hold [brackets]: pip install 'ckptflow[gpu]'
     console.print(table)
     raise typer.Exit(1 if bad else 0)
+
+
+@app.command("run-isolated", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run_isolated(ctx: typer.Context,
+                 pid_file: Path = typer.Option(..., help="Where the worker's host PID is written (the fleet "
+                                               "file's find.pid_file); the worker must not write it itself."),
+                 log: Path = typer.Option(Path(os.devnull), help="The worker's stdout and stderr, appended.")) -> None:
+    """Start a worker as PID 1 of its own PID and mount namespaces, e.g.
+    `setsid ckptflow run-isolated --pid-file /run/w.pid --log /var/log/w.log -- python3 -m vllm...`:
+    its restores then never need its old PIDs, and verify runs a copy beside it."""
+    from ckptflow.runners.isolate import isolated_argv
+
+    argv = list(ctx.args)
+    if not argv:
+        raise ConfigError("run-isolated: no worker command given",
+                          fix="put the command after `--`: ckptflow run-isolated --pid-file F -- python3 -m ...")
+    if os.geteuid() != 0:
+        raise ConfigError("run-isolated needs root (new PID and mount namespaces)", fix="run it as root, as the node runner")
+    pid_file.parent.mkdir(parents=True, exist_ok=True)
+    os.execvp("unshare", isolated_argv(argv, pid_file.resolve(), log.resolve() if str(log) != os.devnull else log))
 
 
 @app.command("ls")

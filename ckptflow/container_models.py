@@ -123,6 +123,31 @@ class ContainerSpec(BaseModel):
         default_factory=lambda: {"nofile": "20000:20000", "nproc": "32768:32768"},
         description="Explicit limits: podman's defaults fail under runc here ('error setting rlimit type 7').")
 
+    shm_size: str | None = Field(None, description="Size of the container's own /dev/shm tmpfs (--shm-size); "
+                                 "vLLM's multiprocessing rings and semaphore live there, and it is dumped with the "
+                                 "container.", examples=["1g"])
+    annotations: dict[str, str] = Field(
+        default_factory=dict, description="OCI annotations (--annotation), e.g. runc's CRIU config file "
+        "(org.criu.config) that gives CRIU the options an engine needs; exported with the container, so a "
+        "restore reads it too.", examples=[{"org.criu.config": "/etc/ckptflow/vllm-criu.conf"}])
+
+    def run_args(self) -> list[str]:
+        """``podman run`` arguments of a cold start, image and command last.
+
+        Examples:
+            >>> ContainerSpec(name="chat", image="localhost/demo", shm_size="1g").run_args()[:7]
+            ['--runtime', 'runc', 'run', '--detach', '--name', 'chat', '--shm-size']
+        """
+        return ["--runtime", self.oci_runtime, "run", "--detach", "--name", self.name,
+                *(["--shm-size", self.shm_size] if self.shm_size else []),
+                *(a for k, v in self.ulimits.items() for a in ("--ulimit", f"{k}={v}")),
+                *self.publish_args(),
+                *(a for mt in self.mounts
+                  for a in ("--volume", f"{mt.source}:{mt.target}" + (":ro" if mt.read_only else ""))),
+                *(a for k, v in self.env.items() for a in ("--env", f"{k}={v}")),
+                *(a for k, v in self.annotations.items() for a in ("--annotation", f"{k}={v}")),
+                self.image or "", *(self.command or [])]
+
     def publish_args(self, ports: list[PortMap] | None = None) -> list[str]:
         """``--publish`` arguments for ``ports`` (default: the declared ones)."""
         out: list[str] = []

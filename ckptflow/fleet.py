@@ -36,7 +36,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, model_validator
 
 from ckptflow.errors import ConfigError
-from ckptflow.models import Engine, Name, TrafficClass, Workload
+from ckptflow.models import EngineField, Name, TrafficClass, Workload
 from ckptflow.policies.cadence import POLICIES, PolicyParams
 from ckptflow.policies.retention import Retention
 
@@ -45,8 +45,21 @@ _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: ~10x faster 
 
 
 class StorageKind(str, Enum):
+    """The built-in ``storage.kind`` names; a kind registered with ``ckptflow.store.register_tier``
+    (docs/extending/storage-tier.md) is accepted too, as a member made on first use."""
+
     local = "local"
     s3 = "s3"
+
+    @classmethod
+    def _missing_(cls, value):
+        from ckptflow.store import tier_kinds
+
+        if isinstance(value, str) and value in tier_kinds():
+            member = str.__new__(cls, value)
+            member._name_, member._value_ = value, value
+            return member
+        return None
 
 
 class Storage(BaseModel):
@@ -54,7 +67,8 @@ class Storage(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: StorageKind = Field(StorageKind.local, description="local directory or S3-compatible bucket")
+    kind: StorageKind = Field(StorageKind.local, description="local directory, S3-compatible bucket, or a tier "
+                              "kind registered with ckptflow.store.register_tier")
     path: str = Field(".ckptflow/store", description="Root directory for kind=local (relative to the "
                       "fleet file's working directory).")
     bucket: str | None = Field(None, description="Bucket for kind=s3.", examples=["ckpt-prod"])
@@ -68,6 +82,9 @@ class Storage(BaseModel):
         "(AES-256-GCM) before upload.", examples=["CKPTFLOW_CHUNK_KEY"])
     encryption_key_block: str | None = Field(
         None, description="Prefect Secret block holding that key instead of an env var.")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Settings of a registered tier kind that the fields above do not "
+        "cover; its opener reads (and checks) them.", examples=[{"project": "ml-prod"}])
 
     @model_validator(mode="after")
     def _bucket_for_s3(self) -> "Storage":
@@ -113,7 +130,7 @@ class PolicyMatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     labels: dict[str, str] = Field(default_factory=dict, description="All must equal the workload's labels.")
-    engine: Engine | None = None
+    engine: EngineField | None = None
     traffic: TrafficClass | None = None
 
     def matches(self, w: Workload) -> bool:
@@ -348,6 +365,7 @@ def cross_field_problems(data: dict) -> list[tuple[tuple, str]]:
             urls.append((("golden", "url"), w["golden"].get("url")))
         out += [(("workloads", i, *k), why) for k, v in urls if (why := _url_problem(v))]
     out += _shared_worker_problems(items("workloads"))
+    out += _engine_problems(items("workloads"))
     for i, w in items("workloads"):
         engine, mode = (getattr(w.get(k), "value", w.get(k)) for k in ("engine", "checkpoint"))
         if mode == "two-tier" and engine == "llamacpp":
@@ -372,6 +390,21 @@ def cross_field_problems(data: dict) -> list[tuple[tuple, str]]:
                               (("prefect_ui_url",), data, "prefect_ui_url")):
         if isinstance(section, dict) and (why := _url_problem(section.get(key))):
             out.append((loc, why))
+    return out
+
+
+def _engine_problems(workloads: list[tuple[int, dict]]) -> list[tuple[tuple, str]]:
+    """A metrics_url on an engine whose adapter has no metrics mapping: its load would be unreadable
+    (ckptflow once parsed it as vLLM's). An unknown engine name is the schema's error."""
+    from ckptflow.engines.adapter import ADAPTERS, known_engines
+
+    out, known = [], known_engines()  # the built-in adapters are registered from here on
+    for i, w in workloads:
+        adapter = ADAPTERS.get(str(getattr(w.get("engine"), "value", w.get("engine") or "other")))
+        if adapter is not None and not adapter.metrics and w.get("metrics_url"):
+            engine, mapped = adapter.name, ", ".join(n for n in known if ADAPTERS[n].metrics)
+            out.append((("workloads", i, "metrics_url"), f"engine: {engine} has no metrics mapping, so its "
+                        f"/metrics cannot be read: declare the engine ({mapped}) or drop metrics_url"))
     return out
 
 

@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from enum import Enum, StrEnum
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from ckptflow.container_models import ContainerSpec
 
@@ -60,10 +60,32 @@ def utcnow() -> datetime:
 
 
 class Engine(str, Enum):
+    """The built-in engines' names, for comparisons; a workload's ``engine`` is any registered
+    adapter's name (EngineName)."""
+
     vllm = "vllm"
     sglang = "sglang"
     llamacpp = "llamacpp"
     other = "other"
+
+
+class EngineName(str):
+    """A registered engine adapter's name (engines/adapter.py). ``.value`` as the Engine enum
+    this field was: the fleet file's ``engine:`` picks an adapter, and a new one is registered
+    without touching this file."""
+
+    @property
+    def value(self) -> str:
+        return str.__str__(self)
+
+
+def _known_engine(v: object) -> EngineName:
+    from ckptflow.engines.adapter import check_engine  # lazily: the built-in adapters import this module
+
+    return EngineName(check_engine(str(getattr(v, "value", v))))
+
+
+EngineField = Annotated[str, BeforeValidator(lambda v: getattr(v, "value", v)), AfterValidator(_known_engine)]
 
 
 class TrafficClass(str, Enum):
@@ -156,7 +178,9 @@ class Workload(BaseModel):
     container: ContainerSpec | None = Field(
         None, description="The worker runs in this container: checkpointed and restored through its runtime "
         "(runners/container.py) instead of a process found by find.", examples=[{"name": "chat-c"}])
-    engine: Engine = Field(Engine.other, description="Serving engine.")
+    engine: EngineField = Field(EngineName("other"), description="Serving engine: a registered engine adapter's "
+                                "name (engines/adapter.py), which says how its metrics, golden request, sessions "
+                                "and template are handled.", examples=["vllm", "llamacpp", "demo"])
     engine_version: str | None = Field(None, description="Declared engine version.",
                                        examples=["0.11.0"])
     model_id: str | None = Field(None, description="Model id.", examples=["meta-llama/Llama-3.1-8B"])
@@ -257,15 +281,29 @@ class VerifyOutcome(StrEnum):
 
 
 class CopyTier(str, Enum):
+    """Where a copy of a checkpoint is: a node's store, or a shared tier named by its
+    ``storage.kind`` (``s3``, or a kind registered with ``store.register_tier``: such a name,
+    e.g. ``CopyTier("gcs")``, is a member made on first use, so manifests of every tier read
+    back the same way)."""
+
     node = "node"    # the local store of one node (tmpfs or local disk): a restore there reads it in place
     s3 = "s3"        # the fleet's bucket: any node can pull it
+
+    @classmethod
+    def _missing_(cls, value):
+        if isinstance(value, str) and _NAME_RE.match(value) and ".." not in value:
+            member = str.__new__(cls, value)
+            member._name_, member._value_ = value, value
+            return member
+        return None
 
 
 class CheckpointCopy(BaseModel):
     """One place that holds a checkpoint's bytes."""
 
     tier: CopyTier
-    location: str = Field(..., description="Node name for tier node; s3://bucket/prefix for tier s3.")
+    location: str = Field(..., description="Node name for tier node; s3://bucket/prefix for tier s3 (a "
+                          "registered tier: its location).")
     at: datetime = Field(default_factory=lambda: utcnow(), description="When the copy was complete.")
 
 

@@ -32,7 +32,49 @@ def _criu_usable() -> str | None:
 _CRIU_PROBLEM = _criu_usable()
 
 
+# --- the quick loop: `pytest -m "not slow"` (tests/README.md) ---------------------------------
+# Slow is decided here, from what a test starts, so no test file needs a marker of its own:
+# a fixture that starts a server or an engine, a file that is end-to-end as a whole, or one test
+# that dumps a big image. Measured figures are in tests/README.md.
+SLOW_FIXTURES = {
+    "prefect_harness": "starts a Prefect server (PostgreSQL + API)",
+    "s3": "starts SeaweedFS",
+    "vllm_install": "starts vLLM", "vllm_model": "starts vLLM",
+    "llama_install": "starts llama.cpp",
+    "demo_image": "builds and runs containers",
+}
+SLOW_FILES = {
+    "tests/test_demo.py": "the whole demo, end to end",
+    "tests/test_soak.py": "a soak run of heartbeats, faults and restores",
+    "tests/faults/test_faults.py": "fault injection on 0.5-1 GiB CRIU images",
+    "tests/faults/test_prefect_restart.py": "restarts a Prefect server",
+    "tests/faults/test_security.py": "a Prefect server and SeaweedFS",
+}
+SLOW_TESTS = {
+    "tests/test_criu.py::test_512mib_process_round_trip": "a 512 MiB CRIU image",
+    # `ckptflow simulate` over every policy and seed in a subprocess: 120-240 s each on the
+    # shared 2-core machine (tests/README.md), half the rest of the quick loop together
+    "tests/test_cli.py::test_simulate_json_has_every_policy": "the what-if simulator over every policy",
+    "tests/test_cli.py::test_simulate_profile_two_tier_costs_less_and_a_wrong_profile_is_named":
+        "the what-if simulator over every policy, two profiles",
+}
+
+
+def slow_reason(nodeid: str, fixturenames) -> str | None:
+    """Why a test is slow (None: it belongs to the quick loop)."""
+    path = nodeid.split("::")[0]
+    if path in SLOW_FILES:
+        return SLOW_FILES[path]
+    if nodeid.split("[")[0] in SLOW_TESTS:
+        return SLOW_TESTS[nodeid.split("[")[0]]
+    return next((why for f, why in SLOW_FIXTURES.items() if f in fixturenames), None)
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        why = slow_reason(item.nodeid, item.fixturenames)
+        if why is not None and "slow" not in item.keywords:
+            item.add_marker(pytest.mark.slow(reason=why))
     if _CRIU_PROBLEM is None:
         return
     if os.environ.get("CKPTFLOW_REQUIRE_CRIU") == "1":

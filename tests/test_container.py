@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from conftest import free_port, write_fleet
+from squat import squat as _squat
 from ckptflow.container_models import ContainerSpec, PortMap
 from ckptflow.models import Workload
 
@@ -152,21 +153,6 @@ def test_kill_then_recover_continues_the_long_session_exactly(tmp_path, prefect_
     assert c.complete("and the session goes on", 32, "s") == ref.complete("and the session goes on", 32, "s")
     # The heartbeat finds the restored container again and checkpoints it.
     assert heartbeat(fleet, force=True)[0]["ok"]
-
-
-def _squat(pid: int, tries: int = 200) -> subprocess.Popen | None:
-    """A process that holds host PID ``pid`` (through ns_last_pid), or None if another process on
-    the machine took it first each time."""
-    for _ in range(tries):
-        if os.path.exists(f"/proc/{pid}"):
-            return None
-        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
-        p = subprocess.Popen(["sleep", "600"])
-        if p.pid == pid:
-            return p
-        p.kill()
-        p.wait()
-    return None
 
 
 def test_recover_where_the_originals_pids_are_taken(tmp_path, container, demo_worker):
@@ -425,13 +411,12 @@ def test_drain_stops_a_short_request_container_through_its_runtime(tmp_path, con
 
     c = container("api")
     c.workload = c.workload.model_copy(update={"traffic": TrafficClass.short_requests})
-    fleet = _fleet(tmp_path, [c.workload])
     pid = c.state().pid
-    out = stop_workload.fn(fleet, "api", grace_s=10)
+    out = stop_workload.fn(c.workload, grace_s=10)
     assert out == {"stopped": True, "pid": pid, "container": c.cname}
     st = c.state()
     assert st is not None and not st.running  # stopped, kept (podman rm is the operator's call)
-    assert stop_workload.fn(fleet, "api") == {"stopped": False, "reason": "not running"}
+    assert stop_workload.fn(c.workload) == {"stopped": False, "reason": "not running"}
 
 
 def test_restore_refused_when_the_node_lacks_the_memory_for_the_image(tmp_path, container, monkeypatch):
@@ -458,3 +443,36 @@ def test_restore_refused_when_the_node_lacks_the_memory_for_the_image(tmp_path, 
         assert _names(c.cname) == set() and store.get("chat", m.id).state == CheckpointState.complete
         monkeypatch.undo()
         assert node.restore(c.workload).manifest.id == m.id and c.state().running
+
+
+def test_a_container_declared_with_established_tcp_recovers(tmp_path, container, demo_worker):
+    """`tcp_established: true` (engines that keep connections open) on a container: podman 4.3
+    refuses `restore --tcp-established` together with `--name`, so an in-place restore lets the
+    exported name stand."""
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.store.local import LocalStore
+
+    c, ref = container("chat"), demo_worker("ref")
+    c.workload = c.workload.model_copy(update={"tcp_established": True})
+    _turn([c, ref], "a session over a kept connection " * 20, 16)
+    with NodeRunner(LocalStore(tmp_path / "store")) as node:
+        node.checkpoint(c.workload)
+        c.kill()
+        node.restore(c.workload)
+        st = c.state()
+        assert st.running and st.name == c.cname
+        assert c.digests() == ref.digests()
+        assert c.complete("next", 24, "s") == ref.complete("next", 24, "s")
+
+
+def test_declared_shm_size_and_annotations_reach_the_container(tmp_path, demo_image):
+    c = DemoContainer(demo_image, tmp_path, "shm")
+    c.workload.container.shm_size = "96m"
+    c.workload.container.annotations = {"io.ckptflow.test": "yes"}
+    try:
+        c.start(tmp_path / "store")
+        info = json.loads(_podman("inspect", c.cname, check=True).stdout)[0]
+        assert info["HostConfig"]["ShmSize"] == 96 * 2**20
+        assert info["Config"]["Annotations"]["io.ckptflow.test"] == "yes"
+    finally:
+        c.remove()

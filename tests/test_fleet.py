@@ -50,7 +50,10 @@ MISTAKES = [
     ("two process finders", lambda d: d["workloads"][0]["find"].update(cmdline_match="vllm"),
      "workloads[0].find", "exactly one of"),
     ("unknown engine", lambda d: d["workloads"][0].update(engine="tgi"), "workloads[0].engine",
-     "'vllm', 'sglang', 'llamacpp' or 'other'"),
+     "unknown engine 'tgi' (known: demo, llamacpp, other, sglang, vllm)"),
+    ("metrics of an engine without an adapter", lambda d: d["workloads"][0].update(engine="other"),
+     "workloads[0].metrics_url", "engine: other has no metrics mapping, so its /metrics cannot be read: "
+     "declare the engine (demo, llamacpp, sglang, vllm) or drop metrics_url"),
     ("metrics_url not a string", lambda d: d["workloads"][0].update(metrics_url=8000),
      "workloads[0].metrics_url", "valid string"),
     ("negative MTBF", lambda d: d["nodes"][0].update(mtbf_hours=-1), "nodes[0].mtbf_hours", "greater than 0"),
@@ -118,7 +121,7 @@ def test_mistake_names_file_path_and_expectation(tmp_path, what, edit, path, tex
 def test_the_same_loopback_url_and_pid_file_on_two_nodes_are_two_workers(tmp_path):
     data = yaml.safe_load(GOOD)
     data["nodes"].append({"name": "n2", "work_pool": "n2"})
-    data["workloads"].append({"name": "w2", "node": "n2", "find": {"pid_file": "/run/w1.pid"},
+    data["workloads"].append({"name": "w2", "node": "n2", "find": {"pid_file": "/run/w1.pid"}, "engine": "vllm",
                               "metrics_url": "http://127.0.0.1:8000/metrics"})
     data["storage"] = {"path": "/var/lib/ckptflow/{node}"}
     f = tmp_path / "fleet.yaml"
@@ -185,7 +188,7 @@ def test_every_mistake_is_reported_in_one_run(tmp_path):
     msg = str(e.value)
     assert msg.splitlines()[0] == f"{f}: 4 problems"
     for where, text in (("workloads[0].node (line 8)", "node 'n9' is not declared"),   # cross-field
-                        ("workloads[0].engine (line 10)", "'vllm', 'sglang', 'llamacpp' or 'other'"),   # schema
+                        ("workloads[0].engine (line 10)", "unknown engine 'tgi' (known: demo, llamacpp, other, sglang, vllm)"),   # schema
                         ("workloads[0].metrics_url (line 11)", "is not an http(s) URL"),    # URL
                         ("policies[0].policy (line 14)", "unknown policy 'yolo'")):
         assert f"{f}: {where}: " in msg and text in msg, (where, msg)

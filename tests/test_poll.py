@@ -192,7 +192,7 @@ def test_quiesce_probe_resume_and_metrics(scripted, caplog):
                     "/golden": [(200, {"choices": [{"tokens": [1, 2]}]})],
                     "/resume": [(500, {"error": "boom"})],
                     "/metrics": [(200, b"vllm:num_requests_running 2\n")]})
-    w = _workload(srv.url, prepare_url=f"{srv.url}/prepare", resume_url=f"{srv.url}/resume",
+    w = _workload(srv.url, engine="vllm", prepare_url=f"{srv.url}/prepare", resume_url=f"{srv.url}/resume",
                   probe_url=f"{srv.url}/digests", metrics_url=f"{srv.url}/metrics",
                   golden=GoldenRequest(url=f"{srv.url}/golden", body={"prompt": "p"}, field="choices.0.tokens"))
     with pytest.raises(WorkloadBusy, match="could not be quiesced before the CUDA lock: HTTP 409: rank 1 is in"):
@@ -205,7 +205,8 @@ def test_quiesce_probe_resume_and_metrics(scripted, caplog):
     with caplog.at_level("WARNING", logger="ckptflow"):
         engine.resume(w)                                            # best effort: logged, not raised
     assert "resume failed (HTTP 500: boom)" in caplog.text
-    assert engine.read_load(w) is not None
+    assert engine.read_load(w).running == 2
+    assert engine.read_load(w.model_copy(update={"engine": "other"})) is None   # not parsed as vLLM's
     down = _workload("http://127.0.0.1:9", probe_url="http://127.0.0.1:9/digests", metrics_url="http://127.0.0.1:9/m")
     assert engine.probe(down)["error"].startswith("probe failed: ") and engine.read_load(down) is None
 

@@ -24,7 +24,7 @@ def test_push_pull_round_trip_bytes_match(tmp_path, s3):
     m = _ckpt(a, payload)
     first = tier.push(a, m)
     assert first["uploaded_bytes"] == len(payload) + 4 and first["chunks"] == 5
-    assert tier.list("w") == [m.id]
+    assert tier.ids("w") == [m.id] and [x.id for x in tier.list("w")] == [m.id]
     got, stats = tier.pull(b, "w", m.id, "node-b")
     assert stats["downloaded_bytes"] == len(payload) + 4
     assert (b.images_dir(got) / "pages-1.img").read_bytes() == payload
@@ -76,7 +76,7 @@ def test_heartbeat_pushes_and_a_second_heartbeat_uploads_little(tmp_path, prefec
     assert r1["uploaded_bytes"] > 256 << 20
     assert r2["uploaded_bytes"] / r2["bytes"] <= 0.15, r2
     tier = S3Tier("ckpt-fleet", endpoint_url=s3.endpoint)
-    assert set(tier.list("chat")) == {r1["checkpoint"], r2["checkpoint"]}
+    assert set(tier.ids("chat")) == {r1["checkpoint"], r2["checkpoint"]}
 
 
 def test_client_side_encryption_keeps_dedup_and_refuses_another_key(tmp_path, s3, monkeypatch):
@@ -116,7 +116,7 @@ def test_prune_applies_retention_in_the_bucket_and_frees_unreferenced_chunks(tmp
     before = {o["Key"] for o in s3.client.list_objects_v2(Bucket="ckpt-prune", Prefix="ckptflow/chunks/")["Contents"]}
     res = tier.prune(Retention(keep=1))
     assert sorted(r["checkpoint"] for r in res["manifests_deleted"]) == sorted(m.id for m in ms[:2])
-    assert tier.list("w") == [ms[2].id]                  # the newest stays
+    assert tier.ids("w") == [ms[2].id]                  # the newest stays
     assert res["chunks_deleted"] == 4 and res["bytes_freed"] == 4 * CHUNK   # core-1.img's chunk is shared
     after = {o["Key"] for o in s3.client.list_objects_v2(Bucket="ckpt-prune", Prefix="ckptflow/chunks/")["Contents"]}
     assert len(before) - len(after) == 4
@@ -136,11 +136,11 @@ def test_prune_and_push_never_overlap(tmp_path, s3):
     tier.push(a, m)
     lease = tier._lease()                                # a push in flight (its dedup checks done)
     assert tier.prune(Retention(keep=1))["skipped"].startswith("1 push(es) in progress")
-    tier._delete(lease)
-    tier._stamp("ckptflow/locks/prune.json")             # a prune in flight
+    tier.objects.delete(lease)
+    tier._stamp("locks/prune.json")                      # a prune in flight
     with pytest.raises(StorageUnavailable, match="is being pruned") as e:
         tier.push(a, _ckpt(a, os.urandom(CHUNK)))
     assert e.value.retryable
     assert s3.client.list_objects_v2(Bucket="ckpt-lease", Prefix="ckptflow/leases/").get("KeyCount", 0) == 0
-    tier._delete("ckptflow/locks/prune.json")
+    tier.objects.delete("locks/prune.json")
     assert tier.push(a, _ckpt(a, os.urandom(CHUNK)))["uploaded_bytes"] == CHUNK

@@ -1,8 +1,10 @@
-"""One behaviour suite for every checkpoint tier (store.tier.CheckpointTier: LocalStore, S3Tier)
-and every fleet state (store.fleetstate.FleetState: LocalFleetState, S3FleetState).
+"""One behaviour suite for every checkpoint tier (store.tier.CheckpointTier: LocalStore, S3Tier,
+and the toy tier of tests/helpers/toy_tier.py, a directory-backed object store registered as
+``kind: toy``) and every fleet state (store.fleetstate.FleetState: LocalFleetState, S3FleetState).
 
 The S3 cases run against a real S3 server (SeaweedFS on 127.0.0.1, the session's ``s3``
-fixture), each test under a prefix of its own in one bucket.
+fixture), each test under a prefix of its own in one bucket. A new tier kind joins the ``tier``
+fixture's params (docs/extending/storage-tier.md).
 """
 
 import hashlib
@@ -23,6 +25,7 @@ from ckptflow.store import open_fleet_state, open_store, open_tier
 from ckptflow.store.fleetstate import FleetState, LocalFleetState
 from ckptflow.store.local import LocalStore
 from ckptflow.store.tier import CheckpointTier
+import toy_tier  # noqa: F401  (registers storage.kind toy; tests/helpers is on sys.path)
 
 BUCKET = "ckpt-contract"
 S3_CHUNK = 8 << 20   # store.s3.CHUNK: a payload above it spans two chunks in the bucket
@@ -31,14 +34,17 @@ S3_CHUNK = 8 << 20   # store.s3.CHUNK: a payload above it spans two chunks in th
 def _storage(request, tmp_path: Path) -> Storage:
     if request.param == "local":
         return Storage(kind="local", path=str(tmp_path / "fleet-root"))
+    if request.param == "toy":
+        return Storage(kind="toy", path=str(tmp_path / "store" / "{node}"), options={"root": str(tmp_path / "objects")})
     s3 = request.getfixturevalue("s3")
     return Storage(kind="s3", path=str(tmp_path / "store" / "{node}"), bucket=s3.bucket(BUCKET),
                    prefix=f"t-{uuid.uuid4().hex[:12]}", endpoint_url=s3.endpoint)
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "s3", "toy"])
 def tier(request, tmp_path) -> CheckpointTier:
-    """The tier under test: a LocalStore of its own directory, or the S3 tier the factory opens."""
+    """The tier under test: a LocalStore of its own directory, or the shared tier the factory
+    opens for the kind."""
     storage = _storage(request, tmp_path)
     t = LocalStore(tmp_path / "tier") if request.param == "local" else open_tier(storage)
     assert isinstance(t, CheckpointTier)
@@ -86,6 +92,7 @@ def test_push_list_manifest_pull_round_trip(tier, node_a, node_b):
     held = tier.manifest("chat", m.id)
     assert [(f.path, f.size, f.sha256) for f in held.files] == [(f.path, f.size, f.sha256) for f in m.files]
     assert [x.id for x in tier.manifests("chat")] == [m.id]
+    assert tier.list("chat") == tier.manifests("chat")          # one meaning on every tier
 
     got, stats = tier.pull(node_b, "chat", m.id, "node-b")
     assert stats["downloaded_bytes"] == m.bytes

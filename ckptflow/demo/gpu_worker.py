@@ -21,12 +21,11 @@ import hashlib
 import json
 import time
 
-from pathlib import Path
 import torch
 
 from ckptflow.demo.model import encode
-from ckptflow.demo.tiers import export_tensor, import_tensor
-from ckptflow.demo.worker import PROTOCOL, Metrics, base_args, completion_response, parse_completion, serve
+from ckptflow.demo.protocol import EngineSide, ExportRequest, SessionState
+from ckptflow.demo.worker import Metrics, base_args, completion_response, parse_completion, serve
 
 SESSION_CHUNK = 8 << 20     # per-chunk digests of 20 GiB take 16 ms on the H200 (notes/gpu.md)
 WEIGHT_CHUNK = 64 << 20
@@ -136,7 +135,11 @@ def gpu_checksum(t: torch.Tensor, chunk: int = 1 << 24) -> str:
     return hashlib.sha256(json.dumps(sums).encode()).hexdigest()
 
 
-class GpuWorker:
+class GpuWorker(EngineSide):
+    ENGINE = "ckptflow-demo-gpu"
+    SESSION_CHUNK, WEIGHT_CHUNK, IO_THREADS = SESSION_CHUNK, WEIGHT_CHUNK, IO_THREADS
+    POST_ROUTES = {"/v1/peek": "peek", "/v1/ckptflow/prepare": "prepare"}
+
     def __init__(self, device: str, seed: int, ballast_gib: float, model_name: str):
         self.model = GpuModel(device, seed)
         self.model_name = model_name
@@ -235,91 +238,58 @@ class GpuWorker:
             raise ValueError("engine is parked for a template checkpoint (weights released)")
         return {"digest": gpu_checksum(self.ballast), "bytes": int(self.ballast.numel() * 8)}
 
-    # --- two-tier protocol (docs/engines/protocol.md) ---------------------------------------
+    # --- two-tier protocol (docs/engines/protocol.md; the shared part is demo/protocol.py) -------
     # The ballast stands in for the weights: the large static tensor that leaves the image. The
     # model's own small tensors and the KV pool stay resident, so the captured decode graph
     # keeps its addresses; the pool is zeroed in the template (no session bytes in a template
     # shared between workloads).
-    def engine_info(self) -> dict:
+    def template_key(self) -> str:
         m = self.model
-        key = hashlib.sha256(json.dumps([m.vocab, m.d, m.h, m.L, m.T, m.S, self.seed, self.model_name,
-                                         self.ballast_bytes]).encode()).hexdigest()[:16]
-        return {"protocol": PROTOCOL, "engine": "ckptflow-demo-gpu", "model": self.model_name, "template_key": key,
-                "parked": self.ballast is None and self.ballast_bytes > 0,
-                **({"parked_with": self.parked_with} if self.ballast is None else {}),
-                "sessions": {k: s["len"] for k, s in self.sessions.items()}}
+        return hashlib.sha256(json.dumps([m.vocab, m.d, m.h, m.L, m.T, m.S, self.seed, self.model_name,
+                                          self.ballast_bytes]).encode()).hexdigest()[:16]
 
     def _kv(self, s: dict) -> list[tuple[str, torch.Tensor]]:
         m = self.model
         # token-major (len, L, H, dh): a session that grew changes only its last chunks
         return [(n, t[:, s["slot"], :, :s["len"]].permute(2, 0, 1, 3).contiguous()) for n, t in (("k", m.k), ("v", m.v))]
 
-    def sessions_export(self, body: dict) -> dict:
-        out_dir = Path(body["dir"])
-        chunk = int(body.get("chunk_bytes", SESSION_CHUNK))
-        known = {sid: set(ds) for sid, ds in (body.get("known") or {}).items()}
-        only = body.get("sessions")
-        chosen = {sid: s for sid, s in self.sessions.items() if only is None or sid in only}
+    def session_state(self, req: ExportRequest) -> tuple[dict[str, SessionState], float]:
+        chosen = {sid: s for sid, s in self.sessions.items() if req.wants(sid)}
         digests = {sid: d for sid, d in self.session_digests().items() if sid in chosen}
         t0 = time.perf_counter()
         host = {sid: [(n, t.cpu()) for n, t in self._kv(s)] for sid, s in chosen.items()}  # the hold
         held = time.perf_counter() - t0
-        res = {}
-        for sid, parts in host.items():
-            seen, tensors, written = known.get(sid, set()), [], 0
-            for n, t in parts:
-                rec, k = export_tensor(n, t.numpy(), out_dir, chunk, seen, threads=IO_THREADS)
-                tensors.append(rec)
-                written += k
-            s = self.sessions[sid]
-            res[sid] = {"tokens": s["len"], "digest": digests[sid], "last": s["last"], "slot": s["slot"],
-                        "tensors": tensors,
-                        "written_bytes": written, "total_bytes": sum(r["nbytes"] for r in tensors)}
-        return {"sessions": res, "held_s": round(held, 4)}
+        return ({sid: ({"tokens": s["len"], "digest": digests[sid], "last": s["last"], "slot": s["slot"]},
+                       [(n, t.numpy()) for n, t in host[sid]]) for sid, s in chosen.items()}, held)
 
-    def sessions_import(self, body: dict) -> dict:
-        root = Path(body["dir"])
+    def adopt_sessions(self, staged: dict) -> dict[str, str]:
         m = self.model
-        staged = {sid: ({r["name"]: import_tensor(r, root, threads=IO_THREADS) for r in rec["tensors"]}, rec)
-                  for sid, rec in body["sessions"].items()}  # every chunk checked before any is used
         for sid, (t, rec) in staged.items():
             slot, n = rec["slot"], rec["tokens"]
             for name, pool in (("k", m.k), ("v", m.v)):
                 pool[:, slot, :, :n] = torch.from_numpy(t[name]).to(m.dev).permute(1, 2, 0, 3)
             self.sessions[sid] = {"slot": slot, "len": n, "last": rec["last"]}
         torch.cuda.synchronize()
-        return {"imported": sorted(staged), "digests": {k: v for k, v in self.session_digests().items() if k in staged}}
+        return {k: v for k, v in self.session_digests().items() if k in staged}
 
-    def template_prepare(self, body: dict) -> dict:
-        out_dir = Path(body["dir"])
-        known = set(body.get("known") or [])
-        tensors, written = [], 0
+    def weight_arrays(self) -> dict:
         if self.ballast is not None and self.ballast.numel():
-            rec, written = export_tensor("weights", self.ballast.cpu().numpy(), out_dir,
-                                         int(body.get("chunk_bytes", WEIGHT_CHUNK)), known, threads=IO_THREADS)
-            tensors.append(rec)
-        if body.get("release", True):
-            self.parked_with = {"dir": str(out_dir), "tensors": tensors}  # whoever unparks us needs it
-            self.ballast = None
-            self.sessions.clear()
-            self.model.k.zero_()
-            self.model.v.zero_()
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()  # the CUDA checkpoint then copies only what is in use
-        return {"tensors": tensors, "written_bytes": written, "total_bytes": sum(r["nbytes"] for r in tensors)}
+            return {"weights": self.ballast.cpu().numpy()}
+        return {}
 
-    def template_resume(self, body: dict) -> dict:
-        t0 = time.perf_counter()
-        root = Path(body["dir"])
-        loaded = 0
-        for rec in body["tensors"]:
-            host = import_tensor(rec, root, threads=IO_THREADS)
-            self.ballast = torch.from_numpy(host).to(self.model.dev)
-            loaded += host.nbytes
-        if not body["tensors"]:
-            self.ballast = torch.zeros(0, dtype=torch.int64, device=self.model.dev)
+    def release_weights(self) -> None:
+        self.ballast = None
+        self.sessions.clear()
+        self.model.k.zero_()
+        self.model.v.zero_()
         torch.cuda.synchronize()
-        return {"loaded_bytes": loaded, "seconds": round(time.perf_counter() - t0, 4)}
+        torch.cuda.empty_cache()  # the CUDA checkpoint then copies only what is in use
+
+    def adopt_weights(self, weights: dict) -> None:
+        host = weights.get("weights")
+        self.ballast = (torch.from_numpy(host).to(self.model.dev) if host is not None
+                        else torch.zeros(0, dtype=torch.int64, device=self.model.dev))
+        torch.cuda.synchronize()
 
 
 def main(argv: list[str] | None = None) -> None:

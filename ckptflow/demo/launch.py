@@ -55,13 +55,22 @@ def require_free_port(port: int, host: str = "127.0.0.1") -> None:
 
 def start_worker(port: int, pid_file: Path, *, ballast_mib: int = 0, seed: int = 1234,
                  timeout_s: float = 30, module: str = "ckptflow.demo.worker",
-                 extra: list[str] | None = None) -> subprocess.Popen:
-    """Start a detached demo worker (own session, stdio on /dev/null) and wait until healthy."""
+                 extra: list[str] | None = None, isolated: bool = False) -> subprocess.Popen:
+    """Start a detached demo worker (own session, stdio on /dev/null) and wait until healthy.
+
+    ``isolated``: as PID 1 of its own PID and mount namespaces (runners/isolate.py); ``pid_file``
+    then holds its host PID."""
     pid_file.unlink(missing_ok=True)
     size = ["--ballast-mib", str(ballast_mib)] if module == "ckptflow.demo.worker" else []
+    inner = pid_file.with_name(pid_file.name + ".ns") if isolated else pid_file  # the worker writes 1 there
+    argv = [sys.executable, "-m", module, "--port", str(port), "--pid-file", str(inner),
+            "--seed", str(seed), *size, *(extra or [])]
+    if isolated:
+        from ckptflow.runners.isolate import isolated_argv
+
+        argv = isolated_argv(argv, pid_file)
     proc = subprocess.Popen(
-        [sys.executable, "-m", module, "--port", str(port), "--pid-file", str(pid_file),
-         "--seed", str(seed), *size, *(extra or [])],
+        argv,
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True, close_fds=True, env={**os.environ, **_WORKER_ENV})
     wait_healthy(f"http://127.0.0.1:{port}/health", timeout_s, proc=proc)

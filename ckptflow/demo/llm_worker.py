@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 from ckptflow.demo.model import encode
-from ckptflow.demo.worker import PROTOCOL, Metrics, base_args, completion_response, parse_completion, serve
+from ckptflow.demo.protocol import EngineSide, ExportRequest, ImportRequest, PrepareRequest, ResumeRequest
+from ckptflow.demo.worker import Metrics, base_args, completion_response, parse_completion, serve
 
 D, HEADS, VOCAB, MAX_LEN, BLOCK = 4096, 32, 256, 4096, 16
 DH = D // HEADS
@@ -175,7 +176,13 @@ def _ln(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.layer_norm(x, x.shape[-1:])
 
 
-class LlmEngine:
+class LlmEngine(EngineSide):
+    """The protocol's four calls are its own (VMM ranges, pinned staging, GPU fingerprints); the
+    requests, the engine's answer and the routes are demo/protocol.py's."""
+
+    ENGINE = "ckptflow-demo-llm"
+    POST_ROUTES = {"/v1/peek": "peek", "/v1/ckptflow/prepare": "prepare"}
+
     def __init__(self, weights: Path, kv_fraction: float, kv_gib: float | None, model_name: str, seed: int):
         from ckptflow.demo.vmm import Region
 
@@ -415,13 +422,12 @@ class LlmEngine:
             return {"digest": str(int(words.sum(dtype=torch.int64))), "bytes": self.weights_bytes}
 
     # --- two-tier protocol --------------------------------------------------------------------
-    def engine_info(self) -> dict:
-        key = hashlib.sha256(json.dumps([self.layout, self.nblocks, self.model_name, self.seed,
-                                         os.path.getsize(self.weights_path)], sort_keys=True).encode()).hexdigest()[:16]
-        return {"protocol": PROTOCOL, "engine": "ckptflow-demo-llm", "model": self.model_name, "template_key": key,
-                "parked": self.parked, "sessions": self.session_lengths(),
-                **({"parked_with": self.parked_with} if self.parked else {}),
-                "weights_gib": round(self.weights_bytes / 2**30, 2),
+    def template_key(self) -> str:
+        return hashlib.sha256(json.dumps([self.layout, self.nblocks, self.model_name, self.seed,
+                                          os.path.getsize(self.weights_path)], sort_keys=True).encode()).hexdigest()[:16]
+
+    def engine_extra(self) -> dict:
+        return {"weights_gib": round(self.weights_bytes / 2**30, 2),
                 "pool_gib": round(self.nblocks * self.block_bytes / 2**30, 2),
                 "load_s": round(self.load_s, 3), "graph_s": round(self.graph_s, 3), "start_s": round(self.start_s, 3)}
 
@@ -446,10 +452,8 @@ class LlmEngine:
                          "shas": shas, "digest": self._digest(s, fps)}
         return plan, snap
 
-    def sessions_export(self, body: dict) -> dict:
-        out_dir = Path(body["dir"])
-        known = {sid: set(ds) for sid, ds in (body.get("known") or {}).items()}
-        only = body.get("sessions")
+    def export_sessions(self, req: ExportRequest) -> dict:
+        out_dir, known, only = req.dir, req.known, req.only
         held = 0.0
         with self.export_lock:
             while True:
@@ -495,9 +499,8 @@ class LlmEngine:
                         "written_bytes": written[sid], "total_bytes": len(sn["blocks"]) * self.block_bytes}
         return {"sessions": res, "held_s": round(held, 4)}
 
-    def sessions_import(self, body: dict) -> dict:
-        root = Path(body["dir"])
-        recs = body["sessions"]
+    def import_sessions(self, req: ImportRequest) -> dict:
+        root, recs = req.dir, req.sessions
         from ckptflow.demo.tiers import chunk_path
 
         with self.export_lock, self.lock:
@@ -522,12 +525,10 @@ class LlmEngine:
                 digests[sid] = self._digest(s, fps)
         return {"imported": sorted(recs), "digests": digests}
 
-    def template_prepare(self, body: dict) -> dict:
+    def prepare_template(self, req: PrepareRequest) -> dict:
         """Weights out as 64 MiB chunks (those the runner lacks), then weights, KV pool, sessions
         and pinned memory released: the CUDA checkpoint then holds context, graphs and scratch."""
-        out_dir = Path(body["dir"])
-        known = set(body.get("known") or [])
-        release = body.get("release", True)
+        out_dir, known, release = req.dir, req.known, req.release
         with self.export_lock, self.lock:
             t0 = time.perf_counter()
             buf = self.slots.ensure(THREADS * RING * PIECE)
@@ -585,15 +586,15 @@ class LlmEngine:
         rec = {"name": "weights", "dtype": "uint8", "shape": [self.weights_bytes], "nbytes": self.weights_bytes,
                "chunks": chunks, "fingerprints": wfps}
         if release:
-            self.parked_with = {"dir": str(out_dir), "tensors": [rec]}  # whoever unparks us needs it
+            self.park(out_dir, [rec])
         return {"tensors": [rec], "written_bytes": written[0], "total_bytes": self.weights_bytes,
                 "phases": {"export": round(export_s, 4), **(stats if release else {})}}
 
-    def template_resume(self, body: dict) -> dict:
+    def resume_template(self, req: ResumeRequest) -> dict:
         """Map the ranges back at their addresses, zero the pool, stream the weights in (checked)."""
         from ckptflow.demo.tiers import chunk_path
 
-        root = Path(body["dir"])
+        root = req.dir
         ph = {}
         with self.export_lock, self.lock:
             t0 = time.perf_counter()
@@ -608,7 +609,7 @@ class LlmEngine:
             ph["pinned"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             items, off = [], 0
-            for rec in body["tensors"]:
+            for rec in req.tensors:
                 for d in rec["chunks"]:
                     n = min(SLOT, rec["nbytes"] - off)
                     items.append((chunk_path(root, d), 0, off, n, None if "fingerprints" in rec else d))
@@ -616,7 +617,7 @@ class LlmEngine:
             loaded = stream_in(items, self.wflat, self.slots)
             ph["weights"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            for rec in body["tensors"]:
+            for rec in req.tensors:
                 self._check("weights", rec.get("fingerprints"), self._weight_fingerprints(), rec["chunks"])
             ph["checked"] = time.perf_counter() - t0
             self.parked = False

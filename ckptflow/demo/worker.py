@@ -33,16 +33,14 @@ import signal
 import sys
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from pathlib import Path
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ckptflow.demo.model import ModelConfig, Session, TinyTransformer, decode, encode
-from ckptflow.demo.tiers import export_tensor, import_tensor
+from ckptflow.demo.protocol import PROTOCOL, EngineSide, ExportRequest, SessionState, routes
 
 KV_CAPACITY_TOKENS = 65536  # what "100 % KV cache usage" means for the demo
-PROTOCOL = 1
 SESSION_CHUNK = 64 << 10   # small sessions here; the GPU engines use 8 MiB
 WEIGHT_CHUNK = 1 << 20
 
@@ -98,9 +96,14 @@ def completion_response(model_name: str, sid: str | None, toks: list[int], n_pro
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(toks)}}
 
 
-class Worker:
+class Worker(EngineSide):
     """The numpy worker. The HTTP handler needs: metrics, complete(), session_lengths(),
-    session_digests(), ballast_digest()."""
+    session_digests(), ballast_digest(); the protocol's engine side is demo/protocol.py's,
+    over this worker's arrays."""
+
+    ENGINE = "ckptflow-demo"
+    SESSION_CHUNK = SESSION_CHUNK
+    WEIGHT_CHUNK = WEIGHT_CHUNK
 
     def __init__(self, seed: int, ballast_mib: int, model_name: str):
         self.model = TinyTransformer(ModelConfig(seed=seed))
@@ -145,7 +148,7 @@ class Worker:
             raise ValueError("engine is parked for a template checkpoint (weights released)")
         return {"digest": hashlib.sha256(self.ballast.tobytes()).hexdigest(), "bytes": int(self.ballast.nbytes)}
 
-    # --- two-tier protocol ----------------------------------------------------------------
+    # --- two-tier protocol: this worker's arrays (the rest is demo/protocol.py) ----------------
     def _weights(self) -> dict[str, np.ndarray]:
         m = self.model
         out = {"emb": m.emb, "pos": m.pos, "out": m.out, "ballast": self.ballast}
@@ -160,46 +163,26 @@ class Worker:
             for k in list(L):
                 L[k] = ws[f"layers.{i}.{k}"]
 
-    def engine_info(self) -> dict:
+    def template_key(self) -> str:
         cfg = self.model.cfg
-        key = hashlib.sha256(json.dumps([cfg.__dict__, self.model_name, int(self.ballast_bytes)],
-                                        sort_keys=True).encode()).hexdigest()[:16]
-        return {"protocol": PROTOCOL, "engine": "ckptflow-demo", "model": self.model_name,
-                "template_key": key, "parked": self.parked,
-                **({"parked_with": self.parked_with} if self.parked else {}),
-                "sessions": {k: len(v.tokens) for k, v in self.sessions.items()}}
+        return hashlib.sha256(json.dumps([cfg.__dict__, self.model_name, int(self.ballast_bytes)],
+                                         sort_keys=True).encode()).hexdigest()[:16]
 
-    def sessions_export(self, body: dict) -> dict:
-        """Each session's tokens, KV (token-major, so growth changes only the tail) and RNG as
-        chunks into ``dir``; chunks the runner lists in ``known`` are not written again."""
-        out_dir = Path(body["dir"])
-        chunk = int(body.get("chunk_bytes", SESSION_CHUNK))
-        known = {sid: set(ds) for sid, ds in (body.get("known") or {}).items()}
-        only = body.get("sessions")
-        res = {}
+    def session_state(self, req: ExportRequest) -> tuple[dict[str, SessionState], None]:
+        """Each session's tokens, KV (token-major, so growth changes only the tail) and RNG."""
+        out = {}
         for sid, s in self.sessions.items():
-            if only is not None and sid not in only:
+            if not req.wants(sid):
                 continue
-            seen = known.get(sid, set())
-            tensors, written = [], 0
             parts = [("tokens", np.asarray(s.tokens, dtype=np.int64))]
             for i in range(len(s.k)):
                 parts += [(f"k{i}", s.k[i].transpose(1, 0, 2)), (f"v{i}", s.v[i].transpose(1, 0, 2))]
-            for name, a in parts:
-                rec, n = export_tensor(name, a, out_dir, chunk, seen)
-                tensors.append(rec)
-                written += n
-            res[sid] = {"tokens": len(s.tokens), "digest": s.digest(), "rng": s.rng.bit_generator.state,
-                        "tensors": tensors,
-                        "written_bytes": written, "total_bytes": sum(t["nbytes"] for t in tensors)}
-        return {"sessions": res}
+            out[sid] = ({"tokens": len(s.tokens), "digest": s.digest(), "rng": s.rng.bit_generator.state}, parts)
+        return out, None  # single-threaded: the whole export holds the worker
 
-    def sessions_import(self, body: dict) -> dict:
-        """Rebuild sessions from their records; every chunk is checked before any is used."""
-        root = Path(body["dir"])
+    def adopt_sessions(self, staged: dict[str, tuple[dict[str, np.ndarray], dict]]) -> dict[str, str]:
         rebuilt = {}
-        for sid, rec in body["sessions"].items():
-            t = {r["name"]: import_tensor(r, root) for r in rec["tensors"]}
+        for sid, (t, rec) in staged.items():
             s = Session(id=sid, tokens=[int(x) for x in t["tokens"]])
             n_layers = sum(1 for k in t if k.startswith("k"))
             s.k = [np.ascontiguousarray(t[f"k{i}"].transpose(1, 0, 2)) for i in range(n_layers)]
@@ -207,40 +190,32 @@ class Worker:
             s.rng = np.random.default_rng()
             s.rng.bit_generator.state = rec["rng"]
             rebuilt[sid] = s
-        self.sessions.update(rebuilt)  # all or nothing: a torn chunk above changed nothing
-        return {"imported": sorted(rebuilt), "digests": {k: s.digest() for k, s in rebuilt.items()}}
+        self.sessions.update(rebuilt)
+        return {k: s.digest() for k, s in rebuilt.items()}
 
-    def template_prepare(self, body: dict) -> dict:
-        """Weights out as chunks (those not ``known``), then release weights and sessions: what
-        CRIU dumps next is the initialised engine alone."""
-        out_dir = Path(body["dir"])
-        chunk = int(body.get("chunk_bytes", WEIGHT_CHUNK))
-        known = set(body.get("known") or [])
-        tensors, written = [], 0
-        for name, a in self._weights().items():
-            rec, n = export_tensor(name, a, out_dir, chunk, known)
-            tensors.append(rec)
-            written += n
-        if body.get("release", True):
-            self._set_weights({k: None for k in self._weights()})
-            self.sessions.clear()
-            self.parked = True
-            self.parked_with = {"dir": str(out_dir), "tensors": tensors}  # whoever unparks us needs it
-            import gc
+    def weight_arrays(self) -> dict[str, np.ndarray]:
+        return self._weights()
 
-            gc.collect()
-        return {"tensors": tensors, "written_bytes": written, "total_bytes": sum(t["nbytes"] for t in tensors)}
+    def release_weights(self) -> None:
+        import gc
 
-    def template_resume(self, body: dict) -> dict:
-        t0 = time.perf_counter()
-        root = Path(body["dir"])
-        ws = {r["name"]: import_tensor(r, root) for r in body["tensors"]}
-        self._set_weights(ws)
-        self.parked, self.parked_with = False, None
-        return {"loaded_bytes": sum(a.nbytes for a in ws.values()), "seconds": round(time.perf_counter() - t0, 4)}
+        self._set_weights({k: None for k in self._weights()})
+        self.sessions.clear()
+        self.parked = True
+        gc.collect()
+
+    def adopt_weights(self, weights: dict[str, np.ndarray]) -> None:
+        self._set_weights(weights)
+        self.parked = False
 
 
 def make_handler(w):
+    own_get, own_post = routes(w)  # the worker's declared routes and, if it speaks it, the protocol's
+    get = {"/v1/sessions": lambda: {"sessions": w.session_lengths()},
+           "/v1/sessions/digests": lambda: {"sessions": w.session_digests()},
+           "/v1/ballast/digest": w.ballast_digest, **own_get}
+    post = {"/v1/completions": w.complete, **own_post}
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -263,16 +238,8 @@ def make_handler(w):
                 return self._json(200, {"status": "ok", "pid": os.getpid()})
             if path == "/metrics":
                 return self._send(200, generate_latest(w.metrics.registry), "text/plain; version=0.0.4")
-            if path == "/v1/sessions":
-                return self._json(200, {"sessions": w.session_lengths()})
-            if path == "/v1/sessions/digests":
-                return self._json(200, {"sessions": w.session_digests()})
-            if path == "/v1/ballast/digest":
-                return self._json(200, w.ballast_digest())
-            if path == "/v1/ckptflow/engine" and hasattr(w, "engine_info"):
-                return self._json(200, w.engine_info())
-            if path == "/v1/ckptflow/ranks" and hasattr(w, "rank_states"):
-                return self._json(200, w.rank_states())
+            if path in get:
+                return self._json(200, get[path]())
             m = re.fullmatch(r"/v1/sessions/([A-Za-z0-9._-]{1,64})/digest", path)
             if m:
                 digests = w.session_digests()
@@ -283,15 +250,7 @@ def make_handler(w):
             return self._json(404, {"error": "not found"})
 
         def do_POST(self):
-            path = self.path.split("?")[0]
-            fn = {"/v1/completions": w.complete, "/v1/peek": getattr(w, "peek", None),
-                  "/v1/ckptflow/prepare": getattr(w, "prepare", None),
-                  "/v1/ckptflow/resume": getattr(w, "resume", None),
-                  "/v1/ckptflow/sessions/export": getattr(w, "sessions_export", None),
-                  "/v1/ckptflow/sessions/import": getattr(w, "sessions_import", None),
-                  "/v1/ckptflow/template/prepare": getattr(w, "template_prepare", None),
-                  "/v1/ckptflow/template/resume": getattr(w, "template_resume", None),
-                  "/v1/allreduce": getattr(w, "allreduce_check", None)}.get(path)
+            fn = post.get(self.path.split("?")[0])
             if fn is None:
                 return self._json(404, {"error": "not found"})
             try:

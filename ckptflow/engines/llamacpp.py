@@ -50,8 +50,10 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, Field
 
+from ckptflow.engines.adapter import EngineAdapter, register
 from ckptflow.errors import CkptflowError, RunnerUnavailable, StoreError
 from ckptflow.models import GoldenRequest, Manifest, ProcessFinder, TrafficClass, Workload
+from ckptflow.policies.load import metric_names
 from ckptflow.runners.engine import http, wait_url
 from ckptflow.settings import settings
 from ckptflow.store.local import LocalStore
@@ -119,6 +121,29 @@ def require_install(flavor: str = "cpu") -> LlamaCppInstall:
         raise RunnerUnavailable(f"llama.cpp ({flavor}) is not installed under {INSTALL_ROOT}",
                                 fix=f"run ./scripts/install-llamacpp.sh{cuda} (./scripts/setup.sh runs the CPU build)")
     return inst
+
+
+@register
+class LlamaCppAdapter(EngineAdapter):
+    """llama-server: its own metric names (``--metrics``), ``/completion`` on a slot of its own
+    as the golden request, and no two-tier protocol: weights are mmapped from the GGUF file and
+    sessions are slots (``save_session``/``restore_session`` below), carried by the process
+    checkpoint."""
+
+    name = ENGINE
+    summary = "llama.cpp's llama-server: its metric names, slot sessions, whole-process checkpoints"
+    metrics = metric_names("llamacpp")
+    protocol = None
+    no_protocol_fix = ("use checkpoint: process (llama-server has no template hooks; its sessions are "
+                       "slots, carried by the process checkpoint)")
+    golden_slot = 1  # -np 2: slot 0 serves the session, slot 1 the golden request
+
+    def golden_request(self, base: str, *, slot: int | None = None, **kw: object) -> GoldenRequest:
+        return GoldenRequest(url=base.rstrip("/") + "/completion", field="tokens",
+                             body=golden_body(self.golden_slot if slot is None else slot))
+
+
+ADAPTER = LlamaCppAdapter()
 
 
 # --- launching ------------------------------------------------------------------------------
@@ -192,9 +217,7 @@ def workload(name: str, srv: Server, *, node: str = "local", inst: LlamaCppInsta
              traffic: TrafficClass = TrafficClass.long_sessions) -> Workload:
     """The Workload declaring ``srv``. ``golden_slot``: a slot no session uses (see the module
     docstring); None leaves the golden request out."""
-    golden = None
-    if golden_slot is not None:
-        golden = GoldenRequest(url=srv.url + "/completion", field="tokens", body=golden_body(golden_slot))
+    golden = ADAPTER.golden_request(srv.url, slot=golden_slot) if golden_slot is not None else None
     return Workload(
         name=name, node=node, engine=ENGINE, engine_version=inst.version if inst else None,
         model_id=model_id, model_revision=model_revision, traffic=traffic,

@@ -46,8 +46,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from ckptflow.engines.adapter import EngineAdapter, register
 from ckptflow.errors import CkptflowError, RunnerUnavailable, StoreError
 from ckptflow.models import GoldenRequest, Manifest, ProcessFinder, TrafficClass, Workload
+from ckptflow.policies.load import metric_names
 from ckptflow.runners.engine import http, wait_url
 from ckptflow.settings import settings
 from ckptflow.store.local import LocalStore
@@ -62,6 +64,25 @@ SESSIONS_DIR = ".vllm-sessions"  # under a store's root; the dot keeps it out of
 CONNECTOR = "CkptflowConnector"
 CONNECTOR_MODULE = "ckptflow.engines.vllm_connector"
 IO_URING_SYSCTL = Path("/proc/sys/kernel/io_uring_disabled")
+
+
+@register
+class VllmAdapter(EngineAdapter):
+    """vLLM's OpenAI server: its metric names, a token-id greedy golden request. Its two-tier
+    calls go to ckptflow's protocol on its address (the demo workers declared ``engine: vllm``
+    serve it; vLLM itself would through a plugin: docs/engines/protocol.md); the session tier
+    that runs here is the KV connector (``save_sessions``/``restore_sessions`` below)."""
+
+    name = ENGINE
+    summary = "vLLM's OpenAI server: its metric names, sessions through ckptflow's KV connector"
+    metrics = metric_names("vllm")
+
+    def golden_request(self, base: str, *, served_name: str = "m", **kw: object) -> GoldenRequest:
+        return GoldenRequest(url=base.rstrip("/") + "/v1/completions", field="choices.0.token_ids",
+                             body=golden_body(served_name))
+
+
+ADAPTER = VllmAdapter()
 
 
 class VllmInstall(BaseModel):
@@ -268,8 +289,7 @@ def kill_tree(pid: int) -> None:
 def workload(name: str, srv: Server, *, model: VllmModel, node: str = "local", inst: VllmInstall | None = None,
              traffic: TrafficClass = TrafficClass.long_sessions, golden: bool = True) -> Workload:
     """The Workload declaring ``srv`` (engine: vllm, so vLLM's CRIU options are on)."""
-    g = GoldenRequest(url=srv.url + "/v1/completions", field="choices.0.token_ids",
-                      body=golden_body(srv.served_name)) if golden else None
+    g = ADAPTER.golden_request(srv.url, served_name=srv.served_name) if golden else None
     return Workload(
         name=name, node=node, engine=ENGINE, engine_version=inst.version if inst else None,
         model_id=model.model_id, model_revision=model.revision, traffic=traffic,

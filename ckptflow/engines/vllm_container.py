@@ -161,26 +161,20 @@ def container_workload(name: str, image: str, inst: vllm.VllmInstall, model: vll
     url = f"http://127.0.0.1:{host_port}"
     return Workload(name=name, node=node, engine=vllm.ENGINE, engine_version=inst.version, model_id=model.model_id,
                     model_revision=model.revision, container=spec, health_url=url + "/health",
-                    # podman 4.3 refuses `restore --import --name X --tcp-established` ("cannot be used
-                    # with --name"), and ContainerRunner restores by name. At TP=1 on CPU the tree has
-                    # no established TCP connection (gloo over a file:// rendezvous): measured.
+                    # At TP=1 on CPU the tree has no established TCP connection (gloo over a file://
+                    # rendezvous): measured. (True works too: an in-place restore then keeps the
+                    # exported name, since podman 4.3 refuses --tcp-established with --name.)
                     metrics_url=url + "/metrics", tcp_established=False,
                     golden=GoldenRequest(url=url + "/v1/completions", field="choices.0.token_ids",
                                          body=vllm.golden_body()))
 
 
 def run_args(w: Workload, *, criu_conf: Path | None, shm_size: str = SHM_SIZE) -> list[str]:
-    """``podman run`` arguments: what ContainerRunner.start passes, plus ``--shm-size`` and the
-    CRIU config annotation (ContainerSpec has no field for either)."""
+    """``podman run`` arguments: the workload's ContainerSpec with ``--shm-size`` and the CRIU
+    config annotation set (when the spec does not already say)."""
     spec = w.container
-    args = ["--runtime", spec.oci_runtime, "run", "--detach", "--name", spec.name, "--shm-size", shm_size,
-            *(a for k, v in spec.ulimits.items() for a in ("--ulimit", f"{k}={v}")),
-            *spec.publish_args(),
-            *(a for mt in spec.mounts for a in ("--volume", f"{mt.source}:{mt.target}" + (":ro" if mt.read_only else ""))),
-            *(a for k, v in spec.env.items() for a in ("--env", f"{k}={v}"))]
-    if criu_conf is not None:
-        args += ["--annotation", f"{CRIU_ANNOTATION}={criu_conf}"]
-    return [*args, spec.image, *(spec.command or [])]
+    annotations = {**({CRIU_ANNOTATION: str(criu_conf)} if criu_conf is not None else {}), **spec.annotations}
+    return spec.model_copy(update={"shm_size": spec.shm_size or shm_size, "annotations": annotations}).run_args()
 
 
 def start(w: Workload, *, criu_conf: Path | None, shm_size: str = SHM_SIZE, timeout_s: float = 900) -> float:

@@ -20,6 +20,7 @@ from typing import Literal
 from prefect import flow
 
 from ckptflow.flows.steps import checkpoint_of, mark_ready, publish_checkpoint, wait_ready
+from ckptflow.tasks.common import open_fleet, placed
 from ckptflow.tasks.move import (migrate_in, migrate_out, restore_local, scale_down_in, scale_up_in, stop_workload,
                                  take_template)
 from ckptflow.tasks.node import restore_workload
@@ -40,6 +41,10 @@ def node_step(fleet_file: str, action: Step, workload: str, node: str, checkpoin
     ``checkpoint_from`` (on migrate_in) is the idempotency key of the migrate_out step whose
     result names the checkpoint, waited for instead of taking ``checkpoint``.
     """
+    if action == "cold_start":  # its task (tasks/verify.py) still reads the file itself
+        return cold_start_workload(fleet_file, workload)
+    fleet = open_fleet(fleet_file)  # once: each task gets typed values, never the path
+    scope = fleet.scope()
     if when_ready:
         wait_ready(when_ready)
     if checkpoint_from:
@@ -49,16 +54,16 @@ def node_step(fleet_file: str, action: Step, workload: str, node: str, checkpoin
     steps = {
         # The flow's own result carries theirs; persisting the task's too was one more S3 write
         # while the moved worker is down.
-        "migrate_out": lambda: _out(migrate_out.with_options(persist_result=False)(fleet_file, workload),
+        "migrate_out": lambda: _out(migrate_out.with_options(persist_result=False)(scope, placed(fleet, workload)),
                                     paired=bool(when_ready)),
-        "migrate_in": lambda: migrate_in.with_options(persist_result=False)(fleet_file, workload, node, checkpoint),
-        "restore_local": lambda: restore_local(fleet_file, workload, node, checkpoint),
-        "stop": lambda: stop_workload(fleet_file, workload),
-        "take_template": lambda: take_template(fleet_file, workload),
-        "scale_up_in": lambda: scale_up_in(fleet_file, workload, node, checkpoint),
-        "scale_down": lambda: scale_down_in(fleet_file, workload, node, replica),
-        "restore": lambda: restore_workload(fleet_file, workload, node),
-        "cold_start": lambda: cold_start_workload(fleet_file, workload),
+        "migrate_in": lambda: migrate_in.with_options(persist_result=False)(scope, placed(fleet, workload, node),
+                                                                              checkpoint),
+        "restore_local": lambda: restore_local(scope, placed(fleet, workload), node, checkpoint),
+        "stop": lambda: stop_workload(placed(fleet, workload)),
+        "take_template": lambda: take_template(scope, placed(fleet, workload)),
+        "scale_up_in": lambda: scale_up_in(scope, placed(fleet, workload, node), checkpoint),
+        "scale_down": lambda: scale_down_in(scope, workload, node, replica),
+        "restore": lambda: restore_workload(scope, placed(fleet, workload, node)),
     }
     return steps[action]()
 

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
 from typing import NamedTuple
 
@@ -128,6 +129,11 @@ def _series(text: str) -> dict[str, list[float]]:
     return out
 
 
+def metric_names(engine: str) -> dict[str, Metric]:
+    """The mapping of one engine named here (a copy): what its adapter declares (engines/adapter.py)."""
+    return dict(_NAMES[engine])
+
+
 def parse_metrics(engine: str, text: str) -> WorkloadLoad:
     """Parse a /metrics body; the series of each family combine as its mapping says.
 
@@ -137,6 +143,15 @@ def parse_metrics(engine: str, text: str) -> WorkloadLoad:
     names = _NAMES.get(engine)
     if names is None:
         raise ValueError(f"engine {engine!r} has no metric mapping (known: {', '.join(_NAMES)})")
+    return parse_mapped(names, text)
+
+
+def parse_mapped(names: Mapping[str, Metric], text: str) -> WorkloadLoad:
+    """Parse a /metrics body with a mapping of WorkloadLoad field -> Metric (an engine adapter's).
+
+    Raises:
+        ValueError: the text is not Prometheus exposition.
+    """
     series = _series(text)
     out: dict[str, float | None] = {}
     for field, metric in names.items():

@@ -501,10 +501,15 @@ class ContainerRunner:
             pod.restore(w, m, self.store.images_dir(m) / IMAGE_FILE)
             return 0
         pm = self.podman(w)
+        exported = (m.probe.get("container") or {}).get("name")
+        # podman (4.3) refuses --tcp-established together with --name: in place, the name the
+        # container was exported under is the declared one, so it can stand; a copy beside the
+        # original gets a new name and no established connections (they are the original's).
+        keep_name = w.tcp_established and name == spec.name == exported
         args = ["--runtime", spec.oci_runtime, "container", "restore", "--import",
-                str(self.store.images_dir(m) / IMAGE_FILE), "--name", name, "--ignore-static-ip",
-                "--ignore-static-mac", *spec.publish_args(ports)]
-        if w.tcp_established:
+                str(self.store.images_dir(m) / IMAGE_FILE), *([] if keep_name else ["--name", name]),
+                "--ignore-static-ip", "--ignore-static-mac", *spec.publish_args(ports)]
+        if keep_name:
             args.append("--tcp-established")
         try:
             pm.call(args, "restore")
@@ -593,14 +598,8 @@ class ContainerRunner:
 
             if not image_exists(spec.runtime.value, spec.image):
                 import_rootfs(spec.runtime.value, Path(spec.rootfs), spec.image)
-        args = ["--runtime", spec.oci_runtime, "run", "--detach", "--name", spec.name,
-                *(a for k, v in spec.ulimits.items() for a in ("--ulimit", f"{k}={v}")),
-                *spec.publish_args(),
-                *(a for mt in spec.mounts for a in ("--volume", f"{mt.source}:{mt.target}" + (":ro" if mt.read_only else ""))),
-                *(a for k, v in spec.env.items() for a in ("--env", f"{k}={v}")),
-                spec.image, *(spec.command or [])]
         try:
-            pm.call(args, "run")
+            pm.call(spec.run_args(), "run")
         except CkptflowError:
             pm.remove(spec.name)
             raise

@@ -48,6 +48,7 @@ from ckptflow.errors import CriuError, CriuTimeout, PidBusy, RunnerUnavailable, 
 from ckptflow.models import CriuOptions, Workload
 from ckptflow.poll import PollTimeout, poll
 from ckptflow.runners import devshm
+from ckptflow.runners.isolate import is_isolated
 from ckptflow.runners.process import DeclaredProcess, pid_alive, pid_taken, recheck, resolve, tree
 from ckptflow.settings import settings
 
@@ -284,7 +285,8 @@ class CriuRunner:
                 "worker (uvloop/libuv then falls back to epoll; docs/engines/vllm.md); for torch.distributed's "
                 "TCPStore start it with USE_LIBUV=0")
         images_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        _record(images_dir, workload.criu, written_files(pids), pids)
+        isolated = is_isolated(proc.pid)
+        _record(images_dir, workload.criu, written_files(pids), pids, isolated)
         if workload.criu.link_remap:  # a link-remap file left by a failed restore blocks CRIU's own
             devshm.remove_stale_link_remaps()
         log = self.log_dir / f"dump-{workload.name}-{proc.pid}-{time.time_ns()}.log"
@@ -292,6 +294,8 @@ class CriuRunner:
                 "--ghost-limit", self.ghost_limit]
         if leave_running:
             args.append("--leave-running")
+        if isolated:  # its namespaces go into the image; the node's mounts it sees stay outside
+            args += ["--external", "mnt[]"]
         if workload.criu.devshm and devshm.needed(pids):  # runs while the tree is frozen, before CRIU drops its link-remaps
             script = devshm.action_script(self._tmp() / f"post-dump-{time.time_ns()}.sh", images_dir, proc.pid)
             args += ["--action-script", str(script)]
@@ -335,14 +339,14 @@ class CriuRunner:
         if recorded:
             close_orphans(recorded, ss)
         fork_wait_s = 0.0
+        isolated = image_isolated(images_dir)
         while True:
-            self.wait_pid_free(old_pid)
-            # Every PID of the tree, not only the root's: a killed engine's children are reaped by
-            # init a second or two later, and until then they keep the root's PID in use as their
-            # session id (clone3 -> "Can't fork for <root>: File exists", measured with vLLM).
-            for p in _recorded(images_dir).get("pids", []):
-                if p != old_pid:
-                    self.wait_pid_free(p)
+            # An isolated worker comes back in new namespaces: the node's PIDs are not its own.
+            for p in [] if isolated else [old_pid, *(p for p in _recorded(images_dir).get("pids", []) if p != old_pid)]:
+                # Every PID of the tree, not only the root's: a killed engine's children are reaped
+                # by init a second or two later, and until then they keep the root's PID in use as
+                # their session id (clone3 -> "Can't fork for <root>: File exists", with vLLM).
+                self.wait_pid_free(p)
             # The dumped tree is gone (its PIDs are free): its /dev/shm files are ours to reset.
             put = devshm.put_back(images_dir)
             log = self.log_dir / f"restore-{old_pid}-{time.time_ns()}.log"
@@ -352,8 +356,9 @@ class CriuRunner:
             if leave_stopped:
                 args.append("--leave-stopped")
             try:
-                with _inherited_outputs(images_dir) as (inherit, fds):
-                    self._run(args + inherit, log, timeout_s, "restore", pass_fds=fds)
+                with _inherited_outputs(images_dir) as (inherit, fds), \
+                        (_rbind_root(self._tmp()) if isolated else contextlib.nullcontext(([], []))) as (prefix, root):
+                    self._run(args + root + inherit, log, timeout_s, "restore", pass_fds=fds, prefix=prefix or None)
                 return int(pidfile.read_text().strip())
             except CriuError:
                 devshm.remove_link_remaps(put)  # CRIU unlinks them only after a restore that worked
@@ -383,14 +388,16 @@ class CriuRunner:
 
         ``netns`` names a network namespace (``ip netns add``) so the copy's ports do not clash.
         """
-        criu_ns = shutil.which("criu-ns")
-        if not criu_ns:
-            raise RunnerUnavailable("criu-ns not found", fix="run ./scripts/setup.sh as root")
         log = self.log_dir / f"sandbox-{time.time_ns()}.log"
         pidfile = self.log_dir / f"sandbox-{time.time_ns()}.pid"
         args = ["restore", "-d", "--pidfile", str(pidfile), *self._common(images_dir, log, False)]
         if netns:
             args += ["--join-ns", f"net:/var/run/netns/{netns}"]
+        if image_isolated(images_dir):
+            return self._isolated_copy(images_dir, args, log, pidfile, netns, timeout_s)
+        criu_ns = shutil.which("criu-ns")
+        if not criu_ns:
+            raise RunnerUnavailable("criu-ns not found", fix="run ./scripts/setup.sh as root")
         prefix = None
         if devshm.saved(images_dir):
             # The original still maps its /dev/shm files: the copy gets a /dev/shm of its own
@@ -411,6 +418,22 @@ class CriuRunner:
             raise CriuError(f"criu-ns restored no process ({e})", cmd=[criu_ns, *args], log_tail=_tail(log)) from None
         return SandboxCopy(pid=pid, init_pid=ppid, netns=netns)
 
+    def _isolated_copy(self, images_dir: Path, args: list[str], log: Path, pidfile: Path, netns: str | None,
+                       timeout_s: float | None) -> SandboxCopy:
+        # The image brings its own PID and mount namespaces: plain criu makes new ones, and the
+        # copy's root task is their init (no criu-ns, no criu left running as init).
+        if devshm.saved(images_dir):
+            raise UnsupportedWorkload("a sandbox copy of an isolated worker that keeps files in /dev/shm is not "
+                                      "supported yet", fix="verify it by restoring on a spare node instead")
+        with _inherited_outputs(images_dir, sink=os.devnull) as (inherit, fds), \
+                _rbind_root(self._tmp()) as (prefix, root):
+            self._run(args + root + inherit, log, timeout_s, "restore (sandbox)", pass_fds=fds, prefix=prefix)
+        try:
+            pid = int(pidfile.read_text().strip())
+        except (OSError, ValueError) as e:
+            raise CriuError(f"criu restored no process ({e})", cmd=args, log_tail=_tail(log)) from None
+        return SandboxCopy(pid=pid, init_pid=pid, netns=netns)
+
     def close(self) -> None:
         """Remove this runner's private directory; the runner stays usable (it makes a new one)."""
         if self._finalizer is not None:
@@ -428,10 +451,30 @@ def _recorded(images_dir: Path) -> dict:
         return {}
 
 
-def _record(images_dir: Path, opts: CriuOptions, outputs: list[str], pids: list[int]) -> None:
+def _record(images_dir: Path, opts: CriuOptions, outputs: list[str], pids: list[int], isolated: bool = False) -> None:
     flags = [f for f, on in (("--link-remap", opts.link_remap), ("--ext-unix-sk", opts.ext_unix_sk),
                              ("--file-locks", opts.file_locks)) if on]
-    (images_dir / CRIU_FLAGS_FILE).write_text(json.dumps({"flags": flags, "outputs": outputs, "pids": pids}))
+    (images_dir / CRIU_FLAGS_FILE).write_text(json.dumps({"flags": flags, "outputs": outputs, "pids": pids,
+                                                          "isolated": isolated}))
+
+
+def image_isolated(images_dir: Path) -> bool:
+    """True when the image holds a worker born in its own PID and mount namespaces (runners/isolate.py)."""
+    return bool(_recorded(images_dir).get("isolated"))
+
+
+@contextlib.contextmanager
+def _rbind_root(parent: Path):
+    """``(prefix, args)`` restoring an isolated image: CRIU rebuilds the dumped mount namespace
+    under ``--root``, an rbind of / made in a private mount namespace of criu's own, so the
+    node's mount table never changes (and nothing is left mounted when criu exits)."""
+    root = Path(tempfile.mkdtemp(prefix="root-", dir=parent))
+    try:
+        yield (["unshare", "--mount", "--propagation", "private", "sh", "-c", 'mount --rbind / "$0" && exec "$@"',
+                str(root)], ["--ext-mount-map", "auto", "--root", str(root)])
+    finally:
+        with contextlib.suppress(OSError):
+            root.rmdir()
 
 
 def io_uring_holder(pids: list[int]) -> tuple[int, str] | None:

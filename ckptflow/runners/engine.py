@@ -4,7 +4,7 @@ its health, and the hooks around a checkpoint (quiesce before the lock, resume a
 Example:
     >>> from ckptflow.runners.engine import golden_digest
     >>> golden_digest({"choices": [{"tokens": [1, 2]}]}, "choices.0.tokens")[:12]
-    'a3cbed3cf6b0'
+    '3a316d6d3226'
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import functools
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from ckptflow.engines.adapter import EXPORT_TIMEOUT_S, get_adapter
 from ckptflow.errors import EngineProtocolError, RestoreFailed, WorkloadBusy
 from ckptflow.poll import NotYet, poll
 
@@ -80,15 +81,16 @@ def golden_digest(answer: dict, field: str) -> str:
 
 
 def read_load(w: Workload) -> WorkloadLoad | None:
-    """The engine's /metrics as a WorkloadLoad, or None when there is none or it cannot be read."""
-    from ckptflow.policies.load import parse_metrics
-
-    if not w.metrics_url:
+    """The engine's /metrics as a WorkloadLoad, read with its adapter's mapping; None when there
+    is none, the adapter has no mapping (``engine: other``: the fleet loader refuses a metrics_url
+    there) or it cannot be read."""
+    adapter = get_adapter(w.engine)
+    if not w.metrics_url or not adapter.metrics:
         return None
     try:
         r = http().get(w.metrics_url, timeout=5)
         r.raise_for_status()
-        return parse_metrics(w.engine.value if w.engine.value != "other" else "vllm", r.text)
+        return adapter.parse_metrics(r.text)
     except (httpx.HTTPError, ValueError):
         return None
 
@@ -185,8 +187,9 @@ def rank_states(url: str | None) -> str:
 
 
 # --- the two-tier protocol (docs/engines/protocol.md) -----------------------------------------
+# The HTTP exchange lives here; what each call sends, and whether the engine takes it at all, is
+# its adapter's (engines/adapter.py): the orchestration calls the functions at the end of this file.
 PROTOCOL = 1
-EXPORT_TIMEOUT_S = 600
 
 
 def base_url(w: Workload) -> str:
@@ -253,9 +256,40 @@ def call(w: Workload, path: str, body: dict | None = None, timeout_s: float = EX
     raise EngineProtocolError(f"workload {w.name}: {path} failed{where}: {got.get('unreachable')}", retryable=True)
 
 
-def engine_info(w: Workload) -> dict:
-    info = call(w, "/v1/ckptflow/engine", timeout_s=10)
+def engine_info(w: Workload, **where: Any) -> dict:
+    """The engine's ``/v1/ckptflow/engine`` answer, its protocol version checked.
+
+    Raises:
+        EngineProtocolError: another protocol version, or an engine without the protocol.
+    """
+    info = get_adapter(w.engine).info(w, **where)
     if info.get("protocol") != PROTOCOL:
         raise EngineProtocolError(f"workload {w.name}: engine speaks protocol {info.get('protocol')!r}, "
                                   f"ckptflow speaks {PROTOCOL}", fix="upgrade the engine plugin or ckptflow")
     return info
+
+
+def export_sessions(w: Workload, dir: str, known: dict[str, list[str]], sessions: list[str] | None = None,
+                    **where: Any) -> dict:
+    """The engine writes its sessions' chunks (those not ``known``) into ``dir``: ``{"sessions": {sid: record}}``.
+    ``where``: ``base``/``netns``/``timeout_s`` as for ``call``.
+
+    Raises:
+        EngineProtocolError: refused, or the engine's adapter has no session export.
+    """
+    return get_adapter(w.engine).export_sessions(w, dir, known, sessions, **where)
+
+
+def import_sessions(w: Workload, dir: str, records: dict[str, dict], **where: Any) -> dict:
+    """Sessions back into the engine from their records (all or nothing): ``{"imported", "digests"}``."""
+    return get_adapter(w.engine).import_sessions(w, dir, records, **where)
+
+
+def template_prepare(w: Workload, dir: str, known: list[str], **where: Any) -> dict:
+    """Weights out as chunks into ``dir``, then the engine parks: ``{"tensors", "written_bytes", ...}``."""
+    return get_adapter(w.engine).template_prepare(w, dir, known, **where)
+
+
+def template_adopt(w: Workload, dir: str, tensors: list[dict], **where: Any) -> dict:
+    """Weights back from their records (protocol: template/resume); the engine serves again."""
+    return get_adapter(w.engine).template_adopt(w, dir, tensors, **where)

@@ -300,7 +300,7 @@ class NodeRunner:
         remote: list[str] = []
         if tier is not None:
             try:
-                remote = tier.list(w.name)
+                remote = tier.ids(w.name)
             except StorageUnavailable as e:  # the node's own copies can still bring it back
                 log.warning("workload %s: S3 tier unreachable, trying this node's copies only: %s", w.name, e)
         # Session checkpoints hold no process image: the two-tier runner restores those.

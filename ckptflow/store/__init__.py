@@ -1,20 +1,26 @@
 """Checkpoint images, manifests and fleet state. No Prefect here.
 
-The fleet file's ``storage:`` picks the implementations; these three functions are the only
-place that reads ``storage.kind`` (nothing outside ckptflow/store/ compares it or imports
-store.s3)::
+The fleet file's ``storage: {kind: ...}`` picks the implementations through a registry of tier
+kinds; these functions are the only place that reads ``storage.kind`` (nothing outside
+ckptflow/store/ compares it or imports store.s3)::
 
     storage: {kind: local, path: .ckptflow/store}
     storage: {kind: s3, path: /var/lib/ckptflow/{node}, bucket: ckpt-prod, endpoint_url: ...}
 
-    open_store(storage, node)   the node's LocalStore (where CRIU writes)       both kinds
-    open_tier(storage, key)     the fleet's shared CheckpointTier: S3Tier       s3 (local: None)
+    open_store(storage, node)   the node's LocalStore (where CRIU writes)       every kind
+    open_tier(storage, key)     the fleet's shared CheckpointTier               S3Tier (local: None)
     open_fleet_state(storage)   placements, fingerprints, open alerts:
                                 LocalFleetState in the store root | S3FleetState in the bucket
 
-Modules: tier.py (the ``CheckpointTier`` interface), local.py (LocalStore), s3.py (S3Tier),
-fleetstate.py (the ``FleetState`` interface and its two implementations), chunks.py
-(content-addressed chunks of two-tier checkpoints on a node).
+``register_tier(kind, open_tier, open_fleet_state=None)`` adds a kind (``local`` and ``s3`` are
+registered below); ``Storage.kind`` in the fleet file accepts every registered name.
+docs/extending/storage-tier.md walks through adding one.
+
+Modules: tier.py (the ``CheckpointTier`` interface), local.py (LocalStore), objects.py
+(``ChunkedTier``: chunks, dedup, encryption and the prune lock on any ``ObjectStore`` client),
+s3.py (S3Objects, the boto3 client, and S3Tier), fleetstate.py (the ``FleetState`` interface
+and its two implementations), chunks.py (content-addressed chunks of two-tier checkpoints on a
+node).
 
 Example:
     >>> fleet = load_fleet(Path("deployments/example-h200-fleet.yaml"))      # doctest: +SKIP
@@ -28,8 +34,9 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 from ckptflow.errors import ConfigError
 
@@ -38,14 +45,40 @@ if TYPE_CHECKING:
     from ckptflow.store.local import LocalStore
     from ckptflow.store.tier import CheckpointTier
 
-KINDS = ("local", "s3")
+
+@dataclass(frozen=True)
+class TierKind:
+    """One registered ``storage.kind``: how to open its shared tier and its fleet state."""
+
+    name: str
+    open_tier: Callable[[Any, "bytes | None"], "CheckpointTier"] | None   # (storage, key); None: no shared tier
+    open_fleet_state: Callable[[Any, "CheckpointTier | None"], "FleetState"] | None  # None: in the store root
 
 
-def _kind(storage) -> str:
+_KINDS: dict[str, TierKind] = {}
+
+
+def register_tier(kind: str, open_tier: Callable | None,
+                  open_fleet_state: Callable | None = None) -> None:
+    """Make ``storage.kind: <kind>`` open a shared tier with ``open_tier(storage, key)`` (key:
+    the chunk encryption key a Prefect Secret block gave, or None) and, if given, the fleet
+    state with ``open_fleet_state(storage, tier)`` (else a LocalFleetState in the store root).
+    Registering a kind again replaces it."""
+    _KINDS[kind] = TierKind(kind, open_tier, open_fleet_state)
+
+
+def tier_kinds() -> list[str]:
+    """The registered ``storage.kind`` names."""
+    return list(_KINDS)
+
+
+def _kind(storage) -> TierKind:
     kind = getattr(storage.kind, "value", storage.kind)
-    if kind not in KINDS:
-        raise ConfigError(f"storage.kind {kind!r} is not supported", fix="use storage.kind: local or s3")
-    return kind
+    if kind not in _KINDS:
+        raise ConfigError(f"storage.kind {kind!r} is not supported",
+                          fix=f"use storage.kind: {' or '.join(_KINDS)} (or register the kind with "
+                              "ckptflow.store.register_tier)")
+    return _KINDS[kind]
 
 
 def open_store(storage, node: str | None = None) -> "LocalStore":
@@ -55,7 +88,7 @@ def open_store(storage, node: str | None = None) -> "LocalStore":
     one mounted volume) keep separate local tiers; without a node it is ``local``.
 
     Raises:
-        ConfigError: an unknown ``storage.kind``.
+        ConfigError: an unregistered ``storage.kind``.
     """
     from ckptflow.store.local import LocalStore
 
@@ -64,8 +97,8 @@ def open_store(storage, node: str | None = None) -> "LocalStore":
 
 
 def open_tier(storage, key: bytes | None = None) -> "CheckpointTier | None":
-    """The fleet's shared tier, which every node can pull from: the S3 tier for kind s3, None
-    for kind local (each node has its own store only). ``key``: the chunks' client-side
+    """The fleet's shared tier, which every node can pull from: the S3 tier for kind s3 (what a
+    registered kind's opener returns), None for kind local (each node has its own store only). ``key``: the chunks' client-side
     encryption key (else read from ``storage.encryption_key_env``, if set).
 
     Raises:
@@ -73,11 +106,8 @@ def open_tier(storage, key: bytes | None = None) -> "CheckpointTier | None":
         StoreError: ``encryption_key_env`` names an unset variable, or the key is no 32-byte
             base64 value.
     """
-    if _kind(storage) != "s3":
-        return None
-    from ckptflow.store.s3 import S3Tier
-
-    return S3Tier.from_storage(storage, key)
+    opener = _kind(storage).open_tier
+    return None if opener is None else opener(storage, key)
 
 
 def open_fleet_state(storage, tier: "CheckpointTier | None" = None) -> "FleetState":
@@ -89,11 +119,28 @@ def open_fleet_state(storage, tier: "CheckpointTier | None" = None) -> "FleetSta
     Raises:
         ConfigError: an unknown ``storage.kind``.
     """
-    from ckptflow.store.fleetstate import LocalFleetState, S3FleetState
-    from ckptflow.store.s3 import S3Objects
+    opener = _kind(storage).open_fleet_state
+    if opener is not None:
+        return opener(storage, tier)
+    from ckptflow.store.fleetstate import LocalFleetState
 
-    if _kind(storage) != "s3":
-        return LocalFleetState(open_store(storage).root)
-    if isinstance(tier, S3Objects):
+    return LocalFleetState(open_store(storage).root)
+
+
+def _open_s3_tier(storage, key: bytes | None) -> "CheckpointTier":
+    from ckptflow.store.s3 import S3Tier
+
+    return S3Tier.from_storage(storage, key)
+
+
+def _open_s3_state(storage, tier: "CheckpointTier | None") -> "FleetState":
+    from ckptflow.store.fleetstate import S3FleetState
+    from ckptflow.store.s3 import S3Tier
+
+    if isinstance(tier, S3Tier):
         return S3FleetState(tier.bucket, tier.prefix, server_side_encryption=tier.sse, client=tier.s3)
     return S3FleetState.from_storage(storage)
+
+
+register_tier("local", None)
+register_tier("s3", _open_s3_tier, _open_s3_state)

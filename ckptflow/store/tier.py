@@ -6,21 +6,26 @@ Fleet file (``storage:``) -> the fleet's shared tier (``store.open_tier``)::
     storage: {kind: s3, path: /var/lib/ckptflow/{node}, bucket: ckpt-prod,
               endpoint_url: https://s3.example.com}                # S3Tier: any node pulls from it
 
-Two implementations, both checked by one test suite (tests/test_tier_contract.py):
+Implementations, all checked by one test suite (tests/test_tier_contract.py):
 
     LocalStore (store/local.py)  a directory: the store CRIU writes into on each node; copies
                                  there are ``CopyTier.node``. push/pull copy a checkpoint
                                  between two stores; on the same store they are no-ops.
-    S3Tier (store/s3.py)         the fleet's bucket: sha256-addressed chunks (dedup, optional
-                                 AES-256-GCM) and manifests; copies there are ``CopyTier.s3``.
+    ChunkedTier (store/objects.py)  any object store behind an ``ObjectStore`` client:
+                                 sha256-addressed chunks (dedup, optional AES-256-GCM) and
+                                 manifests, the push lease / prune lock. Copies there carry the
+                                 tier's ``copy_tier`` name.
+    S3Tier (store/s3.py)         the ChunkedTier of the fleet's bucket (boto3); ``CopyTier.s3``.
+
+A new kind of shared tier (GCS, Azure Blob, ...) is an ``ObjectStore`` client and one
+``store.register_tier`` call: docs/extending/storage-tier.md.
 
 A tier's checkpoint exists once its manifest exists, and its manifest is written after its
 bytes: a crash mid-copy leaves bytes without a manifest, never a listed checkpoint without its
 bytes. Retention never deletes a workload's newest valid checkpoint (and raises StoreError if a
-rule ever names it). Pushes and pruning of one S3 bucket never overlap (see S3Tier.prune).
+rule ever names it). Pushes and pruning of one bucket never overlap (see ChunkedTier.prune).
 
-Names kept from before this interface: ``LocalStore.list`` and ``.get`` (= manifests,
-manifest) and ``S3Tier.list`` (= ids), which the runners call.
+``list`` is ``manifests`` on every tier; ``LocalStore.get`` (= manifest) is kept for the runners.
 
 Example:
     >>> tier = open_tier(fleet.storage)                              # doctest: +SKIP
@@ -59,8 +64,8 @@ class CheckpointTier(Protocol):
     (unreachable or busy: a retry can help), ``StoreError`` / ``StorageFull``.
     """
 
-    copy_tier: CopyTier
-    """How manifests label a copy held here (``node`` or ``s3``)."""
+    copy_tier: CopyTier | str
+    """How manifests label a copy held here (``node``, ``s3``, or a registered kind's name)."""
 
     @property
     def location(self) -> str:
@@ -78,6 +83,10 @@ class CheckpointTier(Protocol):
 
     def manifests(self, workload: str) -> list[Manifest]:
         """Every manifest of the workload here, newest first."""
+        ...
+
+    def list(self, workload: str) -> list[Manifest]:
+        """The same as ``manifests``, on every tier (ids: ``ids``)."""
         ...
 
     # --- move --------------------------------------------------------------------------------

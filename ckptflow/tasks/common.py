@@ -1,8 +1,10 @@
 """What every task shares: opening the fleet, its stores and its fleet state, and the retry rule.
 
 A flow resolves the fleet once per run (``open_fleet``) and hands its tasks plain values: the
-fleet's ``FleetScope`` (storage, Slack, retention), the node and the workloads a task acts on.
-The helpers below take that scope, or the whole ``Fleet``: they read only its scope fields.
+fleet's ``FleetScope`` (storage, Slack, retention), the node and the workloads a task acts on
+(``placed``: a workload where a step brings it), never the fleet file's path (the last task
+that still reads it is tasks/verify.py's ``cold_start_workload``). The
+helpers below take that scope, or the whole ``Fleet``: they read only its scope fields.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Iterator
 from ckptflow.alerts import Alerter
 from ckptflow.errors import CkptflowError
 from ckptflow.fleet import Fleet, FleetScope, load_fleet
+from ckptflow.models import Workload
 from ckptflow.runners.node import NodeRunner
 from ckptflow.settings import settings
 from ckptflow.store import open_fleet_state, open_store, open_tier
@@ -31,6 +34,20 @@ def open_fleet(fleet_file: str) -> Fleet:
         if w.name in moved:
             w.node = moved[w.name]
     return fleet
+
+
+def placed(fleet: Fleet, workload: str, node: str | None = None) -> Workload:
+    """``workload`` as ``open_fleet`` placed it, moved to ``node`` when a step brings it there
+    (a restore or a move onto another node): the one value a node step's task acts on.
+
+    Raises:
+        ConfigError: no such workload, or ``node`` is no node of the fleet.
+    """
+    w = fleet.workload(workload)
+    if node is not None and node != w.node:
+        fleet.node(node)
+        w = w.model_copy(update={"node": node})
+    return w
 
 
 def node_runner(fleet: Fleet | FleetScope, node: str | None = None) -> NodeRunner:

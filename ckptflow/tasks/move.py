@@ -1,4 +1,11 @@
-"""Moving a workload between nodes: out through S3, in on the target, or back on the source."""
+"""Moving a workload between nodes: out through the shared tier, in on the target, or back on
+the source.
+
+The node-step flow resolves the fleet file once (``tasks.common.open_fleet``, placements
+included) and hands each task typed values: the fleet's ``FleetScope`` (storage, alerts), the
+``Workload`` as placed now (``tasks.common.placed``: moved to the target node where the step
+runs there) and node names. No task here reads the fleet file.
+"""
 
 from __future__ import annotations
 
@@ -9,58 +16,56 @@ import time
 from prefect import task
 
 from ckptflow.errors import ConfigError, RestoreFailed, WorkloadNotFound
-from ckptflow.models import CheckpointKind
+from ckptflow.fleet import FleetScope
+from ckptflow.models import CheckpointKind, Workload
 from ckptflow.poll import PollTimeout, poll
 from ckptflow.runners import process
-from ckptflow.tasks.common import node_runner, node_slot, open_fleet
+from ckptflow.tasks.common import node_runner, node_slot
 from ckptflow.tasks.common import tier as fleet_tier
 
 
-def _tier(fleet):
-    tier = fleet_tier(fleet)
+def _tier(scope: FleetScope):
+    tier = fleet_tier(scope)
     if tier is None:
-        raise ConfigError(f"fleet {fleet.fleet}: moving workloads between nodes needs storage.kind: s3",
-                          fix="set storage: {kind: s3, bucket: ..., endpoint_url: ...} in the fleet file")
+        raise ConfigError(f"fleet {scope.fleet}: moving workloads between nodes needs a shared tier, and "
+                          f"storage.kind {scope.storage.kind.value} has none",
+                          fix="set storage: {kind: s3, bucket: ..., endpoint_url: ...} (or another registered "
+                              "kind) in the fleet file")
     return tier
 
 
 @task(name="migrate-out")
-def migrate_out(fleet_file: str, workload: str) -> dict:
-    fleet = open_fleet(fleet_file)
-    tier = _tier(fleet)
-    node = fleet.workload(workload).node
-    with node_runner(fleet, node) as runner:
-        with node_slot(node):
-            m = runner.checkpoint(fleet.workload(workload), leave_running=False)
+def migrate_out(scope: FleetScope, w: Workload) -> dict:
+    """Checkpoint ``w`` on the node it runs on (the worker exits) and push it to the shared tier."""
+    tier = _tier(scope)
+    with node_runner(scope, w.node) as runner:
+        with node_slot(w.node):
+            m = runner.checkpoint(w, leave_running=False)
         pushed = tier.push(runner.store, m)
     return {"checkpoint": m.id, "bytes": m.bytes, "timings": m.timings, **pushed}
 
 
 @task(name="migrate-in")
-def migrate_in(fleet_file: str, workload: str, node: str, checkpoint: str) -> dict:
-    fleet = open_fleet(fleet_file)
-    fleet.node(node)
-    w = fleet.workload(workload).model_copy(update={"node": node})
-    with node_runner(fleet, node) as runner:
-        m, pulled = _tier(fleet).pull(runner.store, workload, checkpoint, node)
-        with node_slot(node):
+def migrate_in(scope: FleetScope, w: Workload, checkpoint: str) -> dict:
+    """Pull ``checkpoint`` into the store of ``w.node`` (the target) and restore it there."""
+    with node_runner(scope, w.node) as runner:
+        m, pulled = _tier(scope).pull(runner.store, w.name, checkpoint, w.node)
+        with node_slot(w.node):
             res = runner.restore(w, manifest=m, fallback=False)
     return {"checkpoint": m.id, "pid": res.pid, "timings": res.timings, **pulled}
 
 
 @task(name="restore-local")
-def restore_local(fleet_file: str, workload: str, node: str, checkpoint: str) -> dict:
-    fleet = open_fleet(fleet_file)
-    with node_runner(fleet, node) as runner, node_slot(node):
-        res = runner.restore(fleet.workload(workload), manifest=runner.store.get(workload, checkpoint),
-                             fallback=False)
+def restore_local(scope: FleetScope, w: Workload, node: str, checkpoint: str) -> dict:
+    """Restore ``checkpoint`` of ``w`` from the store of ``node`` (the fallback after a failed move)."""
+    with node_runner(scope, node) as runner, node_slot(node):
+        res = runner.restore(w, manifest=runner.store.get(w.name, checkpoint), fallback=False)
     return {"checkpoint": checkpoint, "pid": res.pid, "timings": res.timings}
 
 
 @task(name="stop-workload")
-def stop_workload(fleet_file: str, workload: str, grace_s: float = 30) -> dict:
+def stop_workload(w: Workload, grace_s: float = 30) -> dict:
     """SIGTERM a declared worker and wait for it to exit (SIGKILL after ``grace_s``)."""
-    w = open_fleet(fleet_file).workload(workload)
     if w.container is not None:  # through its runtime, never a signal to a host PID
         from ckptflow.runners.container import stop_container
 
@@ -78,34 +83,32 @@ def stop_workload(fleet_file: str, workload: str, grace_s: float = 30) -> dict:
 
 
 @task(name="take-template")
-def take_template(fleet_file: str, workload: str) -> dict:
+def take_template(scope: FleetScope, w: Workload) -> dict:
     """The initialised checkpoint: taken once the worker is ready, before it takes traffic;
     replicas start from it with warm weights and graphs (scale_up)."""
-    fleet = open_fleet(fleet_file)
-    w = fleet.workload(workload)
-    with node_runner(fleet, w.node) as runner:
+    with node_runner(scope, w.node) as runner:
         with node_slot(w.node):
             m = runner.checkpoint(w, leave_running=True, kind=CheckpointKind.template)
-        pushed = _tier(fleet).push(runner.store, m)
+        pushed = _tier(scope).push(runner.store, m)
     return {"checkpoint": m.id, "bytes": m.bytes, **pushed}
 
 
 @task(name="scale-up-in")
-def scale_up_in(fleet_file: str, workload: str, node: str, checkpoint: str) -> dict:
-    """Start a replica from the template in its own PID and network namespace on this node."""
+def scale_up_in(scope: FleetScope, w: Workload, checkpoint: str) -> dict:
+    """Start a replica from the template in its own PID and network namespace on ``w.node``
+    (this node)."""
     from ckptflow.runners.engine import golden_digest
     from ckptflow.runners.verify import del_netns, new_netns, probe_in_netns
 
-    fleet = open_fleet(fleet_file)
-    w = fleet.workload(workload).model_copy(update={"node": node})
+    workload, node = w.name, w.node
     if w.container is not None:
         from ckptflow.errors import UnsupportedWorkload
 
         raise UnsupportedWorkload(f"workload {workload}: scale-up replicas of a container workload are not built yet",
                                   fix="start another container of its image; verify already restores copies beside it")
     t0 = time.perf_counter()
-    with node_runner(fleet, node) as runner:
-        m, pulled = _tier(fleet).pull(runner.store, workload, checkpoint, node)
+    with node_runner(scope, node) as runner:
+        m, pulled = _tier(scope).pull(runner.store, workload, checkpoint, node)
         runner.gate(w, m)
         runner.store.verify_bytes(m)
         ns = new_netns(f"ckr-{workload[:6]}")
@@ -125,14 +128,13 @@ def scale_up_in(fleet_file: str, workload: str, node: str, checkpoint: str) -> d
 
 
 @task(name="scale-down-in")
-def scale_down_in(fleet_file: str, workload: str, node: str, replica: str | None = None) -> dict:
+def scale_down_in(scope: FleetScope, workload: str, node: str, replica: str | None = None) -> dict:
     """Stop one replica (by its network namespace name) or every replica of ``workload`` that
     scale_up started on this node: kill its PID namespace's init, delete its namespace."""
     from ckptflow.runners.criu import SandboxCopy
     from ckptflow.runners.verify import del_netns
 
-    fleet = open_fleet(fleet_file)
-    store = node_runner(fleet, node).store
+    store = node_runner(scope, node).store
     known = store.replicas(workload)
     chosen = [r for r in known if replica is None or r["netns"] == replica]
     if replica is not None and not chosen:

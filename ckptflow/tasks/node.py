@@ -8,12 +8,12 @@ from prefect.runtime import flow_run
 from ckptflow.alerts import AlertKind
 from ckptflow.errors import CkptflowError
 from ckptflow.fleet import FleetScope, Node, PolicyChoice
-from ckptflow.models import Action, CheckpointMode
+from ckptflow.models import Action, CheckpointMode, Workload
 from ckptflow.policies.cadence import decide
 from ckptflow.report import checkpoint_bytes
 from ckptflow.runners.facts import collect_facts, node_mtbf_s
 from ckptflow.runners.twotier import TwoTierRunner
-from ckptflow.tasks.common import alerter, fingerprints, node_runner, node_slot, open_fleet, retry_if_retryable
+from ckptflow.tasks.common import alerter, fingerprints, node_runner, node_slot, retry_if_retryable
 from ckptflow.tasks.common import tier as fleet_tier
 
 
@@ -88,23 +88,20 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
 
 
 @task(name="restore-workload", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_if_retryable)
-def restore_workload(fleet_file: str, workload: str, node: str | None = None) -> dict:
-    """Restore a lost workload on ``node`` (default: its own) from its newest valid checkpoint,
-    read from the nearest copy: this node's store, else the S3 tier (older ones if corrupt)."""
-    fleet = open_fleet(fleet_file)
-    w = fleet.workload(workload)
-    if node is not None and node != w.node:
-        fleet.node(node)
-        w = w.model_copy(update={"node": node})
-    with node_slot(w.node), node_runner(fleet, w.node) as runner:
+def restore_workload(scope: FleetScope, w: Workload) -> dict:
+    """Restore a lost workload on ``w.node`` (the flow placed it: ``tasks.common.placed``) from
+    its newest valid checkpoint, read from the nearest copy: this node's store, else the shared
+    tier (older ones if corrupt)."""
+    workload = w.name
+    with node_slot(w.node), node_runner(scope, w.node) as runner:
         if w.checkpoint == CheckpointMode.two_tier:
-            tt = TwoTierRunner(runner).restore(w, tier=fleet_tier(fleet))
+            tt = TwoTierRunner(runner).restore(w, tier=fleet_tier(scope))
             return {"workload": workload, "node": w.node, "checkpoint": tt.manifest.id, "template": tt.template.id,
                     "pid": tt.pid, "timings": tt.timings, "bytes": tt.manifest.probe.get("session_bytes", 0),
                     "downloaded_bytes": 0, "copies": [], "skipped": [],
                     "created": tt.manifest.created.strftime("%Y-%m-%d %H:%M:%S UTC"), "files": 0,
                     "sessions": len(tt.manifest.probe.get("sessions") or {})}
-        res = runner.restore(w, tier=fleet_tier(fleet))
+        res = runner.restore(w, tier=fleet_tier(scope))
     return {"workload": workload, "node": w.node, "checkpoint": res.manifest.id, "pid": res.pid,
             "timings": res.timings, "bytes": res.manifest.bytes, "downloaded_bytes": res.downloaded_bytes,
             "copies": [f"{c.tier.value}:{c.location}" for c in res.manifest.copies], "skipped": res.skipped,

@@ -154,10 +154,10 @@ def test_fault_runner_killed_during_upload(tmp_path, s3):
         time.sleep(0.01)
     child.kill()
     child.wait()
-    assert tier.list("up") == []                       # no manifest without its bytes
+    assert tier.ids("up") == []                       # no manifest without its bytes
     assert store.latest_valid("up").id == m.id
     again = tier.push(store, m)
-    assert again["skipped_bytes"] >= 3 * CHUNK and tier.list("up") == [m.id]
+    assert again["skipped_bytes"] >= 3 * CHUNK and tier.ids("up") == [m.id]
 
 
 def test_fault_clock_jump_around_a_maintenance_window():

@@ -1,0 +1,301 @@
+"""Every measured figure README.md and docs/DESIGN.md quote comes from a run a bench kept in
+bench/results/*.json (issue #23 item 11): the figure is formatted from the JSON here and must
+stand in the doc as written, so a re-run that moves a number, or an edit that drifts from the
+JSON, fails this test until the doc says what the newest run measured.
+
+FIGURES: (doc, text with ``{}`` where each figure stands, results name, field(s), format(s)).
+A field is a path into one run (``rows[row=A].stream_gib_s``: the row whose ``row`` is ``A``)
+or a function of the run; the run is the newest one in which every field resolves, among the
+runs QUOTED says the docs quote (a small code-path check run does not replace the full-size one).
+CONFIG: figures that are settings, not measurements, checked against the line that sets them.
+OTHERS: figures other work re-measures now (fleet tick, policy simulator); a test of their own
+holds them (tests/test_bench_results.py for the fleet tick).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from _common import runs_of  # noqa: E402
+
+MiB = 2**20
+
+
+def same(*values):
+    """One figure the doc quotes for several rows: they must agree, or the doc cannot."""
+    if len(set(values)) != 1:
+        raise ValueError(f"rows disagree: {values}")
+    return values[0]
+
+
+def absent(row: dict, key: str, then):
+    """A figure the doc quotes beside "cannot run": the row must hold no such measurement."""
+    if row[key] is not None:
+        raise ValueError(f"{key} = {row[key]}, the doc says it cannot run")
+    return then
+
+
+def _rows(run, **match):
+    return [r for r in run["rows"] if all(str(r.get(k)) == v for k, v in match.items())]
+
+
+def _tp8(run):
+    return _rows(run, backend="nccl", world_size="2", ballast_gib_per_rank="8.0")
+
+
+def _cores(machine: str) -> int:
+    return int(re.search(r"(\d+) cores", machine).group(1))
+
+
+# Which runs of a results file the docs quote (default: every run).
+QUOTED = {
+    "gpu_checkpoint": lambda run: {8.0, 20.0, 50.0} <= {r["footprint_gib"] for r in run.get("rows", [])},
+    "gpu_tp": lambda run: run.get("gpus") == 2,                                       # "on two H200s"
+    "gpu_two_tier": lambda run: (run.get("layers"), run.get("sessions"), run.get("tokens_per_session")) == (43, 4, 1500),
+}
+
+A, B = "rows[row=A]", "rows[row=B]"
+R = "README.md"
+D = "docs/DESIGN.md"
+
+FIGURES = [
+    # --- whole-process GPU checkpoint (bench/gpu_checkpoint.py) ---
+    (R, "Measured on an H200 at {}, {} and {} GiB: bit-exact continuation", "gpu_checkpoint",
+     lambda r: tuple(x["footprint_gib"] for x in r["rows"] if x["bitexact"]), "g"),
+    (R, "`bench/gpu_checkpoint.py`: {} s of frozen worker per GiB held and restores at {} GiB/s at {} and {} GiB",
+     "gpu_checkpoint",
+     (lambda r: same(*(f"{x['pause_s'] / x['footprint_gib']:.1f}" for x in r["rows"] if x["footprint_gib"] >= 20)),
+      lambda r: same(*(f"{x['restore_gib_s']:.1f}" for x in r["rows"] if x["footprint_gib"] >= 20)),
+      "rows[footprint_gib=20.0].footprint_gib", "rows[footprint_gib=50.0].footprint_gib"), ("s", "s", "g", "g")),
+    (R, "| whole-process GPU checkpoint at {} GiB | H200 |", "gpu_checkpoint",
+     lambda r: "/".join(f"{x['footprint_gib']:g}" for x in r["rows"]), "s"),
+    # --- tensor parallel over NCCL (bench/gpu_tp.py) ---
+    (R, "(`bench/gpu_tp.py --configs {}`", "gpu_tp",
+     lambda r: ",".join(x["config"] for x in _rows(r, backend="nccl", world_size="2")
+                        if x["bitexact"] and x["allreduce_ok"]), "s"),
+    (R, "NVML shows rank 0 on GPU {} and rank 1 on GPU {} afterwards", "gpu_tp",
+     lambda r: tuple(same(*(tuple(x["rank_gpus_after"]) for x in _rows(r, swapped_gpus="True")))), "d"),
+    (R, "{} GiB per rank: pause {}–{} s, restore-to-ready {}–{} s ({} GiB image on /dev/shm)", "gpu_tp",
+     (lambda r: same(*(x["ballast_gib_per_rank"] for x in _tp8(r))),
+      lambda r: min(x["pause_s"] for x in _tp8(r)), lambda r: max(x["pause_s"] for x in _tp8(r)),
+      lambda r: min(x["restore_to_ready_s"] for x in _tp8(r)), lambda r: max(x["restore_to_ready_s"] for x in _tp8(r)),
+      lambda r: same(*(x["image_gib"] for x in _tp8(r)))), ("g", ".1f", ".1f", ".1f", ".1f", ".1f")),
+    (R, "incl. swapped GPUs | {}× H200 |", "gpu_tp", "gpus", "d"),
+    # --- two tiers on the vLLM-shaped engine (bench/gpu_two_tier.py) ---
+    (R, "a vLLM-shaped engine with {} GiB of bf16 weights", "gpu_two_tier", f"{A}.weights_gib", ".1f"),
+    (R, "{} 1,500-token sessions = {} GiB of live KV", "gpu_two_tier",
+     (lambda r: ["no", "one", "two", "three", "four", "five"][r["sessions"]], f"{A}.live_kv_gib"), ("s", ".0f")),
+    (R, "four {}-token sessions", "gpu_two_tier", "tokens_per_session", ","),
+    (R, "the template image is {} GiB whatever the engine reserves", "gpu_two_tier",
+     lambda r: same(*(f"{x['template_image_gib']:.1f}" for x in r["rows"])), "s"),
+    (R, "| {} GiB reserved: restore to serving | {} s | **{} s** (CRIU + CUDA {} s, weights + KV streamed {} s = "
+        "{} GiB/s of a {} GiB/s limit) |", "gpu_two_tier",
+     (f"{A}.reserved_gib", f"{A}.transparent_restore_s", f"{A}.restore_to_ready_s",
+      lambda r: _rows(r, row="A")[0]["restore_phases"]["restore"] + _rows(r, row="A")[0]["restore_phases"]["cuda_restore"],
+      f"{A}.stream_s", f"{A}.stream_gib_s", f"{A}.stream_limit_gib_s"), (".0f",) + (".1f",) * 6),
+    (R, "| {} GiB reserved: heartbeat pause | {} s | **{} s** for {} GiB of changed KV", "gpu_two_tier",
+     (f"{A}.reserved_gib", f"{A}.transparent_pause_s", f"{A}.session_pause_s", f"{A}.changed_gib"),
+     (".0f", ".1f", ".3f", ".0f")),
+    (R, "| {} GiB reserved (90 % pool) | cannot run: the footprint must fit twice in host memory | restore {} s, "
+        "pause {} s |", "gpu_two_tier",
+     (lambda r: absent(_rows(r, row="B")[0], "transparent_restore_s", _rows(r, row="B")[0]["reserved_gib"]),
+      f"{B}.restore_to_ready_s", f"{B}.session_pause_s"), (".0f", ".1f", ".3f")),
+    (R, "Missed: restore-to-ready ≤ 0.1× cold start on the {} GiB row — this toy engine cold-starts in {} s "
+        "(weights from page cache at {} GiB/s", "gpu_two_tier",
+     (lambda r: [x["reserved_gib"] for x in _rows(r, row="B") if x["restore_to_ready_s"] > 0.1 * x["cold_start_s"]][0],
+      f"{B}.cold_start_s", lambda r: _rows(r, row="B")[0]["weights_gib"] / _rows(r, row="B")[0]["load_s"]),
+     (".0f", ".1f", ".0f")),
+    (R, "the template's CRIU restore alone takes {} s", "gpu_two_tier", f"{B}.restore_phases.restore", ".1f"),
+    (R, "(rows at {} and {} GiB reserved, torn-chunk faults)", "gpu_two_tier",
+     (f"{A}.reserved_gib", f"{B}.reserved_gib"), ".0f"),
+    (D, "a worker reserving {} GiB froze for {} s per heartbeat and came back in {} s", "gpu_two_tier",
+     (f"{A}.reserved_gib", f"{A}.transparent_pause_s", f"{A}.transparent_restore_s"), (".0f", ".1f", ".1f")),
+    (D, "one reserving vLLM's default 90 % ({} GiB) cannot be checkpointed at all", "gpu_two_tier",
+     lambda r: absent(_rows(r, row="B")[0], "transparent_pause_s", _rows(r, row="B")[0]["reserved_gib"]), ".0f"),
+    (D, "The image is the process plus {} GiB of CUDA context and graph scratch: {} GiB at {} or {} GiB reserved",
+     "gpu_two_tier", (lambda r: same(*(f"{x['template_gpu_gib']:.1f}" for x in r["rows"])),
+                      lambda r: same(*(f"{x['template_image_gib']:.1f}" for x in r["rows"])),
+                      f"{A}.reserved_gib", f"{B}.reserved_gib"), ("s", "s", ".0f", ".0f")),
+    (D, "the only pause: {} ms for {} GiB changed", "gpu_two_tier",
+     (lambda r: same(*(round(x["session_pause_s"] * 1000) for x in r["rows"])), f"{A}.changed_gib"), ("d", ".0f")),
+    (D, "template image (CRIU {} s + CUDA {} s)", "gpu_two_tier",
+     (f"{A}.restore_phases.restore", f"{A}.restore_phases.cuda_restore"), ".1f"),
+    (D, "({} GiB/s of the {} GiB/s this machine reaches without checks)", "gpu_two_tier",
+     (f"{A}.stream_gib_s", f"{A}.stream_limit_gib_s"), ".1f"),
+    (D, "{} s to serving against {} s, bit-exact", "gpu_two_tier",
+     (lambda r: [x["restore_to_ready_s"] for x in _rows(r, row="A") if x["bitexact"] and x["transparent_bitexact"]][0],
+      f"{A}.transparent_restore_s"), ".1f"),
+    (D, "first touch of ~{} GiB of process memory and {} GiB of CUDA state) is a floor of ~{} s", "gpu_two_tier",
+     (lambda r: _rows(r, row="A")[0]["template_image_gib"] - _rows(r, row="A")[0]["template_gpu_gib"],
+      f"{A}.template_gpu_gib",
+      lambda r: _rows(r, row="A")[0]["restore_phases"]["restore"] + _rows(r, row="A")[0]["restore_phases"]["cuda_restore"]),
+     ".1f"),
+    (D, "an engine that cold-starts in {} s", "gpu_two_tier", f"{B}.cold_start_s", ".1f"),
+    (D, "two tiers win only {}×", "gpu_two_tier",
+     lambda r: _rows(r, row="B")[0]["cold_start_s"] / _rows(r, row="B")[0]["restore_to_ready_s"], ".1f"),
+    # --- vLLM on the H200 (bench/vllm_gpu.py) ---
+    (R, "vLLM 0.26.0 on an H200 with a {} GiB Llama-3-8B-shaped model", "vllm_gpu", "rows.a.model_gib", ".0f"),
+    (R, "cold start {} s, whole-process restore {} s, two tiers (sleep-level-2 template + connector sessions) "
+        "{} s = {} × cold start, next tokens equal", "vllm_gpu",
+     ("rows.a.cold_start_s", "rows.b.restore_to_ready_s", "rows.c.restore_to_ready_s", "rows.c.ratio_to_cold_start"),
+     (".1f", ".1f", ".2f", ".3f")),
+    # --- llama-server on CPU (bench/llamacpp_cpu.py) ---
+    (R, "llama GGUF with llama.cpp's own vocabulary (tiny: {} MiB;", "llamacpp_cpu",
+     lambda r: r["model_bytes"] / MiB if r["size"] == "tiny" else None, ".1f"),
+    (R, "a live server's checkpoint is {} MiB, dumped in {} s and restored (CRIU and checksums) in {} s; "
+        "a {}-token session exported through the slot API is {} KiB", "llamacpp_cpu",
+     (lambda r: r["checkpoint_bytes"] / MiB, "dump_s", "restore_s", "session_tokens",
+      lambda r: r["session_bytes"] / 1024), (".1f", ".2f", ".2f", "d", ".0f")),
+    # --- S3 tier (bench/s3_store.py) ---
+    (R, "— {} % of the image when a demo worker with 512 MiB of static ballast took one more turn", "s3_store",
+     lambda r: r["second_heartbeat_byte_ratio"] * 100, ".1f"),
+    # --- soak (bench/soak.py) ---
+    (R, "Soak (`bench/soak.py`, {} kill/recover cycles on the CPU demo worker", "soak", "summary.cycles", "d"),
+    (R, "{} of them through the heartbeat/recover flows): {} sessions lost beyond the last checkpoint "
+        "({} recoveries compared digest and next tokens), {} leaked CRIU temp dirs, network namespaces or stopped "
+        "processes, {} stuck runs, {} alerts opened and {} resolved; {} s per cycle on {} cores", "soak",
+     (lambda r: sum(m["via_flow"] for m in r["summary"]["by_moment"].values()), "summary.lost",
+      lambda r: same(r["summary"]["next_tokens_checked"], r["summary"]["digest_checked"]),
+      lambda r: same(*(r["summary"][k] for k in ("leaked_temp_dirs", "leaked_netns", "stopped_left",
+                                                 "stopped_left_at_end"))),
+      lambda r: same(r["summary"]["stuck_runs"], r["summary"]["stuck_flow_runs"], r["summary"]["stuck_cycles"]),
+      "summary.alerts_opened", "summary.alerts_resolved", "summary.cycle_s_median", lambda r: _cores(r["machine"])),
+     ("d",) * 7 + (".1f", "d")),
+    (R, "a 10-cycle soak of random kills (`tests/test_soak.py`; {} cycles under \"Benchmarks\")", "soak",
+     "summary.cycles", "d"),
+    # --- the driver and a copy in another PID namespace (bench/gpu_pidns_probe.py, gpu_pidns_born.py) ---
+    (R, "on the H200 (driver {}) the driver does not know a copy under another PID", "gpu_pidns",
+     lambda r: re.search(r"(\d+)\.\d+\.\d+", r["versions"]["driver"]).group(1), "s"),
+]
+
+# Settings, not measurements: (doc, text, file that sets it, what must stand there).
+CONFIG = [
+    (R, "free GPU memory ≥ footprint + 1 GiB first", "ckptflow/runners/cuda.py", r"RESTORE_MARGIN_GIB = 1\.0\b"),
+    (R, "(48 MiB of weights", "tests/test_twotier.py", r"BALLAST_MIB = 48\b"),
+    (R, "(90 % pool)", "bench/gpu_two_tier.py", r'"--b-kv-fraction", type=float, default=0\.9\b'),
+    (D, "vLLM's default 90 %", "bench/gpu_two_tier.py", r'"--b-kv-fraction", type=float, default=0\.9\b'),
+    (R, "≥ 90 % of the prompt", "tests/test_vllm.py", r'\["hits"\] >= 0\.9 \*'),
+    (R, "≤ 0.1× cold start", "bench/vllm_gpu.py", r"Target: restore-to-ready <= 0\.1 x"),
+    (R, "sha256-addressed 8 MiB chunks", "ckptflow/store/s3.py", r"CHUNK = 8 << 20\b"),
+    (R, "a demo worker with 512 MiB of static ballast", "bench/s3_store.py", r"ballast_mib=512\b"),
+    (D, "content-addressed 64 MiB chunks", "ckptflow/demo/llm_worker.py", r"SLOT = 64 << 20\b"),
+    (D, "pinned 8 MiB slots", "ckptflow/demo/llm_worker.py", r"PIECE, RING = 8 << 20\b"),
+]
+
+# Re-measured by other work now: their own tests hold them; this one skips the text from the
+# first phrase to the second.
+OTHERS = [
+    (R, "| `bench/fleet_tick.py` |", "| CPU |"),
+]
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _doc(name: str) -> str:
+    return _flat((ROOT / name).read_text())
+
+
+def _get(run: dict, path: str):
+    v = run
+    for key, sel_k, sel_v in re.findall(r"([^.\[\]]+)(?:\[([^=\]]+)=([^\]]+)\])?", path):
+        v = v[key]
+        if sel_k:
+            v = next(x for x in v if str(x.get(sel_k)) == sel_v)
+    return v
+
+
+def _value(run: dict, field):
+    v = field(run) if callable(field) else _get(run, field)
+    if v is None:
+        raise KeyError(field)
+    return v
+
+
+def _fmt(value, spec: str) -> str:
+    """As a reader rounds the number the JSON shows: 29.45 -> 29.5 (float formatting gives 29.4)."""
+    m = re.fullmatch(r"\.(\d+)f", spec)
+    if m and isinstance(value, float):
+        return str(Decimal(repr(value)).quantize(Decimal(1).scaleb(-int(m.group(1))), rounding=ROUND_HALF_UP))
+    return format(value, spec)
+
+
+def expected(text: str, name: str, fields, fmts) -> str:
+    """``text`` with its figures formatted from the newest run of ``name`` that has them all."""
+    fields = fields if isinstance(fields, tuple) else (fields,)
+    runs = [r for r in runs_of(name) if QUOTED.get(name, lambda r: True)(r)]
+    assert runs, f"bench/results/{name}.json has no run the docs quote"
+    for run in reversed(runs):
+        try:
+            values = [_value(run, f) for f in fields]
+        except (KeyError, IndexError, StopIteration, TypeError):
+            continue
+        # A run from before runs were kept has no date; its note says so (and where it came from).
+        assert run.get("date") or run.get("note"), f"{name}: the run quoted has no date"
+        flat = [x for v in values for x in (v if isinstance(v, tuple) else (v,))]
+        specs = fmts if isinstance(fmts, tuple) else (fmts,) * len(flat)
+        return text.format(*(_fmt(v, s) for v, s in zip(flat, specs, strict=True)))
+    raise AssertionError(f"no run of bench/results/{name}.json has {fields}")
+
+
+@pytest.mark.parametrize("doc,text,name,fields,fmts", FIGURES, ids=[f"{f[0]}:{f[1][:48]}" for f in FIGURES])
+def test_the_doc_quotes_the_figure_its_bench_measured(doc, text, name, fields, fmts):
+    want = _flat(expected(text, name, fields, fmts))
+    assert want in _doc(doc), f"{doc} should say: {want!r} (from bench/results/{name}.json)"
+
+
+@pytest.mark.parametrize("doc,text,source,setting", CONFIG, ids=[f"{c[0]}:{c[1][:40]}" for c in CONFIG])
+def test_a_configured_figure_is_what_the_code_sets(doc, text, source, setting):
+    assert _flat(text) in _doc(doc), f"{doc} no longer says {text!r}: update CONFIG"
+    assert re.search(setting, (ROOT / source).read_text()), f"{source} no longer sets {setting!r}, which {doc} quotes"
+
+
+# A number with a unit of time, size, rate, ratio or share; counts without a unit are held by FIGURES.
+_MEASURE = re.compile(r"(?<![\w.-])\d[\d,.]*(?:–\d[\d,.]*)?\s?(?:ms|s|min|GiB/s|GiB|MiB|KiB|MB|GB|%|×)(?!\w)")
+
+
+@pytest.mark.parametrize("doc", [R, D])
+def test_every_measured_figure_of_the_doc_is_in_a_table_here(doc):
+    """A new figure with a unit in README/DESIGN must come with its row above (or a CONFIG row)."""
+    text = _doc(doc)
+    spans = []
+    for d, t, *rest in FIGURES:
+        if d == doc:
+            t = _flat(expected(t, *rest))
+            spans += [(m.start(), m.end()) for m in re.finditer(re.escape(t), text)]
+    for d, t, *_ in CONFIG:
+        if d == doc:
+            spans += [(m.start(), m.end()) for m in re.finditer(re.escape(_flat(t)), text)]
+    for d, first, last in OTHERS:
+        if d == doc:
+            start = text.index(first)
+            spans.append((start, text.index(last, start) + len(last)))
+    loose = [f"{m.group(0)!r} in …{text[max(0, m.start() - 50):m.end() + 20]}…" for m in _MEASURE.finditer(text)
+             if not any(a <= m.start() and m.end() <= b for a, b in spans)]
+    assert not loose, f"{doc}: figures with no bench JSON behind them (add a FIGURES or CONFIG row):\n" + "\n".join(loose)
+
+
+def test_the_readmes_born_in_namespace_outcome_is_the_runs():
+    """README: a worker born as PID 1 gives a copy that CUDA-restores from inside its namespaces and
+    from the host with the checkpoint's digests; as PID 2 under criu-ns it never restores."""
+    born = [r for r in runs_of("gpu_pidns") if r.get("probe") == "born_in_namespace" and not r["cpu_plumbing_only"]]
+    copies = {(layout, c["restored_from"], c["state_equal_to_checkpoint"])
+              for r in born for layout, x in r["layouts"].items()
+              for c in (x.get("copy"), x.get("copy_original_killed")) if c}
+    assert {("init", "all", True), ("init", "host", True)} <= copies
+    assert all(not restored and not equal for layout, restored, equal in copies if layout == "child")
+    child_restores = [c[1] for r in born for s in r["layouts"].get("child", {}).get("steps", [])
+                      if s["step"].startswith("copy") and isinstance(s.get("got"), dict)
+                      for c in s["got"].get("calls", []) if c[0] == "restore"]
+    assert child_restores and set(child_restores) == {"CUDA_ERROR_NOT_INITIALIZED"}
+    readme = _doc(R)
+    assert "the copy's CUDA restore succeeded from inside its namespaces and from the host" in readme
+    assert "criu-ns, got `CUDA_ERROR_NOT_INITIALIZED` from every vantage point" in readme
