@@ -43,6 +43,10 @@ K8S_NAMESPACE = "ckptflow"
 _SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 API_URL_PLACEHOLDER = "http://PREFECT-SERVER:4200/api"
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+# How often each node's worker asks the server for flow runs (PREFECT_WORKER_QUERY_SECONDS).
+# Prefect's default, 10 s, was most of a migrate's downtime: the target's step waited for its
+# worker's next poll. 1 s costs one small query per node per second on the server.
+WORKER_QUERY_S = 1.0
 NODE_LIMIT = "ckptflow-node-{node}"  # one checkpoint or restore per node at a time (tasks.common.node_slot)
 
 if TYPE_CHECKING:
@@ -215,13 +219,14 @@ def node_mounts(fleet, nodes, wd: Path) -> list[tuple[str, str]]:
 
 def render_node_workers(fleet_file: Path, workdir: Path | str | None = None, api_url: str | None = None,
                         image: str | None = None, out_dir: Path | None = None,
-                        all_nodes_here: bool = False) -> dict[str, list[Path]]:
+                        all_nodes_here: bool = False, worker_query_s: float = WORKER_QUERY_S) -> dict[str, list[Path]]:
     """Write what runs each node's Prefect worker: a systemd unit per node and a privileged
     DaemonSet per node pool, into ``<fleet>.workers/`` beside the fleet file (or ``out_dir``).
 
     Both run ``prefect worker start --pool <the node's pool>`` as root in the project directory,
-    with PREFECT_API_URL (``api_url``, default: this shell's, else a placeholder to replace) and
-    CKPTFLOW_NODE; the unit restarts always and its stop leaves what the flows started running;
+    with PREFECT_API_URL (``api_url``, default: this shell's, else a placeholder to replace),
+    CKPTFLOW_NODE and PREFECT_WORKER_QUERY_SECONDS (``worker_query_s``: how soon a node step
+    starts after a fleet flow asks for it); the unit restarts always and its stop leaves what the flows started running;
     the DaemonSet has hostPID, privileged, /dev/shm, the node's store and what its workloads
     name (``node_mounts``: pid files, models, logs) mounted.
 
@@ -234,6 +239,10 @@ def render_node_workers(fleet_file: Path, workdir: Path | str | None = None, api
     """
     wd = check_workdir(workdir)
     fleet = load_fleet(fleet_file)
+    if not 0 < worker_query_s <= 60:
+        raise ConfigError(f"worker poll interval {worker_query_s} s: it must be more than 0 and at most 60 s",
+                          fix=f"pass worker_query_s of about {WORKER_QUERY_S:g} (a migrate waits up to that long for "
+                              "the target's worker to pick up its step)")
     given = api_url is not None
     api_url = api_url or prefect_api_url() or API_URL_PLACEHOLDER
     check_api_url(fleet, api_url, given, all_nodes_here)
@@ -253,7 +262,7 @@ def render_node_workers(fleet_file: Path, workdir: Path | str | None = None, api
         return sorted({str(wd / fleet.storage.path.replace("{node}", n.name)) for n in nodes})
 
     ctx = dict(fleet=fleet, fleet_file=_fleet_param(fleet_file, wd), workdir=str(wd), api_url=api_url,
-               path=path, control_pool=fleet.control_pool or fleet.nodes[0].work_pool)
+               path=path, query_s=f"{worker_query_s:g}", control_pool=fleet.control_pool or fleet.nodes[0].work_pool)
     units, (ds,) = files["systemd"], files["kubernetes"]
     units[0].parent.mkdir(parents=True, exist_ok=True)
     for stale in set(units[0].parent.glob("ckptflow-prefect-worker-*.service")) - set(units):
@@ -284,14 +293,15 @@ def _version() -> str:
 
 def deploy(fleet_file: Path, *, create_pools: bool = True, ephemeral: bool = False,
            workdir: Path | str | None = None, image: str | None = None, api_url: str | None = None,
-           all_nodes_here: bool = False) -> Path:
+           all_nodes_here: bool = False, worker_query_s: float = WORKER_QUERY_S) -> Path:
     """Render, then deploy through Prefect's client what the rendered prefect.yaml says (the file
     an operator reviews is the one deployed): each node's process work pool and its
     ``ckptflow-node-<node>`` global concurrency limit (1 slot) when missing, the results block of
     an S3 fleet, then every deployment, created or updated in place.
 
     ``api_url``: the Prefect API the node workers use (default: this shell's PREFECT_API_URL);
-    ``all_nodes_here``: every node runs on this machine, so a loopback one is right.
+    ``all_nodes_here``: every node runs on this machine, so a loopback one is right;
+    ``worker_query_s``: the node workers' poll interval (render_node_workers).
 
     Raises:
         ConfigError: no Prefect server is configured (PREFECT_API_URL) and ``ephemeral`` is not
@@ -313,7 +323,8 @@ def deploy(fleet_file: Path, *, create_pools: bool = True, ephemeral: bool = Fal
 
     check_api_url(load_fleet(fleet_file), api_url or prefect_api_url(), api_url is not None, all_nodes_here)
     out = render_prefect_yaml(fleet_file, workdir)
-    render_node_workers(fleet_file, workdir, api_url=api_url, image=image, all_nodes_here=all_nodes_here)
+    render_node_workers(fleet_file, workdir, api_url=api_url, image=image, all_nodes_here=all_nodes_here,
+                        worker_query_s=worker_query_s)
     fleet = load_fleet(fleet_file)
     spec = yaml.safe_load(out.read_text())
     step = "connecting"

@@ -4,7 +4,8 @@ PREFECT_HOME (nodes share no disk: step results travel through the fleet's S3Buc
 block), SeaweedFS as S3, deployments from `ckptflow deploy`.
 
 migrate, drain and recover-node run as deployments; their node steps run on each node's
-worker, and the long session continues exactly on node-b.
+worker, and the long session continues exactly on node-b. The workers poll every second, as
+the units `ckptflow deploy` renders do (PREFECT_WORKER_QUERY_SECONDS).
 """
 
 import json
@@ -126,6 +127,14 @@ def test_migrate_deployment_moves_a_long_session_to_node_b(prefect_fleet, demo_w
     keys = [o["Key"] for o in s3.client.list_objects_v2(Bucket="fleet-mig", Prefix="ckptflow/prefect-results/")
             .get("Contents", [])]
     assert keys, "no flow result in the fleet's S3 results block"
+    # node-b's step ran before node-a's checkpoint began (flows.steps.move): its worker's poll and
+    # its process start were not downtime; the checkpoint went from one step to the other.
+    ran_first = pg.sql("select (select min(start_time) from flow_run where idempotency_key like "
+                       "'%-migrate_in-chat-node-b') < (select min(start_time) from task_run where name like "
+                       "'migrate-out%')")
+    assert ran_first == "t", ran_first
+    assert pg.sql("select parameters->>'checkpoint_from' from flow_run where idempotency_key like "
+                  "'%-migrate_in-chat-node-b'").endswith("-migrate_out-chat-node-a")
 
 
 def test_drain_deployment_empties_node_a(prefect_fleet, demo_worker, s3):

@@ -8,7 +8,7 @@ from prefect.artifacts import create_markdown_artifact
 from ckptflow.models import TrafficClass
 from ckptflow.render import render
 from ckptflow.policies.cadence import CostModel
-from ckptflow.flows.steps import run_step, spreader_off
+from ckptflow.flows.steps import move, run_step, spreader_off, wait_step
 from ckptflow.tasks.common import open_fleet
 from ckptflow.tasks.fleet import find_template, mark_drained, record_placement
 
@@ -25,9 +25,14 @@ def migrate(fleet_file: str, workload: str, target_node: str, via_deployments: b
     w = fleet.workload(workload)
     fleet.node(target_node)
     source = w.node
-    out = run_step(source, "migrate_out", fleet_file, workload, None, via_deployments)
+    paired = via_deployments and target_node != source  # one node's steps run one at a time (concurrency 1)
+    if paired:  # the target's step starts first: the worker is down for the move only (flows.steps.move)
+        out, inn_run = move(source, target_node, fleet_file, workload)
+    else:
+        out = run_step(source, "migrate_out", fleet_file, workload, None, via_deployments)
     try:
-        inn = run_step(target_node, "migrate_in", fleet_file, workload, out["checkpoint"], via_deployments)
+        inn = (wait_step(inn_run, "migrate_in", workload, target_node) if paired else
+               run_step(target_node, "migrate_in", fleet_file, workload, out["checkpoint"], via_deployments))
     except Exception as e:
         get_run_logger().error("move of %s to %s failed (%s); restoring on %s", workload, target_node, e, source)
         back = run_step(source, "restore_local", fleet_file, workload, out["checkpoint"], via_deployments)

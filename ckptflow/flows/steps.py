@@ -1,12 +1,36 @@
-"""Run one node-level step where it must run: on the node's worker, or here."""
+"""Run one node-level step where it must run: on the node's worker, or here.
+
+A fleet flow waits on node steps by polling the Prefect server every ``POLL_S``: Prefect's own
+default (5 s) was time a moved worker stayed down. A move between two nodes (``move``) starts the
+target's step first and lets the source checkpoint only once that step runs, so the target's
+worker poll and its flow-run process start (seconds of Python imports) happen while the worker
+still serves; the downtime is the dump, the transfer and the restore, plus a few polls.
+"""
 
 from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
 
 from prefect.deployments import run_deployment
 from prefect.exceptions import MissingResult
 from prefect.runtime import flow_run
 
 from ckptflow.errors import CkptflowError
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import FlowRun
+
+POLL_S = 0.2           # how often a waiting flow asks the server about the step it waits for
+STEP_TIMEOUT_S = 1800  # longest wait for a node step to end (a large GPU dump, a busy node)
+READY_TIMEOUT_S = 600  # longest a source waits for its target's step to start before it gives up (worker untouched)
+# A paired migrate_out labels its flow run with the checkpoint once it is in S3: the target
+# reads one label instead of waiting for the source's flow to end and loading its result from
+# the results block (measured under load: ~3 s of the hand-off).
+CHECKPOINT_LABEL = "ckptflow.checkpoint"
+# And the target labels its own run once warmed (flows.node_step._warm) and waiting: "Running"
+# comes seconds earlier, before its imports and caches, and a dump then waited on them.
+READY_LABEL = "ckptflow.ready"
 
 
 class StepFailed(RuntimeError):
@@ -19,22 +43,156 @@ class StepFailed(RuntimeError):
         super().__init__(message)
 
 
+def step_key(action: str, workload: str, node: str) -> str:
+    """The idempotency key of this fleet flow run's ``action`` step: a retried fleet flow finds
+    its step instead of starting a second one, and a paired step finds it by this key."""
+    return f"{flow_run.get_id()}-{action}-{workload}-{node}"
+
+
+def _params(node, action, fleet_file, workload, checkpoint, replica=None, **extra) -> dict:
+    return {"fleet_file": fleet_file, "action": action, "workload": workload, "node": node,
+            "checkpoint": checkpoint, **({"replica": replica} if replica else {}),
+            **{k: v for k, v in extra.items() if v is not None}}
+
+
 def run_step(node: str, action: str, fleet_file: str, workload: str, checkpoint: str | None = None,
-             via_deployments: bool = True, replica: str | None = None) -> dict:
+             via_deployments: bool = True, replica: str | None = None, when_ready: str | None = None) -> dict:
     """Run node-step ``action`` on ``node``: through its deployment ``node-step/<node>`` (its
-    work pool's worker), or in this process.
+    work pool's worker), or in this process. ``when_ready``: the flow run id of a step that
+    must be ready before this one acts (``move``).
 
     A failed step raises the step's own typed error when Prefect kept it (so a caller can
     still tell "no checkpoint" from "restore broke"), else StepFailed naming the flow run.
     """
-    params = {"fleet_file": fleet_file, "action": action, "workload": workload, "node": node,
-              "checkpoint": checkpoint, **({"replica": replica} if replica else {})}
+    params = _params(node, action, fleet_file, workload, checkpoint, replica, when_ready=when_ready)
     if not via_deployments:
         from ckptflow.flows.node_step import node_step
 
         return node_step(**params)
-    fr = run_deployment(name=f"node-step/{node}", parameters=params, timeout=1800,
-                        idempotency_key=f"{flow_run.get_id()}-{action}-{workload}-{node}")
+    fr = run_deployment(name=f"node-step/{node}", parameters=params, timeout=STEP_TIMEOUT_S, poll_interval=POLL_S,
+                        idempotency_key=step_key(action, workload, node))
+    return step_result(fr, action, workload, node)
+
+
+def start_step(node: str, action: str, fleet_file: str, workload: str, checkpoint_from: str) -> FlowRun:
+    """Start node-step ``action`` on ``node`` without waiting for it; it takes its checkpoint
+    from the result of the step whose idempotency key is ``checkpoint_from`` once that ends."""
+    return run_deployment(name=f"node-step/{node}", timeout=0, idempotency_key=step_key(action, workload, node),
+                          parameters=_params(node, action, fleet_file, workload, None, checkpoint_from=checkpoint_from))
+
+
+def wait_step(fr: FlowRun, action: str, workload: str, node: str, timeout_s: float = STEP_TIMEOUT_S) -> dict:
+    """Wait for a step ``start_step`` started; its result as ``run_step`` returns it."""
+    return step_result(_wait(fr.id, lambda s: s.is_final(), timeout_s, f"{action} of {workload} on {node}"),
+                       action, workload, node)
+
+
+def cancel_step(fr: FlowRun) -> None:
+    """Cancel a started step that has not begun running (its pair failed); a running one ends
+    itself when it sees its pair's failure."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled
+
+    with get_client(sync_client=True) as c:
+        s = c.read_flow_run(fr.id).state
+        if s is not None and not s.is_final() and not s.is_running():
+            c.set_flow_run_state(fr.id, Cancelled(message="the step it waited for failed"), force=True)
+
+
+def move(source: str, target: str, fleet_file: str, workload: str) -> tuple[dict, FlowRun]:
+    """Checkpoint ``workload`` on ``source`` for ``target``, with the target's migrate_in step
+    started first and ready (warmed, waiting) when the source dumps. Returns migrate_out's result and
+    the target's flow run (``wait_step`` it). A failed migrate_out cancels or ends that run."""
+    inn = start_step(target, "migrate_in", fleet_file, workload,
+                     checkpoint_from=step_key("migrate_out", workload, source))
+    try:
+        out = run_step(source, "migrate_out", fleet_file, workload, when_ready=str(inn.id))
+    except BaseException:
+        try:
+            cancel_step(inn)
+        except Exception:
+            pass  # it ends itself once it sees migrate_out failed
+        raise
+    return out, inn
+
+
+def _wait(run_id, done, timeout_s: float, what: str, ready=lambda fr: False):
+    """Poll flow run ``run_id`` until ``done(state)`` or ``ready(flow_run)``; the flow run."""
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as c:
+        while True:
+            fr = c.read_flow_run(run_id)
+            if ready(fr) or (fr.state is not None and done(fr.state)):
+                return fr
+            if time.monotonic() > deadline:
+                raise StepFailed(f"{what}: flow run {run_id} still {fr.state.name if fr.state else 'without a state'} "
+                                 f"after {timeout_s:.0f} s")
+            time.sleep(POLL_S)
+
+
+def mark_ready() -> None:
+    """Label this flow run (a paired migrate_in) ready: warmed, and waiting for its checkpoint."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        c.update_flow_run_labels(flow_run.get_id(), {READY_LABEL: "1"})
+
+
+def wait_ready(run_id: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Wait until flow run ``run_id`` (the target's step) is ready (``mark_ready``): a source
+    step waits for it before it checkpoints, so the worker is down only for the move itself.
+
+    Raises:
+        StepFailed: the run ended first, or was not ready within ``timeout_s``.
+    """
+    fr = _wait(run_id, lambda s: s.is_final(), timeout_s, "the target's step never got ready: nothing was "
+               "checkpointed", ready=lambda fr: bool((fr.labels or {}).get(READY_LABEL)))
+    if not (fr.labels or {}).get(READY_LABEL):
+        raise StepFailed(f"the target's step (flow run {run_id}) ended {fr.state.name} before it was ready: "
+                         "nothing was checkpointed, the worker still runs here")
+
+
+def publish_checkpoint(checkpoint: str) -> None:
+    """Label this flow run (a paired migrate_out) with ``checkpoint``, pushed and complete in S3."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        c.update_flow_run_labels(flow_run.get_id(), {CHECKPOINT_LABEL: checkpoint})
+
+
+def checkpoint_of(key: str, timeout_s: float = STEP_TIMEOUT_S) -> str:
+    """The checkpoint of the step with idempotency key ``key`` (a migrate_out): its label
+    (``publish_checkpoint``) as soon as it is set, else its result once it ends.
+
+    Raises:
+        StepFailed: it failed (nothing to restore) or did not end within ``timeout_s``.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterIdempotencyKey
+
+    deadline = time.monotonic() + timeout_s
+    flt = FlowRunFilter(idempotency_key=FlowRunFilterIdempotencyKey(any_=[key]))
+    with get_client(sync_client=True) as c:
+        while True:
+            runs = c.read_flow_runs(flow_run_filter=flt, limit=1)
+            if runs and (runs[0].labels or {}).get(CHECKPOINT_LABEL):
+                return str(runs[0].labels[CHECKPOINT_LABEL])
+            if runs and runs[0].state is not None and runs[0].state.is_final():
+                break
+            if time.monotonic() > deadline:
+                raise StepFailed(f"the checkpoint step {key} did not end within {timeout_s:.0f} s")
+            time.sleep(POLL_S)
+    fr = runs[0]
+    if not fr.state.is_completed():
+        raise StepFailed(f"the checkpoint step (flow run {fr.id}) ended {fr.state.name}: nothing to restore")
+    return fr.state.result()["checkpoint"]
+
+
+def step_result(fr: FlowRun, action: str, workload: str, node: str) -> dict:
+    """A node step's result; its failure as the step's own typed error when Prefect kept it,
+    else StepFailed naming the flow run."""
     if fr.state and fr.state.is_completed():
         return fr.state.result()
     where = (f"{action} of {workload} on {node}: flow run {fr.id} ended "

@@ -1,0 +1,72 @@
+"""The rendered node workers (systemd units, DaemonSets) poll the Prefect server often enough
+for a migrate's steps to start within about a second (Prefect's own default is 10 s), and the
+variable they set is the one Prefect's worker reads."""
+
+import os
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import yaml
+
+from ckptflow.deploy import WORKER_QUERY_S, render_node_workers
+from ckptflow.errors import ConfigError
+from ckptflow.fleet import load_fleet
+
+ROOT = Path(__file__).parent.parent
+EXAMPLE = ROOT / "deployments" / "example-h200-fleet.yaml"
+API = "http://prefect.internal:4200/api"
+
+
+@pytest.fixture
+def example(tmp_path):
+    f = tmp_path / EXAMPLE.name
+    f.write_text(EXAMPLE.read_text())
+    return f
+
+
+def _unit_env(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1)[1].split("=", 1) for line in path.read_text().splitlines()
+                if line.startswith("Environment="))
+
+
+def _daemonset_envs(path: Path) -> list[dict[str, str]]:
+    return [{e["name"]: e["value"] for e in d["spec"]["template"]["spec"]["containers"][0]["env"]}
+            for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "DaemonSet"]
+
+
+def _worker_query_seconds(env: dict[str, str]) -> float:
+    """What Prefect's worker makes of that environment (the setting it polls by)."""
+    from prefect.settings.models.root import Settings
+
+    with mock.patch.dict(os.environ, {k: v for k, v in env.items() if k.startswith("PREFECT_")}, clear=False):
+        return Settings().worker.query_seconds
+
+
+def test_every_unit_and_daemonset_polls_every_second_by_default(example):
+    fleet = load_fleet(example)
+    files = render_node_workers(example, ROOT, api_url=API)
+    assert len(files["systemd"]) == len(fleet.nodes)
+    for unit in files["systemd"]:
+        env = _unit_env(unit)
+        assert env["PREFECT_WORKER_QUERY_SECONDS"] == "1", unit.name
+        assert _worker_query_seconds(env) == WORKER_QUERY_S == 1.0
+    envs = _daemonset_envs(files["kubernetes"][0])
+    assert len(envs) == len({n.work_pool for n in fleet.nodes})
+    for env in envs:
+        assert env["PREFECT_WORKER_QUERY_SECONDS"] == "1"
+        assert _worker_query_seconds(env) == 1.0
+
+
+def test_the_poll_interval_is_configurable(example, tmp_path):
+    files = render_node_workers(example, ROOT, api_url=API, worker_query_s=2.5, out_dir=tmp_path / "w")
+    assert {_unit_env(u)["PREFECT_WORKER_QUERY_SECONDS"] for u in files["systemd"]} == {"2.5"}
+    assert {e["PREFECT_WORKER_QUERY_SECONDS"] for e in _daemonset_envs(files["kubernetes"][0])} == {"2.5"}
+    assert _worker_query_seconds(_unit_env(files["systemd"][0])) == 2.5
+
+
+@pytest.mark.parametrize("bad", [0, -1, 61])
+def test_a_poll_interval_out_of_range_is_refused_in_one_line(example, tmp_path, bad):
+    with pytest.raises(ConfigError, match=f"worker poll interval {bad} s: it must be more than 0 and at most 60 s"):
+        render_node_workers(example, ROOT, api_url=API, worker_query_s=bad, out_dir=tmp_path / "w")
+    assert not (tmp_path / "w").exists()   # refused before anything was written
