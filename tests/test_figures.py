@@ -183,7 +183,7 @@ CONFIG = [
     (D, "vLLM's default 90 %", "bench/gpu_two_tier.py", r'"--b-kv-fraction", type=float, default=0\.9\b'),
     (R, "≥ 90 % of the prompt", "tests/test_vllm.py", r'\["hits"\] >= 0\.9 \*'),
     (R, "≤ 0.1× cold start", "bench/vllm_gpu.py", r"Target: restore-to-ready <= 0\.1 x"),
-    (R, "sha256-addressed 8 MiB chunks", "ckptflow/store/s3.py", r"CHUNK = 8 << 20\b"),
+    (R, "sha256-addressed 8 MiB chunks", "ckptflow/store/objects.py", r"CHUNK = 8 << 20\b"),
     (R, "a demo worker with 512 MiB of static ballast", "bench/s3_store.py", r"ballast_mib=512\b"),
     (D, "content-addressed 64 MiB chunks", "ckptflow/demo/llm_worker.py", r"SLOT = 64 << 20\b"),
     (D, "pinned 8 MiB slots", "ckptflow/demo/llm_worker.py", r"PIECE, RING = 8 << 20\b"),
