@@ -73,6 +73,7 @@ def test_a_forced_heartbeat_row_says_forced_next_to_the_checkpoint_it_made(tmp_p
 
     class Runner:
         node_fp = Fingerprint()
+        gpu = None  # no GPU backend: the process mode needs none for a CPU worker
 
         def __init__(self):
             self.store = store
