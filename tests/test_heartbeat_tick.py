@@ -57,12 +57,21 @@ def _per_node_rows(fleet_file) -> list[dict]:
         return [r for n in sorted(by_node) for r in checkpoint_batch.fn(fleet.scope(), nodes[n], by_node[n])]
 
 
-def _task_runs(flow_run_id) -> list:
+def _task_runs(flow_run_id, settle_s: float = 60) -> list:
+    """The flow run's task runs once each has a final state: Prefect 3 records task-run states
+    from events on the server, so a read right after the flow returns can still see Running."""
+    import time
+
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+    deadline = time.monotonic() + settle_s
     with get_client(sync_client=True) as c:
-        return c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        while True:
+            runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            if (runs and all(r.state and r.state.is_final() for r in runs)) or time.monotonic() > deadline:
+                return runs
+            time.sleep(0.5)
 
 
 def test_a_tick_over_40_nodes_runs_a_few_task_runs_and_decides_as_one_per_node(tmp_path, prefect_harness, live):

@@ -247,4 +247,4 @@ def test_fault_s3_unavailable_mid_upload(tmp_path, s3):
     assert store.latest_valid("s3down").id == m.id
     done = S3Tier("ckpt-down", endpoint_url=s3.endpoint).push(store, m)
     assert done["skipped_bytes"] >= 2 * CHUNK
-    assert S3Tier("ckpt-down", endpoint_url=s3.endpoint).list("s3down") == [m.id]
+    assert S3Tier("ckpt-down", endpoint_url=s3.endpoint).ids("s3down") == [m.id]
