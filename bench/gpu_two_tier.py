@@ -69,10 +69,12 @@ def log(*a):
     print(time.strftime("%H:%M:%S"), *a, file=sys.stderr, flush=True)
 
 
-def state() -> tuple[dict, list[int]]:
+def state() -> tuple[dict, list[int], str]:
     peek = launch.http_json(f"http://127.0.0.1:{PORT}/v1/peek", {"prompt": "next", "max_tokens": 32,
                                                                  "session_id": "s0"})["tokens"]
-    return launch.session_digests(PORT), peek
+    # sha256 of the weights' and every session's KV bytes: "bit-exact" means these bytes, not a sum
+    full = launch.http_json(f"http://127.0.0.1:{PORT}/v1/ballast/digest", timeout_s=300)["digest"]
+    return launch.session_digests(PORT), peek, full
 
 
 def kill(pid: int, node: NodeRunner) -> None:

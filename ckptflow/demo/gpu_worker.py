@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from ckptflow.demo.gpuhash import state_sha256
 from ckptflow.demo.model import encode
 from ckptflow.demo.protocol import EngineSide, ExportRequest, SessionState
 from ckptflow.demo.worker import Metrics, base_args, completion_response, parse_completion, serve
@@ -125,16 +126,6 @@ class GpuModel:
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
 
-def gpu_checksum(t: torch.Tensor, chunk: int = 1 << 24) -> str:
-    """sha256 over per-chunk int64 sums computed on the device (no 50 GiB copy to the host).
-
-    Chunks stay small: each sum makes an int64 temporary that the caching allocator keeps.
-    """
-    flat = t.reshape(-1).view(torch.int32)
-    sums = [int(flat[i:i + chunk].sum(dtype=torch.int64)) for i in range(0, flat.numel(), chunk)]
-    return hashlib.sha256(json.dumps(sums).encode()).hexdigest()
-
-
 class GpuWorker(EngineSide):
     ENGINE = "ckptflow-demo-gpu"
     SESSION_CHUNK, WEIGHT_CHUNK, IO_THREADS = SESSION_CHUNK, WEIGHT_CHUNK, IO_THREADS
@@ -230,13 +221,13 @@ class GpuWorker(EngineSide):
         out = {}
         for k, s in self.sessions.items():
             kv = torch.stack([m.k[:, s["slot"], :, :s["len"]], m.v[:, s["slot"], :, :s["len"]]])
-            out[k] = gpu_checksum(kv.contiguous()) + f":{s['len']}:{s['last']}"
+            out[k] = state_sha256(kv) + f":{s['len']}:{s['last']}"
         return out
 
     def ballast_digest(self) -> dict:
         if self.ballast is None:
             raise ValueError("engine is parked for a template checkpoint (weights released)")
-        return {"digest": gpu_checksum(self.ballast), "bytes": int(self.ballast.numel() * 8)}
+        return {"digest": state_sha256(self.ballast), "bytes": int(self.ballast.numel() * 8)}
 
     # --- two-tier protocol (docs/engines/protocol.md; the shared part is demo/protocol.py) -------
     # The ballast stands in for the weights: the large static tensor that leaves the image. The

@@ -16,7 +16,7 @@ template releases both and maps them back at the same addresses, so the captured
 Fast paths, all in this file: file -> GPU through reused pinned slots, one CUDA stream per
 thread, every chunk's sha256 checked on the way (cold start reads the safetensors file the same
 way, so the cold-start baseline is not a straw man); a session export copies only blocks whose
-on-GPU fingerprint changed into pinned memory while holding the model (the pause), then hashes
+on-GPU keyed hash (demo/gpuhash.py) changed into pinned memory while holding the model (the pause), then hashes
 and writes them while serving on (threaded server, one model lock).
 """
 
@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from ckptflow.demo.gpuhash import KeyedChunkHash, state_sha256
 from ckptflow.demo.model import encode
 from ckptflow.demo.protocol import EngineSide, ExportRequest, ImportRequest, PrepareRequest, ResumeRequest
 from ckptflow.demo.worker import Metrics, base_args, completion_response, parse_completion, serve
@@ -223,9 +224,10 @@ class LlmEngine(EngineSide):
         self.fp_cache: dict[str, dict[int, tuple[int, str]]] = {}   # id -> block index -> (fingerprint, sha)
         self.parked, self.parked_with = False, None
         self.ar = torch.arange(MAX_LEN, device=self.dev)
-        g = torch.Generator(device="cpu").manual_seed(seed ^ 0x5EED)
-        self.fp_weights = torch.randint(1, 2**31 - 1, (max(self.block_bytes, SLOT) // 4,), generator=g,
-                                        dtype=torch.int32).to(self.dev)
+        # One key per engine configuration, not per process: sessions exported by one engine are
+        # checked and digested the same in a template restored from another of the same model.
+        self.fp_seed = (seed ^ 0x5EED) & (2**62 - 1)
+        self.hashers: dict[int, KeyedChunkHash] = {}   # key seed -> hash (its key is dropped when parked)
         self.metrics = Metrics(model_name)
         t1 = time.perf_counter()
         self._capture_graphs()
@@ -376,26 +378,28 @@ class LlmEngine(EngineSide):
             torch.cuda.empty_cache()
         return {"reserved_bytes": int(torch.cuda.memory_reserved())}
 
-    def _fingerprints(self, blocks: list[int]) -> list[int]:
-        """A weighted int32 sum per block, on the GPU (telling changed blocks apart in ms)."""
-        out = []
-        wv = self.fp_weights[:self.block_bytes // 4]
-        for i in range(0, len(blocks), 32):
-            idx = torch.tensor(blocks[i:i + 32], device=self.dev)
-            words = self.pool_u8.view(self.nblocks, self.block_bytes).index_select(0, idx).view(torch.int32)
-            out += (words * wv).sum(-1, dtype=torch.int64).tolist()
+    def _hasher(self, key: int | None = None) -> KeyedChunkHash:
+        key = self.fp_seed if key is None else int(key)
+        if key not in self.hashers:
+            self.hashers[key] = KeyedChunkHash(key, max(self.block_bytes, SLOT), self.dev)
+        return self.hashers[key]
+
+    def _fingerprints(self, blocks: list[int], key: int | None = None) -> list[str]:
+        """A keyed 128-bit hash per block, on the GPU (telling changed blocks apart in ms)."""
+        out, h = [], self._hasher(key)
+        for i in range(0, len(blocks), 8):   # 8 blocks: ~0.5 GiB of int64 temporaries
+            idx = torch.tensor(blocks[i:i + 8], device=self.dev)
+            out += h.rows(self.pool_u8.view(self.nblocks, self.block_bytes).index_select(0, idx))
         return out
 
-    def _weight_fingerprints(self) -> list[int]:
+    def _weight_fingerprints(self, key: int | None = None) -> list[str]:
         """The same per 64 MiB chunk of the weights (the chunks of the weights' export)."""
-        sums = []
-        for off in range(0, self.weights_bytes, SLOT):
-            n = min(SLOT, self.weights_bytes - off) // 4
-            sums.append((self.wflat[off:off + 4 * n].view(torch.int32) * self.fp_weights[:n]).sum(dtype=torch.int64))
-        return torch.stack(sums).tolist()
+        h = self._hasher(key)
+        return [h.flat(self.wflat[off:off + min(SLOT, self.weights_bytes - off)])
+                for off in range(0, self.weights_bytes, SLOT)]
 
     @staticmethod
-    def _check(what: str, want: list[int] | None, got: list[int], chunks: list[str]) -> None:
+    def _check(what: str, want: list[str] | None, got: list[str], chunks: list[str]) -> None:
         """Chunks are checked on the GPU after the copy: each one's fingerprint against the one
         recorded at export (sha256 on 14 threads held the stream at 11 GiB/s of 29)."""
         if want is None:
@@ -415,11 +419,20 @@ class LlmEngine(EngineSide):
             return {k: self._digest(s, self._fingerprints(s["blocks"])) for k, s in self.sessions.items()}
 
     def ballast_digest(self) -> dict:
+        """sha256 of what a restore must bring back (the benches' bit-exact check): the weights'
+        bytes, then per session its id, length, last token and KV blocks' bytes in order."""
         with self.lock:
             if self.parked:
                 raise ValueError("engine is parked for a template checkpoint (weights released)")
-            words = self.wflat[:self.weights_bytes // 4 * 4].view(torch.int32)
-            return {"digest": str(int(words.sum(dtype=torch.int64))), "bytes": self.weights_bytes}
+            top = hashlib.sha256(state_sha256(self.wflat[:self.weights_bytes]).encode())
+            pool, n = self.pool_u8.view(self.nblocks, self.block_bytes), self.weights_bytes
+            for sid in sorted(self.sessions):
+                s = self.sessions[sid]
+                top.update(json.dumps([sid, s["len"], s["last"]]).encode())
+                for i in range(0, len(s["blocks"]), 64):   # 64 blocks: 0.7 GiB copied at a time
+                    top.update(state_sha256(pool.index_select(0, torch.tensor(s["blocks"][i:i + 64], device=self.dev))).encode())
+                n += len(s["blocks"]) * self.block_bytes
+            return {"digest": top.hexdigest(), "bytes": n}
 
     # --- two-tier protocol --------------------------------------------------------------------
     def template_key(self) -> str:
@@ -495,7 +508,7 @@ class LlmEngine(EngineSide):
             res[sid] = {"tokens": sn["tokens"], "last": sn["last"], "digest": sn["digest"], "blocks": sn["blocks"],
                         "tensors": [{"name": "blocks", "dtype": "uint8", "shape": [len(sn["blocks"]), self.block_bytes],
                                      "nbytes": len(sn["blocks"]) * self.block_bytes, "chunks": sn["shas"],
-                                     "fingerprints": sn["fps"]}],
+                                     "fingerprints": sn["fps"], "fingerprint_key": self.fp_seed}],
                         "written_bytes": written[sid], "total_bytes": len(sn["blocks"]) * self.block_bytes}
         return {"sessions": res, "held_s": round(held, 4)}
 
@@ -506,7 +519,7 @@ class LlmEngine(EngineSide):
         with self.export_lock, self.lock:
             items, taken = [], set()
             for sid, rec in recs.items():
-                gpu_checked = "fingerprints" in rec["tensors"][0]
+                gpu_checked = "fingerprint_key" in rec["tensors"][0]   # older records: sha256 on the way in
                 for b, d in zip(rec["blocks"], rec["tensors"][0]["chunks"]):
                     items.append((chunk_path(root, d), 0, b * self.block_bytes, self.block_bytes,
                                   None if gpu_checked else d))
@@ -514,8 +527,11 @@ class LlmEngine(EngineSide):
             stream_in(items, self.pool_u8, self.slots)
             got = {sid: self._fingerprints(rec["blocks"]) for sid, rec in recs.items()}
             for sid, rec in recs.items():  # every block checked before any session exists
-                self._check(f"session {sid}", rec["tensors"][0].get("fingerprints"), got[sid],
-                            rec["tensors"][0]["chunks"])
+                t = rec["tensors"][0]
+                if "fingerprint_key" in t:
+                    mine = t["fingerprint_key"] == self.fp_seed
+                    self._check(f"session {sid}", t["fingerprints"],
+                                got[sid] if mine else self._fingerprints(rec["blocks"], t["fingerprint_key"]), t["chunks"])
             self.free_blocks = [b for b in self.free_blocks if b not in taken]
             digests = {}
             for sid, rec in recs.items():
@@ -573,6 +589,7 @@ class LlmEngine(EngineSide):
                 self.parked = True
                 self.sessions.clear()
                 self.fp_cache.clear()
+                self.hashers.clear()     # the keys are rebuilt from their seed after resume
                 self.free_blocks = list(range(self.nblocks - 1, 0, -1))
                 torch.cuda.synchronize()
                 self.wregion.release()
@@ -584,7 +601,7 @@ class LlmEngine(EngineSide):
                 stats = {"gpu_used_gib": round((total - free) / 2**30, 3),
                          "torch_reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 3), "rss_gib": round(_rss_gib(), 3)}
         rec = {"name": "weights", "dtype": "uint8", "shape": [self.weights_bytes], "nbytes": self.weights_bytes,
-               "chunks": chunks, "fingerprints": wfps}
+               "chunks": chunks, "fingerprints": wfps, "fingerprint_key": self.fp_seed}
         if release:
             self.park(out_dir, [rec])
         return {"tensors": [rec], "written_bytes": written[0], "total_bytes": self.weights_bytes,
@@ -612,13 +629,15 @@ class LlmEngine(EngineSide):
             for rec in req.tensors:
                 for d in rec["chunks"]:
                     n = min(SLOT, rec["nbytes"] - off)
-                    items.append((chunk_path(root, d), 0, off, n, None if "fingerprints" in rec else d))
+                    items.append((chunk_path(root, d), 0, off, n, None if "fingerprint_key" in rec else d))
                     off += n
             loaded = stream_in(items, self.wflat, self.slots)
             ph["weights"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             for rec in req.tensors:
-                self._check("weights", rec.get("fingerprints"), self._weight_fingerprints(), rec["chunks"])
+                if "fingerprint_key" in rec:
+                    self._check("weights", rec["fingerprints"], self._weight_fingerprints(rec["fingerprint_key"]),
+                                rec["chunks"])
             ph["checked"] = time.perf_counter() - t0
             self.parked = False
         return {"loaded_bytes": loaded, "phases": {k: round(v, 4) for k, v in ph.items()}}

@@ -43,7 +43,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ckptflow.demo.gpu_worker import GpuWorker, gpu_checksum
+from ckptflow.demo.gpu_worker import GpuWorker
+from ckptflow.demo.gpuhash import state_sha256
 from ckptflow.demo.shm_ring import IDLE, RUNNING, Ring
 from ckptflow.demo.worker import Metrics, base_args, serve
 from ckptflow.settings import settings
@@ -146,7 +147,7 @@ class Rank:
             return None
         if op in (DIGEST, BALLAST):
             t = torch.stack([m.k[:, a, :, :b], m.v[:, a, :, :b]]).contiguous() if op == DIGEST else self.ballast
-            mine = torch.tensor(list(bytes.fromhex(gpu_checksum(t))), dtype=torch.uint8, device=self.dev)
+            mine = torch.tensor(list(bytes.fromhex(state_sha256(t))), dtype=torch.uint8, device=self.dev)
             every = [torch.zeros_like(mine) for _ in range(self.world)]
             dist.all_gather(every, mine)
             return hashlib.sha256(b"".join(bytes(x.tolist()) for x in every)).hexdigest()
