@@ -51,7 +51,9 @@ def placed(fleet: Fleet, workload: str, node: str | None = None) -> Workload:
 
 
 def node_runner(fleet: Fleet | FleetScope, node: str | None = None) -> NodeRunner:
-    return NodeRunner(open_store(fleet.storage, node))
+    """The node runner of ``node``: its local store and the GPU backend it declares
+    (``nodes[].gpu_backend``; ``cuda`` when it declares none, or for no node)."""
+    return NodeRunner(open_store(fleet.storage, node), gpu=fleet.gpu_backend(node))
 
 
 @contextmanager
