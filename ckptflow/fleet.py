@@ -86,6 +86,17 @@ class Storage(BaseModel):
         default_factory=dict, description="Settings of a registered tier kind that the fields above do not "
         "cover; its opener reads (and checks) them.", examples=[{"project": "ml-prod"}])
 
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _registered_kind(cls, v: Any) -> Any:
+        # The enum's own message would name only the built-in kinds.
+        from ckptflow.store import tier_kinds
+
+        if isinstance(v, str) and v not in tier_kinds():
+            raise ValueError(f"unknown storage kind {v!r} (known: {', '.join(sorted(tier_kinds()))}); a new kind "
+                             "is registered with ckptflow.store.register_tier (docs/extending/storage-tier.md)")
+        return v
+
     @model_validator(mode="after")
     def _bucket_for_s3(self) -> "Storage":
         if self.kind == StorageKind.s3 and not self.bucket:
