@@ -5,8 +5,9 @@ One deployment per flow, and per node for the flows whose steps must run on that
 (heartbeat, invalidate, verify, node-step), each on the node's process work pool. The
 fleet-level flows (migrate, drain, scale-up/-down, recover, recover-node) run on the control
 pool (the first node's) and start node steps with run_deployment; a step's result travels
-back through Prefect's result storage, which for an S3 fleet is an ``S3Bucket`` block
-(prefect-aws) on the fleet's bucket — nodes share no disk.
+back through Prefect's result storage, a block on the fleet's own object store registered for
+its ``storage.kind`` (``register_result_storage``; S3: an ``S3Bucket`` block of prefect-aws on
+the fleet's bucket) — nodes share no disk.
 
 Every flow run starts in the project directory (``--workdir``, default: where deploy runs):
 prefect.yaml's pull step enters it, and each node's worker — a systemd unit per node
@@ -24,8 +25,9 @@ Example:
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import yaml
 
@@ -85,25 +87,86 @@ def _schedule(s) -> str:
     return f"{{interval: {s.interval_s}}}" if s.interval_s else f"{{cron: \"{s.cron}\", timezone: UTC}}"
 
 
+@dataclass(frozen=True)
+class ResultStorage:
+    """Where Prefect keeps the flow results of a fleet on one ``storage.kind``: a block of the
+    Prefect integration for that store, on the fleet's bucket."""
+
+    block_type: str                  # the block type's slug: PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK=<slug>/<name>
+    build: Callable[[Any], Any]      # storage -> the (unsaved) block; imports its integration itself
+
+
+RESULT_STORAGE: dict[str, ResultStorage] = {}
+
+
+def register_result_storage(kind: str, block_type: str, build: Callable[[Any], Any]) -> None:
+    """Make ``ckptflow deploy`` keep the flow results of a ``storage.kind: <kind>`` fleet in
+    ``build(storage)``, a Prefect block of type ``block_type`` saved as ``ckptflow-results-<fleet>``.
+    A kind with a shared tier and none registered is refused for a fleet with remote nodes
+    (``check_result_storage``). Registering a kind again replaces it.
+
+    Example:
+        >>> register_result_storage("gcs", "gcs-bucket", lambda st: __import__("prefect_gcp").GcsBucket(
+        ...     bucket=st.bucket, bucket_folder=f"{st.prefix}/prefect-results"))   # doctest: +SKIP
+    """
+    RESULT_STORAGE[kind] = ResultStorage(block_type, build)
+
+
+def _s3_bucket(st) -> Any:
+    """Credentials are not stored in the block: each worker's boto3 finds its own (environment,
+    instance profile), as the S3 tier does."""
+    from prefect_aws import AwsClientParameters, AwsCredentials, S3Bucket
+
+    return S3Bucket(bucket_name=st.bucket, bucket_folder=f"{st.prefix}/prefect-results",
+                    credentials=AwsCredentials(region_name=st.region or "us-east-1",
+                                               aws_client_parameters=AwsClientParameters(endpoint_url=st.endpoint_url)))
+
+
+register_result_storage("s3", "s3-bucket", _s3_bucket)
+
+
+def _kind(fleet) -> str:
+    return getattr(fleet.storage.kind, "value", fleet.storage.kind)
+
+
 def results_block_name(fleet) -> str | None:
-    """The S3Bucket block holding flow results of an S3 fleet (None for local storage)."""
-    if fleet.storage.kind.value != "s3":
+    """The block holding the fleet's flow results (None where its kind registers none, e.g.
+    ``local``: Prefect's default, the worker's own disk)."""
+    if _kind(fleet) not in RESULT_STORAGE:
         return None
     return "ckptflow-results-" + re.sub(r"[^a-z0-9-]", "-", fleet.fleet)
 
 
-def save_results_block(fleet) -> str:
-    """Create (or update) the fleet's results block; credentials are not stored in it — each
-    worker's boto3 finds its own (environment, instance profile), as the S3 tier does."""
-    from prefect_aws import AwsClientParameters, AwsCredentials, S3Bucket
-
-    st = fleet.storage
+def results_env(fleet) -> dict[str, str]:
+    """The environment that points a deployment's flow runs at the fleet's results block."""
     name = results_block_name(fleet)
-    S3Bucket(bucket_name=st.bucket, bucket_folder=f"{st.prefix}/prefect-results",
-             credentials=AwsCredentials(region_name=st.region or "us-east-1",
-                                        aws_client_parameters=AwsClientParameters(endpoint_url=st.endpoint_url)),
-             ).save(name, overwrite=True)
+    return {"PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK": f"{RESULT_STORAGE[_kind(fleet)].block_type}/{name}"} if name else {}
+
+
+def save_results_block(fleet) -> str:
+    """Create (or update) the fleet's results block; its name."""
+    name = results_block_name(fleet)
+    RESULT_STORAGE[_kind(fleet)].build(fleet.storage).save(name, overwrite=True)
     return name
+
+
+def check_result_storage(fleet, all_nodes_here: bool = False) -> None:
+    """Refuse a fleet whose steps run on other machines when its kind has a shared tier but no
+    result storage: a node step's result would stay on that node's disk, where the fleet flow
+    that started it cannot read it.
+
+    Raises:
+        ConfigError: naming the kind and the registration that fixes it.
+    """
+    from ckptflow.store import has_shared_tier
+
+    remote = [] if all_nodes_here else remote_nodes(fleet)
+    if remote and results_block_name(fleet) is None and has_shared_tier(fleet.storage):
+        raise ConfigError(f"storage.kind {_kind(fleet)} registers no result storage, and node {remote[0]} is another "
+                          "machine: its steps' results would stay on its own disk, where the fleet flows cannot read them",
+                          fix=f"register one: ckptflow.deploy.register_result_storage({_kind(fleet)!r}, <block type slug>, "
+                              "<storage -> Prefect block on the fleet's bucket>), or pass --all-nodes-here when every "
+                              "node runs on this machine")
 
 
 def prefect_api_url() -> str | None:
@@ -124,8 +187,7 @@ def render_prefect_yaml(fleet_file: Path, workdir: Path | str | None = None) -> 
     fleet = load_fleet(fleet_file)
     out = fleet_file.with_name(f"prefect.{fleet.fleet}.yaml")
     nodes = {n.name: [w.name for w in fleet.workloads if w.node == n.name] for n in fleet.nodes}
-    block = results_block_name(fleet)
-    results = {"PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK": f"s3-bucket/{block}"} if block else {}
+    results = results_env(fleet)
     text = env().get_template("prefect.yaml.j2").render(
         fleet=fleet, fleet_file=_fleet_param(fleet_file, wd), out_name=out.name, workdir=str(wd),
         control_pool=fleet.control_pool or fleet.nodes[0].work_pool, node_workloads=nodes, schedule=_schedule,
@@ -296,8 +358,9 @@ def deploy(fleet_file: Path, *, create_pools: bool = True, ephemeral: bool = Fal
            all_nodes_here: bool = False, worker_query_s: float = WORKER_QUERY_S) -> Path:
     """Render, then deploy through Prefect's client what the rendered prefect.yaml says (the file
     an operator reviews is the one deployed): each node's process work pool and its
-    ``ckptflow-node-<node>`` global concurrency limit (1 slot) when missing, the results block of
-    an S3 fleet, then every deployment, created or updated in place.
+    ``ckptflow-node-<node>`` global concurrency limit (1 slot) when missing, the fleet's results
+    block (its storage kind's, ``register_result_storage``), then every deployment, created or
+    updated in place.
 
     ``api_url``: the Prefect API the node workers use (default: this shell's PREFECT_API_URL);
     ``all_nodes_here``: every node runs on this machine, so a loopback one is right;
@@ -307,7 +370,8 @@ def deploy(fleet_file: Path, *, create_pools: bool = True, ephemeral: bool = Fal
         ConfigError: no Prefect server is configured (PREFECT_API_URL) and ``ephemeral`` is not
             set: the deployments would go into a temporary server that vanishes on exit; or
             ``workdir`` does not hold the project; or the node workers' API URL is loopback and a
-            node is remote (checked before anything is deployed); or the server refused or could
+            node is remote, or the storage kind keeps no flow results where remote nodes' fleet
+            flows read them (both checked before anything is deployed); or the server refused or could
             not be reached (one line: what failed and why).
     """
     if not ephemeral and not prefect_api_url():
@@ -322,6 +386,7 @@ def deploy(fleet_file: Path, *, create_pools: bool = True, ephemeral: bool = Fal
     from pydantic import ValidationError
 
     check_api_url(load_fleet(fleet_file), api_url or prefect_api_url(), api_url is not None, all_nodes_here)
+    check_result_storage(load_fleet(fleet_file), all_nodes_here)
     out = render_prefect_yaml(fleet_file, workdir)
     render_node_workers(fleet_file, workdir, api_url=api_url, image=image, all_nodes_here=all_nodes_here,
                         worker_query_s=worker_query_s)

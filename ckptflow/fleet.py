@@ -86,6 +86,17 @@ class Storage(BaseModel):
         default_factory=dict, description="Settings of a registered tier kind that the fields above do not "
         "cover; its opener reads (and checks) them.", examples=[{"project": "ml-prod"}])
 
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _registered_kind(cls, v: Any) -> Any:
+        # The enum's own message would name only the built-in kinds.
+        from ckptflow.store import tier_kinds
+
+        if isinstance(v, str) and v not in tier_kinds():
+            raise ValueError(f"unknown storage kind {v!r} (known: {', '.join(sorted(tier_kinds()))}); a new kind "
+                             "is registered with ckptflow.store.register_tier (docs/extending/storage-tier.md)")
+        return v
+
     @model_validator(mode="after")
     def _bucket_for_s3(self) -> "Storage":
         if self.kind == StorageKind.s3 and not self.bucket:
@@ -266,6 +277,11 @@ class Fleet(BaseModel):
                           f"(declared: {', '.join(n.name for n in self.nodes)})",
                           fix="name a declared node, or declare it under nodes: in the fleet file")
 
+    def gpu_backend(self, node: str | None) -> str | None:
+        """The GPU backend ``node`` declares (``nodes[].gpu_backend``); None for no node or an
+        undeclared one (the runner then takes the default, ``cuda``)."""
+        return next((n.gpu_backend for n in self.nodes if n.name == node), None)
+
     def rule_for(self, w: Workload) -> PolicyRule | None:
         return next((r for r in self.policies if r.match.matches(w)), None)
 
@@ -280,7 +296,8 @@ class Fleet(BaseModel):
     def scope(self) -> "FleetScope":
         """The fleet-wide part a node step needs, without the node and workload lists."""
         return FleetScope(fleet=self.fleet, storage=self.storage, slack=self.slack, retention=self.retention,
-                          prefect_ui_url=self.prefect_ui_url)
+                          prefect_ui_url=self.prefect_ui_url,
+                          gpu_backends={n.name: n.gpu_backend for n in self.nodes})
 
 
 DEFAULT_POLICY = "cost-based"  # for a workload no rule matches
@@ -298,6 +315,13 @@ class FleetScope(BaseModel):
     slack: Slack | None = None
     retention: Retention = Field(default_factory=Retention)
     prefect_ui_url: str | None = None
+    gpu_backends: dict[str, str] = Field(
+        default_factory=dict, description="Node -> the GPU backend it declares (nodes[].gpu_backend): the node "
+        "runner a task builds for a node uses it.", examples=[{"gpu-node-01": "cuda"}])
+
+    def gpu_backend(self, node: str | None) -> str | None:
+        """As ``Fleet.gpu_backend``: None for no node or one this scope does not list."""
+        return self.gpu_backends.get(node) if node else None
 
 
 class PolicyChoice(BaseModel):

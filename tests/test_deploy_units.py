@@ -70,3 +70,70 @@ def test_a_poll_interval_out_of_range_is_refused_in_one_line(example, tmp_path, 
     with pytest.raises(ConfigError, match=f"worker poll interval {bad} s: it must be more than 0 and at most 60 s"):
         render_node_workers(example, ROOT, api_url=API, worker_query_s=bad, out_dir=tmp_path / "w")
     assert not (tmp_path / "w").exists()   # refused before anything was written
+
+
+# --- where flow results go: the storage kind's result storage -------------------------------------
+def _results_envs(prefect_yaml: Path) -> set[str | None]:
+    spec = yaml.safe_load(prefect_yaml.read_text())
+    return {d["work_pool"]["job_variables"]["env"].get("PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK")
+            for d in spec["deployments"]}
+
+
+def _toy_fleet(tmp_path: Path, nodes: list[str]) -> Path:
+    import toy_tier  # noqa: F401  (registers storage.kind toy; tests/helpers is on sys.path)
+
+    f = tmp_path / "toy.yaml"
+    f.write_text(yaml.safe_dump({"fleet": "toy-fleet", "storage": {
+        "kind": "toy", "path": str(tmp_path / "store" / "{node}"), "options": {"root": str(tmp_path / "objects")}},
+        "nodes": [{"name": n, "work_pool": n} for n in nodes]}))
+    return f
+
+
+def test_an_s3_fleets_flow_results_go_to_its_bucket_block(example):
+    from ckptflow.deploy import render_prefect_yaml, results_block_name
+
+    fleet = load_fleet(example)
+    assert results_block_name(fleet) == f"ckptflow-results-{fleet.fleet}"
+    assert _results_envs(render_prefect_yaml(example, ROOT)) == {f"s3-bucket/ckptflow-results-{fleet.fleet}"}
+
+
+def test_a_kind_registers_where_its_flow_results_go(tmp_path):
+    """A storage kind other than s3 gets its own results block by one registration: deploy
+    renders its slug and saves what the kind's builder returns, on the fleet's storage."""
+    from ckptflow import deploy
+
+    f = _toy_fleet(tmp_path, ["node-a", "node-b"])
+    fleet = load_fleet(f)
+    assert deploy.results_block_name(fleet) is None                      # none registered yet
+    with pytest.raises(ConfigError, match=r"storage.kind toy registers no result storage, and node node-a is another "
+                                          r"machine") as e:
+        deploy.check_result_storage(fleet)
+    assert "register_result_storage('toy'" in e.value.fix
+    deploy.check_result_storage(fleet, all_nodes_here=True)              # one machine: its own disk is shared
+    saved = []
+
+    class Block:
+        def __init__(self, storage):
+            self.root = storage.options["root"]
+
+        def save(self, name, overwrite=False):
+            saved.append((name, self.root, overwrite))
+
+    deploy.register_result_storage("toy", "toy-results", Block)
+    try:
+        deploy.check_result_storage(fleet)
+        assert _results_envs(deploy.render_prefect_yaml(f, ROOT)) == {"toy-results/ckptflow-results-toy-fleet"}
+        assert deploy.save_results_block(fleet) == "ckptflow-results-toy-fleet"
+        assert saved == [("ckptflow-results-toy-fleet", str(tmp_path / "objects"), True)]
+    finally:
+        deploy.RESULT_STORAGE.pop("toy", None)
+
+
+def test_a_local_fleet_keeps_prefects_default_result_storage(tmp_path):
+    from ckptflow.deploy import check_result_storage, render_prefect_yaml
+
+    f = tmp_path / "local.yaml"
+    f.write_text(yaml.safe_dump({"fleet": "one-box", "storage": {"kind": "local", "path": str(tmp_path / "s")},
+                                 "nodes": [{"name": "node-a", "work_pool": "a"}, {"name": "node-b", "work_pool": "b"}]}))
+    check_result_storage(load_fleet(f))                                  # no shared tier: nothing to refuse
+    assert _results_envs(render_prefect_yaml(f, ROOT)) == {None}

@@ -222,3 +222,12 @@ def test_policy_params_are_typed_per_policy(tmp_path):
     fleet = load_fleet(f)
     assert fleet.policy_choice(w).policy == "cost-based"   # no rule matches: the default policy
     assert fleet.policy_choice(w).params == CostBasedParams()
+
+
+def test_an_unknown_storage_kind_names_the_registered_ones_and_how_to_add_one(tmp_path):
+    f = tmp_path / "fleet.yaml"
+    f.write_text("fleet: t\nstorage: {kind: gcs}\nnodes: [{name: n1, work_pool: p}]\n")
+    with pytest.raises(ConfigError) as e:
+        load_fleet(f)
+    assert str(e.value).startswith(f"{f}: storage.kind (line 2): unknown storage kind 'gcs' (known: local, s3")
+    assert "ckptflow.store.register_tier" in str(e.value)

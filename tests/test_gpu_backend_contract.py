@@ -478,6 +478,96 @@ def test_an_unknown_backend_is_one_line_naming_the_known_ones(tmp_path):
     assert "unknown GPU backend 'rocm' (known: cuda)" in str(e.value)
 
 
+def test_a_node_step_gets_a_runner_with_the_backend_its_node_declares(tmp_path, fake_registered):
+    """tasks.common.node_runner (every task's runner) builds the node's declared backend, from
+    the whole fleet or from the scope a flow hands its tasks; a node that names none gets cuda.
+    The fleet fingerprint a node reports comes from its own backend too."""
+    import yaml
+
+    from ckptflow.fleet import load_fleet
+    from ckptflow.store.fleetstate import LocalFleetState
+    from ckptflow.tasks.common import node_runner
+    from ckptflow.tasks.fleet import report_node_fingerprint
+
+    f = tmp_path / "fleet.yaml"
+    f.write_text(yaml.safe_dump({"fleet": "t", "storage": {"kind": "local", "path": str(tmp_path / "store")},
+                                 "nodes": [{"name": "n1", "work_pool": "n1", "gpu_backend": "fake"},
+                                           {"name": "n2", "work_pool": "n2"}]}))
+    fleet = load_fleet(f)
+    for given in (fleet, fleet.scope()):
+        with node_runner(given, "n1") as runner:
+            assert isinstance(runner.gpu, FakeGpuBackend) and runner.gpu.name == "fake"
+            assert runner.node_fp.gpu_uuids == ["FAKE-0", "FAKE-1"]
+        with node_runner(given, "n2") as runner:
+            assert runner.gpu.name == "cuda"
+        with node_runner(given) as runner:                    # no node: the default
+            assert runner.gpu.name == "cuda"
+    assert report_node_fingerprint.fn(fleet.scope(), "n1")["driver"] == "fake-1.0"
+    assert LocalFleetState(tmp_path / "store").node_fingerprints()["n1"].gpu_uuids == ["FAKE-0", "FAKE-1"]
+
+
+class FirmwareGpuBackend(FakeGpuBackend):
+    """The fake backend whose devices also report a firmware version, a field of its own that a
+    restore must match (``gated_fields``)."""
+
+    firmware: ClassVar[str] = "1.0"
+    gated_fields = ("fake_firmware",)
+
+    def fingerprint_fields(self) -> tuple[dict[str, Any], str | None]:
+        fields, why = super().fingerprint_fields()
+        return ({**fields, "fake_firmware": self.firmware} if fields else fields), why
+
+
+@pytest.fixture
+def firmware_registered(tmp_path):
+    from ckptflow.policies import compat
+    from ckptflow.runners.fingerprint import node_fingerprint
+
+    c = _fake_case(tmp_path)
+    register_backend("fake-fw")(FirmwareGpuBackend)
+    FirmwareGpuBackend.default_root = c.backend.root
+    node_fingerprint.cache_clear()
+    yield c
+    c.stop()
+    BACKENDS.pop("fake-fw", None)
+    compat.GATED.pop("gpu-fake-fw", None)
+    FirmwareGpuBackend.default_root, FirmwareGpuBackend.firmware = None, "1.0"
+    node_fingerprint.cache_clear()
+
+
+def test_a_backends_own_fingerprint_fields_are_gated(tmp_path, firmware_registered):
+    """A field the backend declares in ``gated_fields`` is gated like the gpu group's: a restore
+    of a checkpoint taken under other firmware is refused naming the field, before any CRIU
+    call; invalidate judges it the same way; a CPU workload on that node is not gated on it."""
+    from ckptflow.errors import IncompatibleCheckpoint
+    from ckptflow.models import Manifest, ProcessFinder, Workload
+    from ckptflow.policies import compat
+    from ckptflow.runners.fingerprint import node_fingerprint, workload_fingerprint
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.store.local import LocalStore
+
+    assert compat.GATED["gpu-fake-fw"] == ("fake_firmware",)
+    assert FirmwareGpuBackend.gated == ("gpu", "gpu-fake-fw")
+    w = Workload(name="fake-gpu", node="n1", gpu=True, find=ProcessFinder(pid_file=str(tmp_path / "x.pid")))
+    cpu = w.model_copy(update={"gpu": False})
+    with NodeRunner(LocalStore(tmp_path / "store"), gpu="fake-fw") as node:
+        taken = workload_fingerprint(w, node.node_fp)
+        assert taken.fake_firmware == "1.0"
+        m = Manifest(id="20261201T040000Z-0a0b0c0d", workload=w.name, node="n1", fingerprint=taken)
+        node.gate(w, m)                                           # same firmware: restorable
+    FirmwareGpuBackend.firmware = "1.1"                           # the node's firmware was upgraded
+    node_fingerprint.cache_clear()
+    with NodeRunner(LocalStore(tmp_path / "store"), gpu="fake-fw") as node:
+        with pytest.raises(IncompatibleCheckpoint, match=r"fake_firmware: '1.0' -> '1.1'") as e:
+            node.gate(w, m)
+        assert e.value.differences == {"fake_firmware": ("1.0", "1.1")}
+        node.gate(cpu, m.model_copy(update={"workload": cpu.name}))   # no device state: the group does not apply
+        now = {"n1": workload_fingerprint(w, node.node_fp)}
+    [(old, why)] = compat.stale([m], now, gpu=True, gpu_groups=FirmwareGpuBackend.gated)
+    assert old.id == m.id and "fake_firmware: '1.0' -> '1.1'" in why
+    assert compat.stale([m], now, gpu=True) == []                 # the gpu group alone does not see it
+
+
 @pytest.mark.criu
 def test_the_node_runner_checkpoints_and_restores_a_fake_gpu_worker_with_real_criu(tmp_path, fake_registered):
     """Heartbeat, kill, restore: the node runner's device sequence around real CRIU, through a

@@ -102,3 +102,38 @@ def test_no_move_or_restore_task_takes_the_fleet_file():
             if fn is None or getattr(fn, "__module__", None) != mod.__name__:
                 continue
             assert "fleet_file" not in inspect.signature(fn).parameters, f"{mod.__name__}.{name} takes the file"
+
+
+def test_cold_start_takes_the_placed_workload_and_the_path_works_on_any_kind(tmp_path):
+    """``cold_start_placed`` gets the workload as the flow placed it (no path, no fleet state);
+    the path-taking ``cold_start_workload`` that node_step's cold_start action still calls opens
+    a fleet on a registered object-store kind (the toy) and reads its placements from there."""
+    import os
+    import signal
+
+    import toy_tier  # noqa: F401  (registers storage.kind toy; tests/helpers is on sys.path)
+    from ckptflow.runners import process
+    from ckptflow.tasks.verify import cold_start_placed, cold_start_workload
+
+    marker = f"{tmp_path}/cold-{os.getpid()}"
+    f = tmp_path / "fleet.yaml"
+    storage = {"kind": "toy", "path": str(tmp_path / "store" / "{node}"), "options": {"root": str(tmp_path / "objects")}}
+    f.write_text(yaml.safe_dump({
+        "fleet": "f", "storage": storage,
+        "nodes": [{"name": "a", "work_pool": "pa"}, {"name": "b", "work_pool": "pb"}],
+        "workloads": [{"name": "chat", "node": "a", "find": {"cmdline_match": marker},
+                       "start_command": ["sh", "-c", f"exec sleep 30 # {marker}", marker]}]}))
+    open_fleet_state(Storage(**storage)).put_placement("chat", "b", "test")   # in the toy store
+    assert common.open_fleet(str(f)).workload("chat").node == "b"
+    pids = []
+    try:
+        row = cold_start_workload.fn(str(f), "chat")
+        pids.append(row["pid"])
+        assert row["workload"] == "chat" and process.pid_alive(row["pid"])
+        row = cold_start_placed.fn(common.placed(common.open_fleet(str(f)), "chat"))
+        pids.append(row["pid"])
+        assert row["workload"] == "chat" and process.pid_alive(row["pid"]) and row["pid"] != pids[0]
+        assert "fleet_file" not in inspect.signature(cold_start_placed.fn).parameters
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)

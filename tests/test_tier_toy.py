@@ -36,7 +36,7 @@ def test_the_fleet_file_picks_the_toy_kind_by_name(tmp_path):
     assert isinstance(tier, toy_tier.ToyTier) and isinstance(tier.objects, ObjectStore)
     assert tier.location == f"toy://{tmp_path / 'objects'}"
     assert open_store(storage, "n1").root == tmp_path / "store" / "n1"
-    assert open_fleet_state(storage).location == str(tmp_path / "store" / "local")  # no state of its own
+    assert open_fleet_state(storage).location == tier.location   # the fleet state lives in the toy store
 
 
 def test_an_unregistered_kind_and_a_missing_option_are_named(tmp_path):
@@ -111,3 +111,32 @@ def test_the_prune_lock_and_push_leases_hold_on_the_toy_store(tmp_path):
     assert tier.leases() == []
     tier.objects.delete("locks/prune.json")
     assert tier.push(a, _ckpt(a, os.urandom(2000)))["uploaded_bytes"] == 2000   # core-1.img is there
+
+
+def test_the_fleet_state_lives_in_the_toy_store_with_no_state_of_its_own(tmp_path):
+    """The toy registers its client (``objects=``) and nothing else for the fleet state: the one
+    ObjectFleetState keeps placements, alerts and fingerprints in the toy store, where a node
+    with another local store sees them, under the layout an S3 bucket has."""
+    from ckptflow.models import Fingerprint
+    from ckptflow.store.fleetstate import ObjectFleetState
+
+    def node(n):  # each node its own local store, the one shared toy store
+        return Storage(kind="toy", path=str(tmp_path / n / "{node}"), options={"root": str(tmp_path / "objects")})
+
+    a, b = open_fleet_state(node("a")), open_fleet_state(node("b"))
+    assert type(a) is ObjectFleetState and isinstance(a.objects, toy_tier.DirObjects)
+    a.put_placement("chat", "node-b", "20261129T081500Z-1a2b3c4d")
+    a.put_alert("chat", {"kind": "worker_gone", "token": "t1"})
+    b.put_node_fingerprint("node-b", Fingerprint(kernel="6.8.0"))
+    assert b.placements() == {"chat": "node-b"} and b.get_alert("chat")["token"] == "t1"
+    assert a.node_fingerprints()["node-b"].kernel == "6.8.0"
+    b.drop_alert("chat")
+    assert a.get_alert("chat") is None and a.alerts() == {}
+    objects = tmp_path / "objects"
+    assert sorted(p.relative_to(objects).as_posix() for p in objects.rglob("*.json")) == [
+        "nodes/node-b.json", "placements/chat.json"]
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()   # nothing in a node's store root
+    tier = open_tier(node("a"))
+    assert open_fleet_state(node("a"), tier).objects is tier.objects       # an open tier's client is shared
+    with pytest.raises(ConfigError, match="options.root"):
+        open_fleet_state(Storage(kind="toy"))

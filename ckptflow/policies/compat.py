@@ -8,6 +8,10 @@ Gated fields (any difference refuses the restore before a CRIU or CUDA call):
 | gpu      | gpu_model, gpu_count, driver, cuda_driver | the driver restores device state it wrote    |
 | workload | engine, engine_version, model_id, model_revision | a restored engine would serve the old model |
 | container | container_runtime, oci_runtime (container workloads) | the runtime writes and reads its own export format |
+| gpu-<backend> | a GPU backend's own fields (its ``gated_fields``) | that vendor's driver or firmware restores what it wrote |
+
+A GPU backend adds its group when it registers (runners/gpu ``register_backend`` calls
+``gate_group``); the node runner gates the groups of the node's backend (``GpuBackend.gated``).
 
 Not gated: GPU UUIDs (remapped on restore), python and ckptflow versions (recorded only).
 
@@ -32,6 +36,26 @@ GATED = {
     "workload": ("engine", "engine_version", "model_id", "model_revision"),
     "container": ("container_runtime", "oci_runtime"),
 }
+
+
+def gate_group(group: str, fields: tuple[str, ...]) -> str:
+    """Gate ``fields`` as fingerprint group ``group`` from now on (a GPU backend's own fields);
+    returns ``group``. A built-in group cannot be redefined.
+
+    Example:
+        >>> gate_group("gpu-toy", ("toy_firmware",))
+        'gpu-toy'
+        >>> diff(Fingerprint(toy_firmware="1.0"), Fingerprint(toy_firmware="1.1"), groups=("gpu-toy",)).differences
+        {'toy_firmware': ('1.0', '1.1')}
+        >>> _ = GATED.pop("gpu-toy")
+    """
+    if group in _BUILTIN and GATED[group] != tuple(fields):
+        raise ValueError(f"fingerprint group {group!r} is built in ({', '.join(GATED[group])}); name the backend's own group")
+    GATED[group] = tuple(fields)
+    return group
+
+
+_BUILTIN = frozenset(GATED)
 
 
 @dataclass
@@ -73,16 +97,17 @@ def diff(old: Fingerprint | None, new: Fingerprint, overrides: frozenset[str] | 
 
 
 def stale(manifests: list[Manifest], current: dict[str, Fingerprint], gpu: bool,
-          container: bool = False) -> list[tuple[Manifest, str]]:
+          container: bool = False, gpu_groups: tuple[str, ...] = ("gpu",)) -> list[tuple[Manifest, str]]:
     """Restorable checkpoints that no eligible node can restore any more, with the reason.
 
     ``current`` maps each eligible node (same GPU class as the workload's node) to its
     fingerprint now, with the workload's current engine and model filled in. A checkpoint
     stays valid while one of them still matches; with no node known, nothing is judged.
+    ``gpu_groups``: the groups the nodes' GPU backend gates (``GpuBackend.gated``).
     """
     if not current:
         return []
-    groups = ("host", "gpu", "workload") if gpu else ("host", "workload")
+    groups = ("host", *gpu_groups, "workload") if gpu else ("host", "workload")
     groups += ("container",) if container else ()  # a container workload: its runtime's versions too
     out = []
     for m in manifests:

@@ -10,16 +10,19 @@ ckptflow/store/ compares it or imports store.s3)::
     open_store(storage, node)   the node's LocalStore (where CRIU writes)       every kind
     open_tier(storage, key)     the fleet's shared CheckpointTier               S3Tier (local: None)
     open_fleet_state(storage)   placements, fingerprints, open alerts:
-                                LocalFleetState in the store root | S3FleetState in the bucket
+                                LocalFleetState in the store root | ObjectFleetState in the
+                                kind's object store (S3: the bucket)
 
-``register_tier(kind, open_tier, open_fleet_state=None)`` adds a kind (``local`` and ``s3`` are
-registered below); ``Storage.kind`` in the fleet file accepts every registered name.
+``register_tier(kind, open_tier, objects=open_objects)`` adds a kind (``local`` and ``s3`` are
+registered below); ``Storage.kind`` in the fleet file accepts every registered name. A kind
+that gives its client (``objects``) keeps the fleet state in its store through the one
+``ObjectFleetState``; it writes no fleet state of its own.
 docs/extending/storage-tier.md walks through adding one.
 
 Modules: tier.py (the ``CheckpointTier`` interface), local.py (LocalStore), objects.py
 (``ChunkedTier``: chunks, dedup, encryption and the prune lock on any ``ObjectStore`` client),
-s3.py (S3Objects, the boto3 client, and S3Tier), fleetstate.py (the ``FleetState`` interface
-and its two implementations), chunks.py (content-addressed chunks of two-tier checkpoints on a
+s3.py (S3Objects, the boto3 client, and S3Tier), fleetstate.py (the ``FleetState`` interface:
+``LocalFleetState`` in a directory, ``ObjectFleetState`` on any ``ObjectStore``), chunks.py (content-addressed chunks of two-tier checkpoints on a
 node).
 
 Example:
@@ -43,28 +46,35 @@ from ckptflow.errors import ConfigError
 if TYPE_CHECKING:
     from ckptflow.store.fleetstate import FleetState
     from ckptflow.store.local import LocalStore
+    from ckptflow.store.objects import ObjectStore
     from ckptflow.store.tier import CheckpointTier
 
 
 @dataclass(frozen=True)
 class TierKind:
-    """One registered ``storage.kind``: how to open its shared tier and its fleet state."""
+    """One registered ``storage.kind``: how to open its shared tier, its object store client and
+    its fleet state."""
 
     name: str
     open_tier: Callable[[Any, "bytes | None"], "CheckpointTier"] | None   # (storage, key); None: no shared tier
-    open_fleet_state: Callable[[Any, "CheckpointTier | None"], "FleetState"] | None  # None: in the store root
+    open_fleet_state: Callable[[Any, "CheckpointTier | None"], "FleetState"] | None  # None: see open_fleet_state
+    open_objects: Callable[[Any], "ObjectStore"] | None = None   # (storage): the client, no chunk key needed
 
 
 _KINDS: dict[str, TierKind] = {}
 
 
-def register_tier(kind: str, open_tier: Callable | None,
-                  open_fleet_state: Callable | None = None) -> None:
+def register_tier(kind: str, open_tier: Callable | None, open_fleet_state: Callable | None = None, *,
+                  objects: Callable | None = None) -> None:
     """Make ``storage.kind: <kind>`` open a shared tier with ``open_tier(storage, key)`` (key:
-    the chunk encryption key a Prefect Secret block gave, or None) and, if given, the fleet
-    state with ``open_fleet_state(storage, tier)`` (else a LocalFleetState in the store root).
-    Registering a kind again replaces it."""
-    _KINDS[kind] = TierKind(kind, open_tier, open_fleet_state)
+    the chunk encryption key a Prefect Secret block gave, or None).
+
+    The fleet state (placements, alerts, node fingerprints) then lives: with ``objects``
+    (``objects(storage)`` -> the kind's ``ObjectStore`` client, built without the chunk key) in
+    that store, through ``ObjectFleetState``; with ``open_fleet_state(storage, tier)`` wherever
+    it says; with neither, in the store root (``LocalFleetState``: one node, or nodes sharing a
+    mounted volume). Registering a kind again replaces it."""
+    _KINDS[kind] = TierKind(kind, open_tier, open_fleet_state, objects)
 
 
 def tier_kinds() -> list[str]:
@@ -79,6 +89,16 @@ def _kind(storage) -> TierKind:
                           fix=f"use storage.kind: {' or '.join(_KINDS)} (or register the kind with "
                               "ckptflow.store.register_tier)")
     return _KINDS[kind]
+
+
+def has_shared_tier(storage) -> bool:
+    """Whether the fleet's kind has a shared tier (nodes on separate machines share it), without
+    opening it.
+
+    Raises:
+        ConfigError: an unregistered ``storage.kind``.
+    """
+    return _kind(storage).open_tier is not None
 
 
 def open_store(storage, node: str | None = None) -> "LocalStore":
@@ -111,17 +131,23 @@ def open_tier(storage, key: bytes | None = None) -> "CheckpointTier | None":
 
 
 def open_fleet_state(storage, tier: "CheckpointTier | None" = None) -> "FleetState":
-    """Where the fleet's placements, node fingerprints and open alerts live: the bucket of an
-    S3 fleet, else the fleet's store root (``storage.path`` with ``{node}`` read as ``local``).
-    ``tier``: the fleet's tier if the caller opened it already (an S3 fleet state then shares
-    its connection).
+    """Where the fleet's placements, node fingerprints and open alerts live: the object store of
+    a kind registered with its client (S3: the bucket), else the fleet's store root
+    (``storage.path`` with ``{node}`` read as ``local``). ``tier``: the fleet's tier if the
+    caller opened it already (the fleet state then shares its client and connection).
 
     Raises:
-        ConfigError: an unknown ``storage.kind``.
+        ConfigError: an unknown ``storage.kind``, or a kind's own setting missing.
     """
-    opener = _kind(storage).open_fleet_state
-    if opener is not None:
-        return opener(storage, tier)
+    kind = _kind(storage)
+    if kind.open_fleet_state is not None:
+        return kind.open_fleet_state(storage, tier)
+    if kind.open_objects is not None:
+        from ckptflow.store.fleetstate import ObjectFleetState
+        from ckptflow.store.objects import ObjectStore
+
+        shared = getattr(tier, "objects", None)
+        return ObjectFleetState(shared if isinstance(shared, ObjectStore) else kind.open_objects(storage))
     from ckptflow.store.fleetstate import LocalFleetState
 
     return LocalFleetState(open_store(storage).root)
@@ -133,14 +159,12 @@ def _open_s3_tier(storage, key: bytes | None) -> "CheckpointTier":
     return S3Tier.from_storage(storage, key)
 
 
-def _open_s3_state(storage, tier: "CheckpointTier | None") -> "FleetState":
-    from ckptflow.store.fleetstate import S3FleetState
-    from ckptflow.store.s3 import S3Tier
+def _open_s3_objects(storage) -> "ObjectStore":
+    from ckptflow.store.s3 import S3Objects
 
-    if isinstance(tier, S3Tier):
-        return S3FleetState(tier.bucket, tier.prefix, server_side_encryption=tier.sse, client=tier.s3)
-    return S3FleetState.from_storage(storage)
+    return S3Objects(storage.bucket, storage.prefix, storage.endpoint_url, storage.region,
+                     storage.server_side_encryption)
 
 
 register_tier("local", None)
-register_tier("s3", _open_s3_tier, _open_s3_state)
+register_tier("s3", _open_s3_tier, objects=_open_s3_objects)

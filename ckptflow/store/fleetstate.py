@@ -6,13 +6,14 @@
     open alerts         workload -> its one open alert (``ckptflow.alerts``)
 
 A fleet with ``storage.kind: local`` keeps it in its store root (``storage.path`` with
-``{node}`` read as ``local``); an S3 fleet in its bucket, beside the checkpoints. One JSON
-object per entry; the layouts are those of the stores before this module existed::
+``{node}`` read as ``local``); a fleet on an object store (S3, or any kind registered with its
+client) in that store, beside the checkpoints. One JSON object per entry; the layouts are
+those of the stores before this module existed::
 
-    LocalFleetState (ROOT)              S3FleetState (PREFIX = storage.prefix)
-    ROOT/.placements/<workload>.json    PREFIX/placements/<workload>.json
-    ROOT/.nodes/<node>.json             PREFIX/nodes/<node>.json
-    ROOT/.alerts/<workload>.json        PREFIX/alerts/<workload>.json
+    LocalFleetState (ROOT)              ObjectFleetState (ROOT = the client's: S3 PREFIX = storage.prefix)
+    ROOT/.placements/<workload>.json    ROOT/placements/<workload>.json
+    ROOT/.nodes/<node>.json             ROOT/nodes/<node>.json
+    ROOT/.alerts/<workload>.json        ROOT/alerts/<workload>.json
 
 Records about one node's own processes stay in that node's LocalStore, not here: the
 replicas scale-up started there and the node's drained mark (``ROOT/.nodes/<node>.drained``).
@@ -35,11 +36,14 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ckptflow.models import Fingerprint, _check_name
 from ckptflow.store.local import write_json_atomic
 from ckptflow.store.s3 import S3Objects
+
+if TYPE_CHECKING:
+    from ckptflow.store.objects import ObjectStore
 
 
 @runtime_checkable
@@ -48,7 +52,7 @@ class FleetState(Protocol):
 
     Workload and node names are checked (``models.Name``): a bad one raises ValueError before
     anything is written. Writes replace the entry whole (readers see the old or the new one).
-    Errors of an unreachable S3 bucket are ``StorageUnavailable`` (a retry can help).
+    Errors of an unreachable object store are ``StorageUnavailable`` (a retry can help).
 
     Example:
         >>> import tempfile
@@ -61,7 +65,7 @@ class FleetState(Protocol):
 
     @property
     def location(self) -> str:
-        """Where the state lives (a directory, or ``s3://bucket/prefix``), for messages."""
+        """Where the state lives (a directory, or the object store's ``s3://bucket/prefix``), for messages."""
         ...
 
     def put_placement(self, workload: str, node: str, checkpoint: str) -> None:
@@ -165,9 +169,74 @@ class LocalFleetState:
         return {n: Fingerprint.model_validate_json(body) for n, body in self._all(".nodes").items()}
 
 
-class S3FleetState(S3Objects):
-    """Fleet state in the fleet's bucket, beside its checkpoints: every node sees (and
-    resolves) the same placements, alerts and fingerprints.
+class ObjectFleetState:
+    """Fleet state in the fleet's object store, beside its checkpoints: every node sees (and
+    resolves) the same placements, alerts and fingerprints. Any ``store.objects.ObjectStore``
+    client carries it (S3's, the toy's, a GCS one): a registered kind that gives its client
+    (``register_tier(..., objects=...)``) gets this without a fleet state of its own.
+
+    Args:
+        objects: the store's client; keys ``placements/<workload>.json``, ``alerts/...``,
+            ``nodes/<node>.json`` relative to its root (an open tier's ``objects``: one connection).
+
+    Example:
+        >>> state = ObjectFleetState(tier.objects)   # doctest: +SKIP  (an open ChunkedTier's client)
+        >>> state.put_placement("chat", "node-b", "cold-start")
+        >>> state.placements(), [k for k, _ in state.objects.list("placements/")]
+        ({'chat': 'node-b'}, ['placements/chat.json'])
+    """
+
+    def __init__(self, objects: "ObjectStore"):
+        self.objects = objects
+
+    @property
+    def location(self) -> str:
+        return self.objects.location
+
+    def _bodies(self, folder: str) -> dict[str, bytes]:
+        """name (without .json) -> body, for each entry of ``folder`` (one deleted meanwhile is left out)."""
+        out = {}
+        for key, _ in self.objects.list(f"{folder}/"):
+            name = key[len(folder) + 1:]
+            if "/" not in name and name.endswith(".json") and (body := self.objects.get(key)) is not None:
+                out[name.removesuffix(".json")] = body
+        return out
+
+    # --- placements ---------------------------------------------------------------------------
+    def put_placement(self, workload: str, node: str, checkpoint: str) -> None:
+        _check_name(workload)
+        _check_name(node)
+        self.objects.put(f"placements/{workload}.json",
+                         json.dumps({"node": node, "checkpoint": checkpoint, "at": time.time()}).encode())
+
+    def placements(self) -> dict[str, str]:
+        return {w: json.loads(body)["node"] for w, body in self._bodies("placements").items()}
+
+    # --- open alerts --------------------------------------------------------------------------
+    def put_alert(self, workload: str, alert: dict) -> None:
+        self.objects.put(f"alerts/{_check_name(workload)}.json", json.dumps(alert).encode())
+
+    def get_alert(self, workload: str) -> dict | None:
+        body = self.objects.get(f"alerts/{_check_name(workload)}.json")
+        return None if body is None else json.loads(body)
+
+    def drop_alert(self, workload: str) -> None:
+        self.objects.delete(f"alerts/{_check_name(workload)}.json")
+
+    def alerts(self) -> dict[str, dict]:
+        return {w: json.loads(body) for w, body in self._bodies("alerts").items()}
+
+    # --- node fingerprints --------------------------------------------------------------------
+    def put_node_fingerprint(self, node: str, fp: Fingerprint) -> None:
+        self.objects.put(f"nodes/{_check_name(node)}.json", fp.model_dump_json(indent=2).encode())
+
+    def node_fingerprints(self) -> dict[str, Fingerprint]:
+        return {n: Fingerprint.model_validate_json(body) for n, body in self._bodies("nodes").items()}
+
+
+class S3FleetState(ObjectFleetState):
+    """``ObjectFleetState`` in an S3 bucket, opened by its names (tools and tests; the factory
+    ``store.open_fleet_state`` opens the same through the s3 kind's registered client).
 
     Args:
         bucket, prefix, endpoint_url, region, server_side_encryption, client: as
@@ -176,7 +245,7 @@ class S3FleetState(S3Objects):
 
     def __init__(self, bucket: str, prefix: str = "ckptflow", endpoint_url: str | None = None,
                  region: str | None = None, server_side_encryption: str | None = "AES256", client=None):
-        super().__init__(bucket, prefix, endpoint_url, region, server_side_encryption, client)
+        super().__init__(S3Objects(bucket, prefix, endpoint_url, region, server_side_encryption, client))
 
     @classmethod
     def from_storage(cls, storage) -> "S3FleetState":
@@ -184,35 +253,15 @@ class S3FleetState(S3Objects):
         return cls(bucket=storage.bucket, prefix=storage.prefix, endpoint_url=storage.endpoint_url,
                    region=storage.region, server_side_encryption=storage.server_side_encryption)
 
-    # --- placements ---------------------------------------------------------------------------
-    def put_placement(self, workload: str, node: str, checkpoint: str) -> None:
-        _check_name(workload)
-        _check_name(node)
-        self._put("put placement", self._key("placements", f"{workload}.json"),
-                  json.dumps({"node": node, "checkpoint": checkpoint, "at": time.time()}).encode())
+    @property
+    def bucket(self) -> str:
+        return self.objects.bucket
 
-    def placements(self) -> dict[str, str]:
-        return {w: json.loads(body)["node"] for w, body in self._bodies("placements").items()}
+    @property
+    def prefix(self) -> str:
+        return self.objects.prefix
 
-    # --- open alerts --------------------------------------------------------------------------
-    def put_alert(self, workload: str, alert: dict) -> None:
-        self._put("put alert", self._key("alerts", f"{_check_name(workload)}.json"), json.dumps(alert).encode())
-
-    def get_alert(self, workload: str) -> dict | None:
-        body = self._get("get alert", self._key("alerts", f"{_check_name(workload)}.json"))
-        return None if body is None else json.loads(body)
-
-    def drop_alert(self, workload: str) -> None:
-        self._delete(self._key("alerts", f"{_check_name(workload)}.json"))
-
-    def alerts(self) -> dict[str, dict]:
-        return {w: json.loads(body) for w, body in self._bodies("alerts").items()}
-
-    # --- node fingerprints --------------------------------------------------------------------
-    def put_node_fingerprint(self, node: str, fp: Fingerprint) -> None:
-        self._put("put fingerprint", self._key("nodes", f"{_check_name(node)}.json"),
-                  fp.model_dump_json(indent=2).encode())
-
-    def node_fingerprints(self) -> dict[str, Fingerprint]:
-        return {n: Fingerprint.model_validate_json(body) for n, body in self._bodies("nodes").items()}
-
+    @property
+    def s3(self):
+        """The boto3 client."""
+        return self.objects.s3

@@ -11,7 +11,7 @@ Layout in the bucket (store.objects's, under ``PREFIX/``)::
     PREFIX/leases/<uuid>.json, PREFIX/locks/prune.json   push leases and the prune lock
 
 (The fleet state under ``PREFIX/placements``, ``alerts`` and ``nodes`` is store.fleetstate's
-``S3FleetState``; both reach the bucket through ``S3Objects`` here.)
+``ObjectFleetState`` on the same ``S3Objects``: the s3 kind registers it as its client.)
 
 A checkpoint is pushed from the node's local store (where CRIU wrote it, and where the
 newest copy stays for a fast restore in place) and pulled into another node's local store.
@@ -111,9 +111,6 @@ class S3Objects:
         except ClientError:
             return False
 
-    def _put(self, what: str, key: str, body: bytes) -> None:
-        self._call(what, self.s3.put_object, Bucket=self.bucket, Key=key, Body=body, **self._put_kw())
-
     def _get(self, what: str, key: str) -> bytes | None:
         """The object's body, None when there is no such key."""
         from botocore.exceptions import ClientError
@@ -131,12 +128,6 @@ class S3Objects:
         pages = self._call(f"list {prefix}", lambda: list(
             self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)))
         return [o for page in pages for o in page.get("Contents", [])]
-
-    def _bodies(self, folder: str) -> dict[str, bytes]:
-        """name (without .json) -> body, for each object in ``PREFIX/folder/``."""
-        return {o["Key"].rsplit("/", 1)[1].removesuffix(".json"):
-                self._call(f"get {folder}", self.s3.get_object, Bucket=self.bucket, Key=o["Key"])["Body"].read()
-                for o in self._keys(self._key(folder) + "/")}
 
     # --- store.objects.ObjectStore: keys relative to the prefix ---------------------------
     def put(self, key: str, body: bytes, check: bool = False) -> None:

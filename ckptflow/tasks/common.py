@@ -3,7 +3,8 @@
 A flow resolves the fleet once per run (``open_fleet``) and hands its tasks plain values: the
 fleet's ``FleetScope`` (storage, Slack, retention), the node and the workloads a task acts on
 (``placed``: a workload where a step brings it), never the fleet file's path (the last task
-that still reads it is tasks/verify.py's ``cold_start_workload``). The
+that still takes it is tasks/verify.py's ``cold_start_workload``, for node_step's ``cold_start``
+action; ``cold_start_placed`` takes the placed workload instead). The
 helpers below take that scope, or the whole ``Fleet``: they read only its scope fields.
 """
 
@@ -51,7 +52,9 @@ def placed(fleet: Fleet, workload: str, node: str | None = None) -> Workload:
 
 
 def node_runner(fleet: Fleet | FleetScope, node: str | None = None) -> NodeRunner:
-    return NodeRunner(open_store(fleet.storage, node))
+    """The node runner of ``node``: its local store and the GPU backend it declares
+    (``nodes[].gpu_backend``; ``cuda`` when it declares none, or for no node)."""
+    return NodeRunner(open_store(fleet.storage, node), gpu=fleet.gpu_backend(node))
 
 
 @contextmanager

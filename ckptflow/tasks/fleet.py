@@ -15,6 +15,7 @@ from ckptflow.fleet import FleetScope, Node, PolicyChoice
 from ckptflow.models import CheckpointKind, CheckpointState, Workload
 from ckptflow.policies.compat import stale
 from ckptflow.runners.fingerprint import node_fingerprint, workload_fingerprint
+from ckptflow.runners.gpu import get_backend
 from ckptflow.store import open_fleet_state, open_store
 from ckptflow.tasks.common import alerter, fingerprints, tier, transient
 from ckptflow.tasks.node import checkpoint_batch
@@ -63,7 +64,7 @@ def report_node_fingerprint(scope: FleetScope, node: str | None) -> dict:
     if node is None:
         get_run_logger().warning("this machine is no node of fleet %s; set CKPTFLOW_NODE", scope.fleet)
         return {}
-    fp = node_fingerprint()
+    fp = node_fingerprint(gpu_backend=scope.gpu_backend(node))  # the GPU fields its own backend reads
     fingerprints(scope).put_node_fingerprint(node, fp)
     return {"node": node, **fp.model_dump(exclude={"notes"})}
 
@@ -80,6 +81,7 @@ def invalidate_stale(scope: FleetScope, node: str | None, workloads: list[Worklo
     t = tier(scope)
     reported = fingerprints(scope, t).node_fingerprints()
     gpu_class = {n.name: n.gpu_class for n in nodes}
+    gated = {n.name: get_backend(n.gpu_backend).gated for n in nodes}  # the groups its node's backend gates
     by_class: dict[str, list[str]] = defaultdict(list)
     for n in nodes:
         if n.name in reported:
@@ -87,12 +89,13 @@ def invalidate_stale(scope: FleetScope, node: str | None, workloads: list[Worklo
     rows = []
     for w in workloads:
         eligible = {n: workload_fingerprint(w, reported[n]) for n in by_class[gpu_class[w.node]]}
-        for m, why in stale(store.list(w.name), eligible, w.gpu, w.container is not None):
+        groups = gated[w.node]
+        for m, why in stale(store.list(w.name), eligible, w.gpu, w.container is not None, groups):
             store.set_state(m, CheckpointState.invalidated, why)
             rows.append({"workload": w.name, "node": m.node, "checkpoint": m.id, "reason": why,
                          "copy": store.copy_tier.value})
         if t is not None and w.node == node:
-            for m, why in stale(t.manifests(w.name), eligible, w.gpu, w.container is not None):
+            for m, why in stale(t.manifests(w.name), eligible, w.gpu, w.container is not None, groups):
                 t.set_state(m, CheckpointState.invalidated, why)
                 rows.append({"workload": w.name, "node": m.node, "checkpoint": m.id, "reason": why,
                              "copy": t.copy_tier.value})

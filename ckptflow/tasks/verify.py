@@ -40,11 +40,24 @@ def verify_workload(scope: FleetScope, w: Workload) -> dict:
     return row
 
 
+def _cold_start_row(w: Workload) -> dict:
+    pid, seconds = cold_start(w)
+    return {"workload": w.name, "pid": pid, "cold_start_s": round(seconds, 3)}
+
+
+@task(name="cold-start-placed")
+def cold_start_placed(w: Workload) -> dict:
+    """Start ``w`` (as the flow placed it: ``tasks.common.placed``) from its start_command on
+    this node. It reads no fleet file and no fleet state: any storage kind, resolved once."""
+    return _cold_start_row(w)
+
+
 @task(name="cold-start-workload")
 def cold_start_workload(fleet_file: str, workload: str) -> dict:
-    fleet = open_fleet(fleet_file)
-    pid, seconds = cold_start(fleet.workload(workload))
-    return {"workload": workload, "pid": pid, "cold_start_s": round(seconds, 3)}
+    """As ``cold_start_placed``, for a caller that still hands over the fleet file's path
+    (flows/node_step.py's ``cold_start`` action): the file is opened here, its placements read
+    from the fleet state of whatever kind it declares (store.open_fleet_state)."""
+    return _cold_start_row(open_fleet(fleet_file).workload(workload))
 
 
 @task(name="alert-restore-failed")

@@ -3,7 +3,8 @@
 It is what a GCS or Azure Blob tier looks like, minus the cloud: a client implementing
 ckptflow.store.objects.ObjectStore (six calls on keys), a ChunkedTier on it (chunks, dedup,
 AES-256-GCM, the push lease / prune lock come from there), and one ``register_tier`` call that
-makes ``storage: {kind: toy, options: {root: ...}}`` open it. docs/extending/storage-tier.md
+makes ``storage: {kind: toy, options: {root: ...}}`` open it, and keeps the fleet state there
+(``objects=``: store.fleetstate's ObjectFleetState on the same client). docs/extending/storage-tier.md
 walks through it; tests/test_tier_contract.py runs the shared tier suite on it.
 """
 
@@ -96,13 +97,21 @@ class ToyTier(ChunkedTier):
         super().__init__(DirObjects(root), copy_tier="toy", threads=threads, key=key, chunk=chunk)
 
 
-def open_toy(storage, key: bytes | None) -> ToyTier:
-    """``storage: {kind: toy, options: {root: DIR}}`` -> the toy tier there."""
+def toy_objects(storage) -> DirObjects:
+    """``storage: {kind: toy, options: {root: DIR}}`` -> the toy client there (no chunk key:
+    what the fleet state is opened on)."""
     root = storage.options.get("root")
     if not root:
         raise ConfigError("storage.kind is toy but storage.options.root is not set",
                           fix="set storage: {kind: toy, options: {root: /some/dir}}")
-    return ToyTier(root, key=key if key is not None else load_key(storage))
+    return DirObjects(root)
 
 
-register_tier("toy", open_toy)
+def open_toy(storage, key: bytes | None) -> ToyTier:
+    """``storage: {kind: toy, options: {root: DIR}}`` -> the toy tier there."""
+    return ToyTier(toy_objects(storage).root, key=key if key is not None else load_key(storage))
+
+
+# The client opener makes the fleet state (placements, alerts, fingerprints) live in the toy
+# store too, through store.fleetstate.ObjectFleetState: no fleet state of the toy's own.
+register_tier("toy", open_toy, objects=toy_objects)

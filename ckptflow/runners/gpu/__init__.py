@@ -51,6 +51,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, TypeVar
 
 from ckptflow.errors import ConfigError, GpuCheckpointError, NotEnoughGpuMemory
+from ckptflow.policies.compat import gate_group
 
 if TYPE_CHECKING:
     from ckptflow.models import Workload
@@ -73,6 +74,10 @@ class GpuBackend(ABC):
 
     name: ClassVar[str] = ""
     gated: ClassVar[tuple[str, ...]] = ("gpu",)   # fingerprint groups a restore must match (policies.compat.GATED)
+    # Fields of its own that ``fingerprint_fields`` fills and a restore must match (a runtime or
+    # firmware version the ``gpu`` group does not name): registering the backend gates them as
+    # group ``gpu-<name>`` and adds it to ``gated``.
+    gated_fields: ClassVar[tuple[str, ...]] = ()
     usage_source: ClassVar[str] = "the driver"    # who measures footprints, as errors name it
     # Whether a CRIU copy of a checkpointed worker can get its device state back beside the
     # running original (a sandbox verify, a template replica). CUDA cannot: measured on the H200,
@@ -255,9 +260,15 @@ BACKENDS: dict[str, type[GpuBackend]] = {}
 
 
 def register_backend(name: str) -> Callable[[B], B]:
-    """Register a ``GpuBackend`` class under ``name`` (what a node's ``gpu_backend:`` names)."""
+    """Register a ``GpuBackend`` class under ``name`` (what a node's ``gpu_backend:`` names).
+    Its ``gated_fields``, if any, become fingerprint group ``gpu-<name>`` (policies.compat
+    ``gate_group``), which its ``gated`` then names: a restore refuses a checkpoint whose value
+    of one of them differs from this node's."""
     def add(cls: B) -> B:
         cls.name = name
+        if cls.gated_fields:
+            group = gate_group(f"gpu-{name}", tuple(cls.gated_fields))
+            cls.gated = tuple(g for g in cls.gated if not g.startswith("gpu-")) + (group,)
         BACKENDS[name] = cls
         return cls
     return add
