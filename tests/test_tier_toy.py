@@ -56,7 +56,7 @@ def test_copies_are_labelled_with_the_kind_and_read_back(tmp_path):
     assert held.copies[-1].tier.value == "toy"
     got, _ = tier.pull(b, "chat", m.id, "node-b")
     assert [c.tier.value for c in got.copies] == ["node", "toy", "node"]
-    assert not any(k.startswith("objects_") for k in got.probe)   # the chunk map stays in the tier
+    assert not got.probe.chunk_maps                                # the chunk map stays in the tier
 
 
 def test_chunks_dedup_through_the_toy_client(tmp_path):
@@ -77,7 +77,7 @@ def test_encryption_is_the_generic_one(tmp_path):
     pages = os.urandom(3000)
     m = _ckpt(a, pages)
     tier.push(a, m)
-    digest = tier.manifest("chat", m.id).probe["objects_chunks"]["pages-1.img"][0]
+    digest = tier.manifest("chat", m.id).probe.chunk_maps["objects"].chunks["pages-1.img"][0]
     stored = tier.objects.get(f"chunks/{digest}")
     assert pages not in stored and len(stored) == len(pages) + 12 + 16
     got, _ = tier.pull(b, "chat", m.id, "node-b")
@@ -91,7 +91,7 @@ def test_a_corrupt_object_is_refused_and_names_the_store(tmp_path):
     a, b = LocalStore(tmp_path / "a"), LocalStore(tmp_path / "b")
     m = _ckpt(a, os.urandom(3000))
     tier.push(a, m)
-    digest = tier.manifest("chat", m.id).probe["objects_chunks"]["pages-1.img"][0]
+    digest = tier.manifest("chat", m.id).probe.chunk_maps["objects"].chunks["pages-1.img"][0]
     tier.objects.put(f"chunks/{digest}", b"garbage")
     with pytest.raises(ChecksumMismatch, match="from the toy store is corrupt"):
         tier.pull(b, "chat", m.id, "node-b")
