@@ -410,8 +410,8 @@ class TemplateBinding(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    id: str = Field(..., description="The template checkpoint's id.", examples=["20261129T081500Z-1a2b3c4d"])
-    workload: str = Field(..., description="The pseudo-workload the template is stored under.",
+    id: CheckpointId = Field(..., description="The template checkpoint's id.", examples=["20261129T081500Z-1a2b3c4d"])
+    workload: Name = Field(..., description="The pseudo-workload the template is stored under.",
                           examples=["template-0123456789abcdef"])
 
 
@@ -420,7 +420,7 @@ class TemplateSource(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    workload: str = Field(..., description="The workload whose engine was captured (a workload recovers in "
+    workload: Name = Field(..., description="The workload whose engine was captured (a workload recovers in "
                           "place from its own template).", examples=["chat-a"])
     base_url: str | None = Field(None, description="The engine's address in that worker: a replica of the "
                                  "template answers there, inside its own network namespace.",

@@ -111,3 +111,25 @@ def test_the_prune_lock_and_push_leases_hold_on_the_toy_store(tmp_path):
     assert tier.leases() == []
     tier.objects.delete("locks/prune.json")
     assert tier.push(a, _ckpt(a, os.urandom(2000)))["uploaded_bytes"] == 2000   # core-1.img is there
+
+
+def test_a_manifest_pushed_before_the_probe_was_typed_pulls_from_its_flat_chunk_map(tmp_path):
+    """A bucket keeps manifests an older ckptflow wrote ("objects_chunk_size", "objects_chunks"):
+    a pull still finds every chunk through them, and the node's copy drops the map."""
+    import json
+
+    tier = toy_tier.ToyTier(tmp_path / "objects", chunk=4096)
+    a, b = LocalStore(tmp_path / "a"), LocalStore(tmp_path / "b")
+    pages = os.urandom(3 * tier.chunk + 5)
+    m = _ckpt(a, pages)
+    tier.push(a, m)
+    key = f"manifests/chat/{m.id}.json"
+    raw = json.loads(tier.objects.get(key))
+    cmap = raw["probe"].pop("chunk_maps")["objects"]
+    raw["probe"] |= {f"objects_{k}": v for k, v in cmap.items() if v} | {"restores": [2.0]}
+    tier.objects.put(key, json.dumps(raw).encode())
+    assert "chunk_maps" not in json.loads(tier.objects.get(key))["probe"]       # the old shape, as stored
+    assert tier.manifest("chat", m.id).probe.chunk_maps["objects"].chunk_size == tier.chunk
+    got, _ = tier.pull(b, "chat", m.id, "node-b")
+    assert (b.images_dir(got) / "pages-1.img").read_bytes() == pages
+    assert not got.probe.chunk_maps and got.probe.restores.seconds == [2.0]

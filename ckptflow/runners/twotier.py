@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING
 from pathlib import Path
 
 from ckptflow.errors import (CheckpointNotFound, CkptflowError, EngineProtocolError, IncompatibleCheckpoint,
-                             RestoreFailed, StorageUnavailable, UndeclaredProcess, UnsupportedWorkload,
-                             WorkloadNotFound, WorkloadRunning)
-from ckptflow.models import (CheckpointState, Manifest, ManifestProbe, SessionExport, TemplateBinding, TemplateSource,
-                             WeightChunks, Workload)
+                             RestoreFailed, StorageUnavailable, UnsupportedWorkload)
+from ckptflow.models import (CheckpointState, EngineProbe, Manifest, ManifestProbe, SessionExport, TemplateBinding,
+                             TemplateSource, WeightChunks, Workload)
 from ckptflow.policies.sessions import MIN_TOKENS, ExportContext, SessionFacts, decide_sessions
 from ckptflow.poll import NotYet, PollTimeout, poll
 from ckptflow.runners import engine, process
+from ckptflow.runners.digests import compare_sessions
 from ckptflow.runners.fingerprint import workload_fingerprint
 from ckptflow.runners.modes import ModeRunner, Restored
 from ckptflow.runners.node import NodeRunner, _write_pid_file
@@ -312,6 +312,8 @@ class TwoTierRunner:
         from ``tier``, the shared tier, when it holds a newer one than this node).
 
         Raises:
+            WorkloadRunning: the worker runs (NodeRunner.refuse_if_running, which first clears what
+                an interrupted restore left).
             IncompatibleCheckpoint: the session checkpoint's template is gone, invalidated or of
                 another fingerprint or model revision (before any CRIU call; final).
             CheckpointNotFound: ``w`` has no session checkpoint.
@@ -462,10 +464,11 @@ def _check_sessions(w: Workload, recs: dict, got: dict[str, str], what: str) -> 
         RestoreFailed: naming the sessions that differ.
     """
     want = {k: r["digest"] for k, r in recs.items() if "digest" in r}
-    bad = sorted(k for k in want if got.get(k) != want[k])
-    if bad:
+    # Sessions the engine holds beyond the records (a template's own) are not the checkpoint's.
+    c = compare_sessions(EngineProbe(sessions=want), EngineProbe(sessions={k: v for k, v in got.items() if k in want}))
+    if not c.equal:
         raise RestoreFailed(f"workload {w.name}: {what}, but sessions differ from their export: "
-                            f"{', '.join(bad[:5])}", fix="mark the checkpoint bad and run verify")
+                            f"{c.named()}", fix="mark the checkpoint bad and run verify")
 
 
 class TwoTierMode(ModeRunner):
