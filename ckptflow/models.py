@@ -27,7 +27,7 @@ from enum import Enum, StrEnum
 from typing import Annotated, Any
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SerializeAsAny, ValidationError,
-                      ValidationInfo, field_validator, model_validator)
+                      ValidationInfo, field_serializer, field_validator, model_validator)
 
 from ckptflow.container_models import ContainerSpec, PortMap
 from ckptflow.modes import DEFAULT_MODE, MODES, ModeParams, unknown_mode
@@ -593,6 +593,11 @@ class Manifest(BaseModel):
     copies: list[CheckpointCopy] = Field(
         default_factory=list, description="Where the bytes are: the node that took it, the S3 tier once "
         "pushed, each node that pulled it. A restore reads the nearest valid one (policies.tiers).")
+
+    @field_serializer("probe")
+    def _probe_as_written(self, probe: ManifestProbe, info: Any) -> dict[str, Any]:
+        # Only what was recorded: a heartbeat's probe stays as short as its flat dict was.
+        return probe.model_dump(mode=info.mode, exclude_defaults=True)
 
     def with_copy(self, tier: "CopyTier", location: str) -> "Manifest":
         """This manifest listing one more copy (a copy already listed is not repeated)."""

@@ -465,7 +465,8 @@ def _check_sessions(w: Workload, recs: dict, got: dict[str, str], what: str) -> 
     """
     want = {k: r["digest"] for k, r in recs.items() if "digest" in r}
     # Sessions the engine holds beyond the records (a template's own) are not the checkpoint's.
-    c = compare_sessions(EngineProbe(sessions=want), EngineProbe(sessions={k: v for k, v in got.items() if k in want}))
+    c = compare_sessions(EngineProbe.model_construct(sessions=want),
+                         EngineProbe.model_construct(sessions={k: v for k, v in got.items() if k in want}))
     if not c.equal:
         raise RestoreFailed(f"workload {w.name}: {what}, but sessions differ from their export: "
                             f"{c.named()}", fix="mark the checkpoint bad and run verify")

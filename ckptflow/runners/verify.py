@@ -134,8 +134,9 @@ def _compare(w: Workload, m: Manifest, got: dict, t: dict) -> VerifyResult:
     if "error" in got:
         return VerifyResult(VerifyOutcome.verify_failed, f"sandbox copy {got['error']}", t)
     t["health"] = round(got.get("health_s", 0), 4)
-    have = EngineProbe(golden=golden_digest(got["golden_answer"], w.golden.field)
-                       if w.golden and "golden_answer" in got else None, sessions=got.get("sessions"))
+    # As the copy answered, unvalidated: a malformed answer differs, it does not crash the verify.
+    have = EngineProbe.model_construct(golden=golden_digest(got["golden_answer"], w.golden.field)
+                                       if w.golden and "golden_answer" in got else None, sessions=got.get("sessions"))
     return compare(w, m, have, t)
 
 
