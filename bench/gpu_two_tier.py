@@ -164,10 +164,10 @@ def _row(name, a, row, t0, pid_file, tmp, transparent, host_gib, node_box) -> di
     log(name, "transparent", row)
     tt = TwoTierRunner(node)
     m1 = tt.heartbeat(w)
-    tmpl = store.get(m1.probe["template_workload"], m1.probe["template"])
+    tmpl = store.get(m1.probe.template.workload, m1.probe.template.id)
     row.update(template_capture=tmpl.timings, template_image_gib=round(tmpl.bytes / GiB, 2),
                template_gpu_gib=round(tmpl.gpu_footprint_bytes / GiB, 2),
-               live_kv_gib=round(m1.probe["session_bytes"] / GiB, 3))
+               live_kv_gib=round(m1.probe.export.total_bytes / GiB, 3))
     launch.complete(PORT, prompt(99, a.changed_tokens), 1, "s0")          # one session grows
     m2 = tt.heartbeat(w)
     recs = json.loads((store.images_dir(m2) / "sessions.json").read_text())["sessions"]
@@ -175,9 +175,9 @@ def _row(name, a, row, t0, pid_file, tmp, transparent, host_gib, node_box) -> di
     new = {d for t in recs["s0"]["tensors"] for d in t["chunks"]} - {d for t in old["s0"]["tensors"]
                                                                     for d in t["chunks"]}
     row.update(session_pause_s=m2.timings["pause"], session_export_s=m2.timings["export"],
-               session_bytes=m2.probe["moved_bytes"], changed_chunk_bytes=tt.chunks.size(sorted(new)),
+               session_bytes=m2.probe.export.moved_bytes, changed_chunk_bytes=tt.chunks.size(sorted(new)),
                changed_gib=round(tt.chunks.size(sorted(new)) / GiB, 3),
-               changed_sessions=m2.probe["changed_sessions"], live_kv_gib=round(m2.probe["session_bytes"] / GiB, 3))
+               changed_sessions=m2.probe.export.changed, live_kv_gib=round(m2.probe.export.total_bytes / GiB, 3))
     before = state()
     kill(int(pid_file.read_text()), node)
     t0 = time.perf_counter()
@@ -218,7 +218,7 @@ def run_faults(a, weights: Path, tmp: Path) -> dict:
         before = state()
         kill(int(pid_file.read_text()), node)
         recs = json.loads((node.store.images_dir(m) / "sessions.json").read_text())["sessions"]
-        tmpl = node.store.get(m.probe["template_workload"], m.probe["template"])
+        tmpl = node.store.get(m.probe.template.workload, m.probe.template.id)
         wrec = json.loads((node.store.images_dir(tmpl) / "weights.json").read_text())
 
         def tear(digest: str) -> bytes:

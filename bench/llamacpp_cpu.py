@@ -68,7 +68,7 @@ def main() -> int:
         run = record_run("llamacpp_cpu", {
             "model": spec.model_id, "size": a.size, "model_bytes": model.stat().st_size, "turns": a.turns,
             "checkpoint_bytes": m.bytes, "dump_s": m.timings["dump"], "restore_s": res_s,
-            "restore_timings": res.timings, "session_bytes": sm.bytes, "session_tokens": sm.probe.get("n_saved"),
+            "restore_timings": res.timings, "session_bytes": sm.bytes, "session_tokens": getattr(sm.probe, "n_saved", None),
             "slot_save_s": sm.timings.get("slot_save")})
         table = md_table(["model", "checkpoint", "dump", "restore (CRIU + checksums)", "session (tokens)",
                           "session bytes"],

@@ -507,7 +507,7 @@ class Soak:
             pass  # compared below against the newest valid checkpoint all the same
         elif got["checkpoint"] != expected:
             problems.append(f"restored {got['checkpoint']} ({got['how']}), expected {expected}")
-        want = (m.probe.get("sessions") if m else None) or {}
+        want = (m.probe.sessions if m else None) or {}
         now = launch.session_digests(self.port)
         self.totals["digest_checked"] += 1
         if now != want:

@@ -597,8 +597,8 @@ def attempt_c(a, model: dict, work: Path, res: dict, rc: dict, kind: str) -> boo
                          args=eng.args, env=eng.env)
             sm = save_sessions(srv, store, "vllm-c", [sid], node="h200")
             rc["session_export_s"] = round(time.perf_counter() - t1, 3)
-            rc["session_blocks"] = sm.probe.get("blocks")
-            rc["session_tokens"] = sm.probe.get("sessions", {}).get(sid)
+            rc["session_blocks"] = getattr(sm.probe, "blocks", None)
+            rc["session_tokens"] = (sm.probe.sessions or {}).get(sid)
             rc["session_bytes"] = sm.bytes
         else:
             saved = a.store / "example-saved"

@@ -204,8 +204,8 @@ def ls(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET,
     now = datetime.now(timezone.utc)
     for name in names:  # grows by the templates two-tier checkpoints name: their bytes are listed once
         for m in fleet_manifests(fleet, name):
-            if m.probe.get("template_workload") and m.probe["template_workload"] not in names:
-                names.append(m.probe["template_workload"])
+            if m.probe.template and m.probe.template.workload not in names:
+                names.append(m.probe.template.workload)
             age = now - m.created
             table.add_row(m.workload, m.id, m.state.value, _age(age.total_seconds()),
                           f"{checkpoint_bytes(m) / 2**20:,.1f} MiB"

@@ -27,9 +27,9 @@ from enum import Enum, StrEnum
 from typing import Annotated, Any
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SerializeAsAny, ValidationError,
-                      ValidationInfo, field_validator, model_validator)
+                      ValidationInfo, field_serializer, field_validator, model_validator)
 
-from ckptflow.container_models import ContainerSpec
+from ckptflow.container_models import ContainerSpec, PortMap
 from ckptflow.modes import DEFAULT_MODE, MODES, ModeParams, unknown_mode
 
 # Names end up in paths and object keys: keep them to a safe alphabet so that a workload
@@ -368,6 +368,199 @@ class Fingerprint(BaseModel):
                                   description="Why a field is unknown, e.g. no NVML.")
 
 
+class EngineProbe(BaseModel):
+    """What a worker says about its own state right before a dump (``runners.engine.probe``):
+    session digests from its ``probe_url`` and the golden answer's digest. A restore or a sandbox
+    copy is compared with it (``runners.digests``).
+
+    Example:
+        >>> EngineProbe(sessions={"s1": "9f2c"}, golden="3a31").sessions
+        {'s1': '9f2c'}
+    """
+
+    golden: str | None = Field(None, description="sha256 of the golden request's answer field (GoldenRequest).")
+    golden_error: str | None = Field(None, description="Why the golden request failed, when it did.",
+                                     examples=["golden request failed: HTTP 500"])
+    sessions: dict[str, str | int] | None = Field(
+        None, description="Session id -> digest, as the worker's probe_url answered; None when it was not read. "
+        "An engine-native session checkpoint of vLLM records the tokens each session holds instead.",
+        examples=[{"s1": "9f2c5e..."}])
+    error: str | None = Field(None, description="Why the probe_url could not be read (a checkpoint is refused "
+                              "then, so a stored one predates that refusal).", examples=["probe failed: HTTP 500"])
+
+
+class RemoteChunks(BaseModel):
+    """The chunk map of one checkpoint in a chunked object-store tier (store/objects.py): how a
+    pull rebuilds the image files from content-addressed chunks."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    chunk_size: int = Field(..., gt=0, description="Bytes per chunk of the image files (the last one shorter).")
+    chunks: dict[str, list[str]] = Field(
+        default_factory=dict, description="Image file path -> sha256 of each of its chunks, in order.",
+        examples=[{"pages-1.img": ["5e0b...", "a1c9..."]}])
+    outside_chunks: list[str] = Field(
+        default_factory=list, description="Chunks named outside the images (a two-tier checkpoint's weights or "
+        "session KV, refs.json), pulled into the node's chunk store.")
+
+
+class TemplateBinding(BaseModel):
+    """On a two-tier sessions checkpoint: the template its sessions were exported over. A restore
+    needs that very template (gone or invalidated: the checkpoint is refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: CheckpointId = Field(..., description="The template checkpoint's id.", examples=["20261129T081500Z-1a2b3c4d"])
+    workload: Name = Field(..., description="The pseudo-workload the template is stored under.",
+                          examples=["template-0123456789abcdef"])
+
+
+class TemplateSource(BaseModel):
+    """On a two-tier template checkpoint: the worker it was captured from."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    workload: Name = Field(..., description="The workload whose engine was captured (a workload recovers in "
+                          "place from its own template).", examples=["chat-a"])
+    base_url: str | None = Field(None, description="The engine's address in that worker: a replica of the "
+                                 "template answers there, inside its own network namespace.",
+                                 examples=["http://127.0.0.1:18001"])
+
+
+class WeightChunks(BaseModel):
+    """On a two-tier template checkpoint: the weights, which left the image as content-addressed
+    chunks and stream back after a restore."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bytes: int = Field(0, ge=0, description="Total bytes of the weights.")
+    chunks: list[str] = Field(default_factory=list, description="sha256 of each weight chunk, in order.")
+
+
+class SessionExport(BaseModel):
+    """On a two-tier sessions checkpoint: what the engine's session export held and wrote."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    total_bytes: int = Field(0, ge=0, description="Bytes of every session the checkpoint holds (what a restore "
+                             "imports).")
+    moved_bytes: int = Field(0, ge=0, description="Bytes this checkpoint wrote (chunks no earlier one held).")
+    changed: list[str] = Field(default_factory=list, description="Sessions whose chunks changed since the "
+                               "previous session checkpoint.")
+    decisions: dict[str, str] = Field(default_factory=dict, description="Session id -> why it was exported, "
+                                      "kept as of its last export, or left out (policies.sessions).")
+
+
+class ContainerRecord(BaseModel):
+    """On a container checkpoint: the container it was exported from (runners/container.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., description="The container's name (a restore in place keeps it).", examples=["chat-c"])
+    id: str | None = Field(None, description="The runtime's container id.")
+    image: str | None = Field(None, description="The image it ran.")
+    pod: str | None = Field(None, description="namespace/pod/container, for a Kubernetes pod's container.")
+    ports: list[PortMap] = Field(default_factory=list, description="Its published ports (a restore publishes "
+                                 "them again unless the workload declares its own).")
+
+
+class RestoreHistory(BaseModel):
+    """Every restore from one checkpoint (status and the exporter's histogram read it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seconds: list[float] = Field(default_factory=list, description="How long each restore took, oldest first.",
+                                 examples=[[3.2, 2.9]])
+
+    def adding(self, took_s: float) -> "RestoreHistory":
+        """This history with one more restore."""
+        return RestoreHistory(seconds=[*self.seconds, took_s])
+
+
+# Probe keys of manifests written before the probe was typed (one flat dict): old key -> (new
+# field, its field). Manifests in stores and buckets keep them until retention deletes them.
+_FLAT_KEYS = {"template": ("template", "id"), "template_workload": ("template", "workload"),
+              "template_source": ("source", "workload"), "base_url": ("source", "base_url"),
+              "weights_bytes": ("weights", "bytes"), "weight_chunks": ("weights", "chunks"),
+              "session_bytes": ("export", "total_bytes"), "moved_bytes": ("export", "moved_bytes"),
+              "changed_sessions": ("export", "changed"), "session_decisions": ("export", "decisions")}
+# The chunk map of a chunked tier was "<prefix>chunk_size" etc.; S3's prefix was "s3_", other
+# chunked tiers' "objects_" (store/objects.py ChunkedTier.chunk_key).
+_FLAT_CHUNK_TIERS = ("s3", "objects")
+_FLAT_CHUNK_FIELDS = ("chunk_size", "chunks", "outside_chunks")
+
+
+class ManifestProbe(EngineProbe):
+    """What a checkpoint recorded besides its files: the engine's probe (session digests, golden
+    digest), and what its checkpoint mode, its container and its tiers add.
+
+    Manifests of older versions held one flat dict (``template``, ``template_workload``,
+    ``s3_chunks``, ``restores`` as a list, ...): they load into this shape unchanged on disk.
+
+    Example:
+        >>> p = ManifestProbe.model_validate({"template": "20261129T081500Z-1a2b3c4d",
+        ...                                   "template_workload": "template-0123", "restores": [2.5]})
+        >>> p.template.id, p.template.workload, p.restores.seconds
+        ('20261129T081500Z-1a2b3c4d', 'template-0123', [2.5])
+    """
+
+    # An engine adapter's session checkpoint records its own keys (llama.cpp: slot, n_saved,
+    # n_written; vLLM: blocks; both: engine), and an adapter registered outside ckptflow adds its
+    # own: they are kept as they are, readable as attributes, rather than refused at load.
+    model_config = ConfigDict(extra="allow")
+
+    tokens_total: float | None = Field(None, description="The engine's token counter at the checkpoint (the "
+                                       "cadence policy measures growth since it).")
+    template: TemplateBinding | None = Field(None, description="Two-tier sessions checkpoint: its template.")
+    source: TemplateSource | None = Field(None, description="Two-tier template checkpoint: the worker it was "
+                                          "captured from.")
+    weights: WeightChunks | None = Field(None, description="Two-tier template checkpoint: its weight chunks.")
+    export: SessionExport | None = Field(None, description="Two-tier sessions checkpoint: what the export held "
+                                         "and wrote.")
+    container: ContainerRecord | None = Field(None, description="Container checkpoint: the container exported.")
+    chunk_maps: dict[str, RemoteChunks] = Field(
+        default_factory=dict, description="A chunked tier's copy of the manifest: its chunk map, by the tier's "
+        "chunk key (s3, objects). A pull drops it: the node's copy reads its files in place.")
+    restores: RestoreHistory = Field(default_factory=RestoreHistory, description="Restores from this checkpoint.")
+    verify_timings: dict[str, float] | None = Field(None, description="Phase -> seconds of its last sandbox "
+                                                    "verification.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_flat(cls, data: Any) -> Any:
+        """Map an older manifest's flat keys into this shape (see _FLAT_KEYS)."""
+        if not isinstance(data, dict):
+            return data
+        d = dict(data)
+        # "template" was the template's id; in the new shape it is the binding (a dict or model).
+        flat = {k: d.pop(k) for k in list(d) if k in _FLAT_KEYS and (k != "template" or isinstance(d[k], str))}
+        for key, value in flat.items():
+            group, name = _FLAT_KEYS[key]
+            if value is not None:
+                have = d.get(group)
+                d[group] = {**(have.model_dump() if isinstance(have, BaseModel) else have or {}), name: value}
+        for tier in _FLAT_CHUNK_TIERS:
+            found = {f: d.pop(f"{tier}_{f}") for f in _FLAT_CHUNK_FIELDS if f"{tier}_{f}" in d}
+            if found:
+                d["chunk_maps"] = {**(d.get("chunk_maps") or {}), tier: found}
+        if isinstance(d.get("restores"), list):
+            d["restores"] = {"seconds": d["restores"]}
+        return d
+
+    def updated(self, **fields: Any) -> "ManifestProbe":
+        """A validated copy with ``fields`` replaced (old flat names are mapped as at load).
+
+        Example:
+            >>> ManifestProbe(golden="aa").updated(sessions={"s": "d"}).model_dump(exclude_defaults=True)
+            {'golden': 'aa', 'sessions': {'s': 'd'}}
+        """
+        return type(self).model_validate({**self.model_dump(exclude_defaults=True), **fields})
+
+
+def _probe(v: Any) -> Any:
+    return v.model_dump(exclude_defaults=True) if isinstance(v, EngineProbe) and not isinstance(v, ManifestProbe) else v
+
+
 class Manifest(BaseModel):
     """One checkpoint. Written last and atomically: no manifest, no checkpoint."""
 
@@ -392,14 +585,19 @@ class Manifest(BaseModel):
     parent: CheckpointId | None = None
     state: CheckpointState = CheckpointState.complete
     state_reason: str | None = None
-    probe: dict[str, Any] = Field(
-        default_factory=dict,
-        description="What the worker reported right before the dump (session digests, "
-                    "golden output digest), used to check a restore.")
+    probe: Annotated[ManifestProbe, BeforeValidator(_probe)] = Field(
+        default_factory=ManifestProbe,
+        description="What the worker reported right before the dump (session digests, golden output digest), "
+                    "used to check a restore, and what the checkpoint's mode, container and tiers recorded.")
     pid: int | None = Field(None, description="PID of the dumped root process.")
     copies: list[CheckpointCopy] = Field(
         default_factory=list, description="Where the bytes are: the node that took it, the S3 tier once "
         "pushed, each node that pulled it. A restore reads the nearest valid one (policies.tiers).")
+
+    @field_serializer("probe")
+    def _probe_as_written(self, probe: ManifestProbe, info: Any) -> dict[str, Any]:
+        # Only what was recorded: a heartbeat's probe stays as short as its flat dict was.
+        return probe.model_dump(mode=info.mode, exclude_defaults=True)
 
     def with_copy(self, tier: "CopyTier", location: str) -> "Manifest":
         """This manifest listing one more copy (a copy already listed is not repeated)."""

@@ -23,7 +23,8 @@ RESTORE_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 def chunk_bytes(m: Manifest) -> int:
     """Bytes of the content-addressed chunks a two-tier checkpoint names, as recorded when it was
     taken (a session checkpoint's sessions, a template's weights); 0 for a whole-process one."""
-    return int(m.probe.get("session_bytes") or 0) + int(m.probe.get("weights_bytes") or 0)
+    p = m.probe
+    return (p.export.total_bytes if p.export else 0) + (p.weights.bytes if p.weights else 0)
 
 
 def checkpoint_bytes(m: Manifest) -> int:
@@ -112,8 +113,8 @@ def fleet_status(fleet: Fleet, now: datetime | None = None) -> list[dict]:
     for w in fleet.workloads:
         ms = fleet_manifests(fleet, w.name)
         for m in ms:
-            if m.probe.get("template_workload"):
-                templates.setdefault(m.probe["template_workload"], m.node)
+            if m.probe.template:
+                templates.setdefault(m.probe.template.workload, m.node)
         rows.append(_row(fleet, w.name, placed.get(w.name, w.node), w.traffic.value, ms, now))
     for name, node in sorted(templates.items()):
         rows.append(_row(fleet, name, node, "template", fleet_manifests(fleet, name), now))
@@ -132,7 +133,7 @@ def _row(fleet: Fleet, name: str, node: str, traffic: str, ms: list[Manifest], n
         "age_s": (now - valid.created).total_seconds() if valid else None,
         "verified": None if checked is None else checked.state == CheckpointState.verified,
         "bytes": stored_bytes(fleet, ms),
-        "restores": [r for m in ms for r in m.probe.get("restores", [])],
+        "restores": [r for m in ms for r in m.probe.restores.seconds],
     }
 
 

@@ -139,7 +139,7 @@ def test_kill_then_recover_continues_the_long_session_exactly(tmp_path, prefect_
     m = LocalStore(tmp_path / "store").get("chat", second["checkpoint"])
     assert [f.path for f in m.files] == ["container.json", "container.tar"]
     assert m.fingerprint.container_runtime.startswith("podman ") and m.fingerprint.oci_runtime.startswith("runc ")
-    assert m.probe["container"]["name"] == c.cname
+    assert m.probe.container.name == c.cname
     # Work after the last checkpoint is lost with the container; the reference never saw it.
     c.complete("lost with the crash", 8, "s")
     old_pid = c.state().pid

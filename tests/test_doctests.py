@@ -13,7 +13,7 @@ import ckptflow.policies
 # (its second line too); it stays out until it is made runnable.
 NOT_YET = {"ckptflow.policies.load"}
 MODULES = ["ckptflow.models", "ckptflow.settings", "ckptflow.container_models", "ckptflow.runners.engine",
-           "ckptflow.runners.isolate",
+           "ckptflow.runners.isolate", "ckptflow.runners.digests", "ckptflow.runners.gpu",
            *sorted(m.name for m in pkgutil.iter_modules(ckptflow.policies.__path__, "ckptflow.policies.")
                    if m.name not in NOT_YET)]
 

@@ -281,7 +281,7 @@ def test_live_contract(live, tmp_path):
     load = engine.read_load(w)
     assert load is not None and load.tokens_total > 0 and load.running == 0
     first, again = engine.probe(w), engine.probe(w)
-    assert first["golden"] == again["golden"] and "golden_error" not in first        # deterministic
+    assert first.golden == again.golden and first.golden_error is None               # deterministic
 
     info = engine.engine_info(w)
     assert info["sessions"].keys() == {"a", "b"} and info["parked"] is False and info["template_key"]
@@ -299,11 +299,11 @@ def test_live_contract(live, tmp_path):
     parked = engine.engine_info(w)
     assert parked["parked"] is True and parked["sessions"] == {}
     assert parked["parked_with"] == {"dir": str(wdir), "tensors": weights["tensors"]}
-    assert "golden_error" in engine.probe(w)                                           # no answers while parked
+    assert engine.probe(w).golden_error                                           # no answers while parked
     assert engine.template_adopt(w, str(wdir), weights["tensors"])["loaded_bytes"] == weights["total_bytes"]
     got = engine.import_sessions(w, str(stage), out)
     assert got["imported"] == ["a", "b"] and got["digests"] == {sid: r["digest"] for sid, r in out.items()}
-    assert engine.probe(w)["golden"] == first["golden"]                                # the same engine again
+    assert engine.probe(w).golden == first.golden                                # the same engine again
     with pytest.raises(EngineProtocolError, match="refused: HTTP 400"):
         engine.import_sessions(w, str(tmp_path / "empty"), out)                         # chunks missing: refused
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import write_fleet
 from ckptflow.alerts import failure
 from ckptflow.errors import CriuError
-from ckptflow.models import Fingerprint, ProcessFinder, Workload
+from ckptflow.models import EngineProbe, Fingerprint, ProcessFinder, Workload
 from ckptflow.store.local import LocalStore
 
 LOG = ("(00.010) 4242: inet: Restored\n"
@@ -69,7 +69,7 @@ def test_a_worker_that_died_mid_dump_is_not_told_to_run_as_root(tmp_path, monkey
 
     node, w, _ = _node_and_workload(tmp_path, DiesUnderCriu())
     monkeypatch.setattr(node_mod.process, "resolve", lambda w: type("P", (), {"pid": dead.pid})())
-    monkeypatch.setattr(node_mod, "probe", lambda w: {})
+    monkeypatch.setattr(node_mod, "probe", lambda w: EngineProbe())
     with pytest.raises(CriuError) as e:
         node.checkpoint(w)
     assert f"the worker (PID {dead.pid}) exited during the dump" in str(e.value)

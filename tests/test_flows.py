@@ -25,7 +25,7 @@ def test_heartbeat_then_recover_restores_session(tmp_path, prefect_harness, demo
     results = heartbeat(str(fleet))
     assert [r["ok"] for r in results] == [True]
     m = store.latest_valid("chat")
-    assert m.id == results[0]["checkpoint"] and m.probe["sessions"] == w.digests()
+    assert m.id == results[0]["checkpoint"] and m.probe.sessions == w.digests()
     assert w.proc.poll() is None  # heartbeat leaves the worker running
 
     os.kill(w.pid, signal.SIGKILL)
@@ -128,12 +128,12 @@ def test_two_tier_workload_through_heartbeat_and_recover_flows(tmp_path, prefect
         x.complete("a long agent transcript " * 30, 16, "agent")
     first = heartbeat(str(fleet), force=True)[0]
     m1 = store.get("tt", first["checkpoint"])
-    assert first["ok"] and m1.kind == "sessions" and m1.probe["template"]
+    assert first["ok"] and m1.kind == "sessions" and m1.probe.template.id
     for x in (w, ref):
         x.complete("one more step", 8, "agent")
     second = heartbeat(str(fleet), force=True)[0]
     m2 = store.get("tt", second["checkpoint"])
-    assert m2.parent == m1.id and 0 < m2.probe["moved_bytes"] < m2.probe["session_bytes"]
+    assert m2.parent == m1.id and 0 < m2.probe.export.moved_bytes < m2.probe.export.total_bytes
     rows = verify(str(fleet))                                 # a copy beside the live worker, in namespaces
     assert [(r["checkpoint"], r["state"]) for r in rows] == [(m2.id, "verified")], rows
     assert store.get("tt", m2.id).state == CheckpointState.verified
@@ -141,6 +141,6 @@ def test_two_tier_workload_through_heartbeat_and_recover_flows(tmp_path, prefect
     os.kill(w.pid, signal.SIGKILL)
     w.proc.wait()
     res = recover(str(fleet), "tt")
-    assert res["checkpoint"] == m2.id and res["template"] == m1.probe["template"]
+    assert res["checkpoint"] == m2.id and res["template"] == m1.probe.template.id
     assert w.digests() == ref.digests()
     assert w.complete("next step", 24, "agent") == ref.complete("next step", 24, "agent")

@@ -104,7 +104,7 @@ def test_gpu_verify_checks_bytes_and_skips_the_sandbox_leaving_the_original_alon
     m = node.checkpoint(w)
     res = verify_checkpoint(node, w, m)
     assert res.state == "skipped" and "restore in place" in res.reason and "checksum" in res.timings
-    assert session_digests(port) == m.probe["sessions"]            # the original serves on, untouched
+    assert session_digests(port) == m.probe.sessions            # the original serves on, untouched
     pages = max(node.store.images_dir(m).glob("pages-*.img"), key=lambda p: p.stat().st_size)
     with open(pages, "r+b") as f:
         f.seek(4096)

@@ -183,7 +183,7 @@ def test_checkpoint_image_of_a_real_checkpoint_restores_the_container(tmp_path):
              "--ignore-static-ip", "--ignore-static-mac", image], "restore from image")
         from ckptflow.demo import launch
 
-        assert launch.session_digests(port) == m.probe["sessions"] == c.digests()
+        assert launch.session_digests(port) == m.probe.sessions == c.digests()
         assert launch.complete(port, "next", 16, "s") == c.complete("next", 16, "s")
     finally:
         subprocess.run(["podman", "rm", "-f", "-t", "0", copy], capture_output=True)

@@ -150,7 +150,7 @@ def test_heartbeat_kill_mid_generation_recover_continues_like_reference(llama, l
     with NodeRunner(store) as node:
         m = node.checkpoint(w)                                    # heartbeat: the server serves on
         assert m.kind == "heartbeat" and m.bytes > 5 << 20
-        assert m.probe["golden"] and m.fingerprint.engine == "llamacpp"
+        assert m.probe.golden and m.fingerprint.engine == "llamacpp"
         assert m.fingerprint.model_revision == llama_model[1].revision
         for f in node.store.images_dir(m).iterdir():
             assert f.stat().st_mode & 0o777 == 0o600
@@ -207,7 +207,7 @@ def test_session_through_slots_into_the_store_and_a_server_restored_from_the_tem
     m = llamacpp.save_session(src, store, "chat", node="local")
     stored = llamacpp.session_store(store).images_dir(m) / llamacpp.SLOT_FILE
     assert stored.stat().st_mode & 0o777 == 0o600
-    assert m.kind == "session" and m.probe["n_saved"] == len(chats[src.url].tokens) - 1
+    assert m.kind == "session" and m.probe.n_saved == len(chats[src.url].tokens) - 1
     assert list(src.slot_dir.iterdir()) == []                     # nothing left where the server wrote it
     assert src.slot_dir.stat().st_mode & 0o777 == 0o700
     assert store.list("chat") == []                               # never mistaken for a process checkpoint
@@ -220,7 +220,7 @@ def test_session_through_slots_into_the_store_and_a_server_restored_from_the_tem
         node.criu.wait_pid_free(tm.pid)
         node.restore(wt, manifest=tm)
     got = llamacpp.restore_session(tpl, store, m)
-    assert got["n_restored"] == m.probe["n_saved"]
+    assert got["n_restored"] == m.probe.n_saved
     assert list(tpl.slot_dir.iterdir()) == []
 
     nxt = "And after an import?"
@@ -298,7 +298,7 @@ def test_verify_restores_a_copy_in_a_sandbox_beside_the_live_server(llama, llama
         res = verify_checkpoint(node, w, m)
         assert res.state == "verified" and "golden digest" in res.reason, res.reason
         # A copy that computes differently is caught: the recorded digest no longer matches.
-        bad = m.model_copy(update={"probe": {**m.probe, "golden": "0" * 64}})
+        bad = m.model_copy(update={"probe": m.probe.updated(golden="0" * 64)})
         assert verify_checkpoint(node, w, bad).state == "verify_failed"
     # The original was never touched: it serves its session on, like the reference.
     a, b = chats[live.url].turn(live, TURNS[1]), chats[ref.url].turn(ref, TURNS[1])

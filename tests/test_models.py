@@ -45,3 +45,67 @@ def test_enums_keep_the_strings_stored_manifests_and_alerts_hold():
     assert m.kind == "migrate" and f"{m.kind}" == "migrate"   # still compares and formats as the string
     with pytest.raises(ValidationError):
         Manifest.model_validate({**old, "kind": "snapshot"})
+
+
+# --- manifests written before the probe was typed: one flat dict ------------------------------
+TMPL_ID, SESS_ID = "20261120T100000Z-0a0b0c0d", "20261120T110000Z-1a2b3c4d"
+OLD_SESSIONS = {  # a two-tier session checkpoint as ckptflow wrote it into a bucket before, byte for byte in shape
+    "id": SESS_ID, "workload": "chat", "node": "n1", "created": "2026-11-20T11:00:00Z", "kind": "sessions",
+    "files": [{"path": "sessions.json", "size": 4, "sha256": "9" * 64}], "bytes": 4, "state": "complete",
+    "probe": {"tokens_total": 812.0, "session_decisions": {"a": "grew by 300 tokens"},
+              "template": TMPL_ID, "template_workload": "template-0123456789abcdef", "moved_bytes": 1024,
+              "session_bytes": 4096, "changed_sessions": ["a"], "restores": [3.25, 2.5],
+              "s3_chunk_size": 4194304, "s3_chunks": {"sessions.json": ["ab" * 32]}, "s3_outside_chunks": ["cd" * 32]},
+    "copies": [{"tier": "node", "location": "n1", "at": "2026-11-20T11:00:01Z"}]}
+OLD_TEMPLATE_PROBE = {"template_source": "chat", "weights_bytes": 8388608, "weight_chunks": ["ef" * 32],
+                      "base_url": "http://127.0.0.1:18001"}
+OLD_CONTAINER_PROBE = {"sessions": {"s1": "d1"}, "golden": "7" * 64, "restores": [1.5],
+                       "container": {"name": "chat-c", "id": "abc123", "image": "localhost/chat:1",
+                                     "ports": [{"host": 18101, "container": 8000, "host_ip": "127.0.0.1"}]}}
+
+
+def test_an_old_flat_manifest_loads_with_its_binding_chunk_map_and_restores(tmp_path):
+    import json
+
+    from ckptflow.models import RemoteChunks, TemplateBinding
+    from ckptflow.report import checkpoint_bytes
+    from ckptflow.store.local import MANIFEST, LocalStore
+
+    store = LocalStore(tmp_path / "store")
+    d = store.root / "chat" / SESS_ID
+    (d / "images").mkdir(parents=True)
+    (d / MANIFEST).write_text(json.dumps(OLD_SESSIONS))
+    m = store.get("chat", SESS_ID)
+    assert m.probe.template == TemplateBinding(id=TMPL_ID, workload="template-0123456789abcdef")
+    assert m.probe.chunk_maps == {"s3": RemoteChunks(chunk_size=4194304, chunks={"sessions.json": ["ab" * 32]},
+                                                     outside_chunks=["cd" * 32])}
+    assert m.probe.restores.seconds == [3.25, 2.5]
+    assert (m.probe.export.total_bytes, m.probe.export.moved_bytes, m.probe.export.changed) == (4096, 1024, ["a"])
+    assert m.probe.export.decisions == {"a": "grew by 300 tokens"} and m.probe.tokens_total == 812.0
+    assert checkpoint_bytes(m) == 4096 + 4                                       # what status counts
+    # The next restore adds to its history; the manifest is then written in the typed shape only.
+    again = store.set_state(m, m.state, None, restores=m.probe.restores.adding(1.0))
+    assert again.probe.restores.seconds == [3.25, 2.5, 1.0]
+    written = json.loads((d / MANIFEST).read_text())["probe"]
+    assert written["template"] == {"id": TMPL_ID, "workload": "template-0123456789abcdef"}
+    assert not {"template_workload", "s3_chunks", "session_bytes"} & set(written)
+    assert store.get("chat", SESS_ID) == again
+
+
+def test_old_template_container_and_engine_probes_load_into_their_models():
+    t = Manifest(id=TMPL_ID, workload="template-0123456789abcdef", node="n1", kind="template", probe=OLD_TEMPLATE_PROBE)
+    assert (t.probe.source.workload, t.probe.source.base_url) == ("chat", "http://127.0.0.1:18001")
+    assert (t.probe.weights.bytes, t.probe.weights.chunks) == (8388608, ["ef" * 32])
+    c = Manifest(id=SESS_ID, workload="chat", node="n1", probe=OLD_CONTAINER_PROBE)
+    assert c.probe.container.name == "chat-c" and c.probe.container.ports[0].host == 18101
+    assert (c.probe.sessions, c.probe.restores.seconds, c.probe.template) == ({"s1": "d1"}, [1.5], None)
+    # An engine adapter's own keys (llama.cpp's slot checkpoint) stay readable as they were.
+    s = Manifest(id=SESS_ID, workload="chat", node="n1", kind="session",
+                 probe={"engine": "llamacpp", "slot": 0, "n_saved": 41, "n_written": 9000})
+    assert (s.probe.engine, s.probe.slot, s.probe.n_saved) == ("llamacpp", 0, 41)
+
+
+def test_a_malformed_probe_names_the_field():
+    with pytest.raises(ValidationError) as e:
+        Manifest(id=SESS_ID, workload="chat", node="n1", probe={"template": TMPL_ID})   # no template_workload
+    assert ("probe", "template", "workload") in [err["loc"] for err in e.value.errors()]

@@ -7,7 +7,7 @@ import json
 import os
 
 from ckptflow.fleet import load_fleet
-from ckptflow.models import ProcessFinder, Workload
+from ckptflow.models import ManifestProbe, ProcessFinder, Workload
 from ckptflow.report import checkpoint_bytes, fleet_status
 from ckptflow.store.chunks import REFS_FILE, ChunkStore
 from ckptflow.store.fleetstate import LocalFleetState
@@ -56,7 +56,7 @@ def test_a_session_checkpoint_counts_the_chunks_it_names():
     m = Manifest(id="20261130T120000Z-0a0b0c0d", workload="chat", node="n", kind="sessions", bytes=3000,
                  probe={"session_bytes": 96 * MIB})
     assert checkpoint_bytes(m) == 96 * MIB + 3000
-    assert checkpoint_bytes(m.model_copy(update={"probe": {}, "kind": "heartbeat"})) == 3000
+    assert checkpoint_bytes(m.model_copy(update={"probe": ManifestProbe(), "kind": "heartbeat"})) == 3000
 
 
 def test_status_and_exporter_count_two_tier_bytes_once_and_templates_in_their_own_row(tmp_path):

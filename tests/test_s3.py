@@ -49,7 +49,7 @@ def test_corrupt_chunk_in_the_bucket_is_refused_and_leaves_no_manifest(tmp_path,
     m = _ckpt(a, os.urandom(2 * CHUNK))
     tier.push(a, m)
     remote = tier.manifest("w", m.id)
-    digest = remote.probe["s3_chunks"]["pages-1.img"][1]
+    digest = remote.probe.chunk_maps["s3"].chunks["pages-1.img"][1]
     s3.client.put_object(Bucket="ckpt-corrupt", Key=f"ckptflow/chunks/{digest}", Body=b"garbage")
     with pytest.raises(ChecksumMismatch, match="from S3 is corrupt"):
         tier.pull(b, "w", m.id, "node-b")
@@ -91,7 +91,7 @@ def test_client_side_encryption_keeps_dedup_and_refuses_another_key(tmp_path, s3
     payload = os.urandom(2 * CHUNK)
     m = _ckpt(a, payload)
     tier.push(a, m)
-    digest = tier.manifest("w", m.id).probe["s3_chunks"]["pages-1.img"][0]
+    digest = tier.manifest("w", m.id).probe.chunk_maps["s3"].chunks["pages-1.img"][0]
     stored = s3.client.get_object(Bucket="ckpt-enc", Key=f"ckptflow/chunks/{digest}")["Body"].read()
     assert payload[:CHUNK] not in stored and len(stored) == CHUNK + 12 + 16   # nonce + tag
     assert tier.push(a, m)["uploaded_bytes"] == 0                              # dedup by plaintext digest

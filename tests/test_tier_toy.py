@@ -56,7 +56,7 @@ def test_copies_are_labelled_with_the_kind_and_read_back(tmp_path):
     assert held.copies[-1].tier.value == "toy"
     got, _ = tier.pull(b, "chat", m.id, "node-b")
     assert [c.tier.value for c in got.copies] == ["node", "toy", "node"]
-    assert not any(k.startswith("objects_") for k in got.probe)   # the chunk map stays in the tier
+    assert not got.probe.chunk_maps                                # the chunk map stays in the tier
 
 
 def test_chunks_dedup_through_the_toy_client(tmp_path):
@@ -77,7 +77,7 @@ def test_encryption_is_the_generic_one(tmp_path):
     pages = os.urandom(3000)
     m = _ckpt(a, pages)
     tier.push(a, m)
-    digest = tier.manifest("chat", m.id).probe["objects_chunks"]["pages-1.img"][0]
+    digest = tier.manifest("chat", m.id).probe.chunk_maps["objects"].chunks["pages-1.img"][0]
     stored = tier.objects.get(f"chunks/{digest}")
     assert pages not in stored and len(stored) == len(pages) + 12 + 16
     got, _ = tier.pull(b, "chat", m.id, "node-b")
@@ -91,7 +91,7 @@ def test_a_corrupt_object_is_refused_and_names_the_store(tmp_path):
     a, b = LocalStore(tmp_path / "a"), LocalStore(tmp_path / "b")
     m = _ckpt(a, os.urandom(3000))
     tier.push(a, m)
-    digest = tier.manifest("chat", m.id).probe["objects_chunks"]["pages-1.img"][0]
+    digest = tier.manifest("chat", m.id).probe.chunk_maps["objects"].chunks["pages-1.img"][0]
     tier.objects.put(f"chunks/{digest}", b"garbage")
     with pytest.raises(ChecksumMismatch, match="from the toy store is corrupt"):
         tier.pull(b, "chat", m.id, "node-b")
@@ -140,3 +140,25 @@ def test_the_fleet_state_lives_in_the_toy_store_with_no_state_of_its_own(tmp_pat
     assert open_fleet_state(node("a"), tier).objects is tier.objects       # an open tier's client is shared
     with pytest.raises(ConfigError, match="options.root"):
         open_fleet_state(Storage(kind="toy"))
+
+
+def test_a_manifest_pushed_before_the_probe_was_typed_pulls_from_its_flat_chunk_map(tmp_path):
+    """A bucket keeps manifests an older ckptflow wrote ("objects_chunk_size", "objects_chunks"):
+    a pull still finds every chunk through them, and the node's copy drops the map."""
+    import json
+
+    tier = toy_tier.ToyTier(tmp_path / "objects", chunk=4096)
+    a, b = LocalStore(tmp_path / "a"), LocalStore(tmp_path / "b")
+    pages = os.urandom(3 * tier.chunk + 5)
+    m = _ckpt(a, pages)
+    tier.push(a, m)
+    key = f"manifests/chat/{m.id}.json"
+    raw = json.loads(tier.objects.get(key))
+    cmap = raw["probe"].pop("chunk_maps")["objects"]
+    raw["probe"] |= {f"objects_{k}": v for k, v in cmap.items() if v} | {"restores": [2.0]}
+    tier.objects.put(key, json.dumps(raw).encode())
+    assert "chunk_maps" not in json.loads(tier.objects.get(key))["probe"]       # the old shape, as stored
+    assert tier.manifest("chat", m.id).probe.chunk_maps["objects"].chunk_size == tier.chunk
+    got, _ = tier.pull(b, "chat", m.id, "node-b")
+    assert (b.images_dir(got) / "pages-1.img").read_bytes() == pages
+    assert not got.probe.chunk_maps and got.probe.restores.seconds == [2.0]

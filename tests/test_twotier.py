@@ -51,7 +51,7 @@ def tt(tmp_path):
 
 
 def _template(tt, m):
-    return tt.store.get(m.probe["template_workload"], m.probe["template"])
+    return tt.store.get(m.probe.template.workload, m.probe.template.id)
 
 
 def test_template_then_session_heartbeats_move_only_what_changed(pair, tt):
@@ -61,25 +61,25 @@ def test_template_then_session_heartbeats_move_only_what_changed(pair, tt):
     tmpl = _template(tt, m1)
     assert tmpl.kind == "template" and m1.kind == "sessions"
     # The weights (ballast + model) left the image: it is smaller than the weights alone.
-    assert tmpl.probe["weights_bytes"] > BALLAST_MIB << 20 > tmpl.bytes
+    assert tmpl.probe.weights.bytes > BALLAST_MIB << 20 > tmpl.bytes
     assert live.complete("go on", 8, "a") == ref.complete("go on", 8, "a")      # serves on, same tokens
 
     m2 = tt.heartbeat(live.workload)                                              # only "a" changed
-    assert m2.probe["template"] == tmpl.id and m2.parent == m1.id
-    assert m2.probe["changed_sessions"] == ["a"]
-    assert m2.probe["session_decisions"]["b"].startswith("unchanged since its last checkpoint")
-    assert m2.probe["session_decisions"]["a"].startswith("grew by")
+    assert m2.probe.template.id == tmpl.id and m2.parent == m1.id
+    assert m2.probe.export.changed == ["a"]
+    assert m2.probe.export.decisions["b"].startswith("unchanged since its last checkpoint")
+    assert m2.probe.export.decisions["a"].startswith("grew by")
     recs1 = json.loads((store.images_dir(m1) / SESSIONS_FILE).read_text())["sessions"]
     recs2 = json.loads((store.images_dir(m2) / SESSIONS_FILE).read_text())["sessions"]
     assert recs1["b"] == recs2["b"]
     new = {d for t in recs2["a"]["tensors"] for d in t["chunks"]} - \
           {d for t in recs1["a"]["tensors"] for d in t["chunks"]}
     changed_bytes = tt.chunks.size(sorted(new))
-    assert 0 < m2.probe["moved_bytes"] <= changed_bytes * 1.05
-    assert m2.probe["moved_bytes"] < recs2["a"]["total_bytes"] < m2.probe["session_bytes"]
+    assert 0 < m2.probe.export.moved_bytes <= changed_bytes * 1.05
+    assert m2.probe.export.moved_bytes < recs2["a"]["total_bytes"] < m2.probe.export.total_bytes
 
     m3 = tt.heartbeat(live.workload)                                              # nothing changed
-    assert m3.probe["changed_sessions"] == [] and m3.probe["moved_bytes"] == 0
+    assert m3.probe.export.changed == [] and m3.probe.export.moved_bytes == 0
     assert len([m for m in store.list(tmpl.workload)]) == 1                       # the template is reused
 
 
@@ -94,7 +94,7 @@ def test_kill_then_template_plus_sessions_continue_token_for_token(pair, tt):
     r = tt.restore(live.workload)
     assert r.pid == r.template.pid and r.manifest.id == m.id
     assert {"weights", "sessions", "restore"} <= set(r.timings)
-    [took] = tt.store.get(live.workload.name, m.id).probe["restores"]   # counted, as status and the exporter read it
+    [took] = tt.store.get(live.workload.name, m.id).probe.restores.seconds   # counted, as status and the exporter read it
     assert took == pytest.approx(sum(r.timings.values()), abs=0.01)
     assert live.digests() == ref.digests()
     for sid in ("a", "b"):
@@ -115,7 +115,7 @@ def test_a_session_bound_to_another_model_revision_or_a_gone_template_is_refused
     other = live.workload.model_copy(update={"model_revision": "seed-9999"})
     with pytest.raises(IncompatibleCheckpoint, match="model_revision"):
         refuse.restore(other)
-    tmpl = store.get(m.probe["template_workload"], m.probe["template"])
+    tmpl = store.get(m.probe.template.workload, m.probe.template.id)
     store.set_state(tmpl, CheckpointState.invalidated, "engine version changed")
     with pytest.raises(IncompatibleCheckpoint, match="template") as e:
         refuse.restore(live.workload)
@@ -156,7 +156,7 @@ def test_a_replaced_template_invalidates_its_sessions_and_a_new_one_is_captured(
     old = _template(tt, m1)
     store.set_state(old, CheckpointState.invalidated, "driver changed")       # what invalidate does
     m2 = tt.heartbeat(live.workload)
-    assert m2.probe["template"] != old.id
+    assert m2.probe.template.id != old.id
     assert store.get(live.workload.name, m1.id).state == CheckpointState.invalidated
     assert "replaced" in store.get(live.workload.name, m1.id).state_reason
     assert live.complete("after", 8, "a") == ref.complete("after", 8, "a")
@@ -168,7 +168,7 @@ def test_a_torn_weight_chunk_fails_the_restore_and_leaves_no_half_worker(pair, t
     live, _ = pair
     m = tt.heartbeat(live.workload)
     tmpl = _template(tt, m)
-    victim = tmpl.probe["weight_chunks"][-1]
+    victim = tmpl.probe.weights.chunks[-1]
     path = tt.chunks.path(victim)
     data = bytearray(path.read_bytes())
     data[7] ^= 0xFF
@@ -193,9 +193,9 @@ def test_one_template_starts_replicas_of_two_workloads_that_continue_exactly(dem
     _talk(two, turns=(("c", "second workload " * 12), ("d", "another")))
     m1, m2 = tt.heartbeat(one.workload), tt.heartbeat(two.workload)
     t1, t2 = _template(tt, m1), _template(tt, m2)
-    assert t1.workload == t2.workload and t1.probe["weight_chunks"] == t2.probe["weight_chunks"]
+    assert t1.workload == t2.workload and t1.probe.weights.chunks == t2.probe.weights.chunks
     chunks_on_disk = sum(1 for p in tt.chunks.root.glob("??/*"))
-    assert chunks_on_disk < len(t1.probe["weight_chunks"]) * 2                 # dedup'd, not stored twice
+    assert chunks_on_disk < len(t1.probe.weights.chunks) * 2                 # dedup'd, not stored twice
     copies, nss = [], []
     try:
         for w in (one, two):
@@ -206,7 +206,7 @@ def test_one_template_starts_replicas_of_two_workloads_that_continue_exactly(dem
             assert info["template"] == t1.id
         from ckptflow.runners import engine
 
-        decided = tt.store.get("two", m2.id).probe["session_decisions"]
+        decided = tt.store.get("two", m2.id).probe.export.decisions
         assert decided["d"] == "new session (19 tokens)"         # short, and protected: never lost silently
         for copy, info, ns, w in copies:
             for sid in w.digests():
@@ -261,7 +261,7 @@ def test_a_runner_killed_mid_export_leaves_no_manifest_the_worker_serves_on_and_
     assert live.complete("still there?", 8, "a") == ref.complete("still there?", 8, "a")
 
     m = tt.heartbeat(live.workload)                                           # the next run goes through
-    assert m.probe["changed_sessions"] == ["a"]
+    assert m.probe.export.changed == ["a"]
     assert list((tt.chunks.root / ".staging").iterdir()) == []               # and removed what the dead one left
 
 
@@ -276,7 +276,7 @@ def test_the_policy_reads_a_two_tier_workload_as_two_tier_with_its_own_sizes(pai
     recs = json.loads((tt.store.images_dir(m) / SESSIONS_FILE).read_text())["sessions"]
     f = collect_facts(w, tt.store)
     assert f.checkpoint_mode == "two-tier" and f.measured_pause_s == m.timings["pause"]
-    assert f.weights_gib == tmpl.probe["weights_bytes"] / 2**30
+    assert f.weights_gib == tmpl.probe.weights.bytes / 2**30
     assert f.kv_bytes_per_token == sum(r["total_bytes"] for r in recs.values()) / sum(r["tokens"] for r in recs.values())
     assert collect_facts(live.workload, tt.store).checkpoint_mode == "process"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SlackCapture, write_fleet
-from ckptflow.models import CheckpointState
+from ckptflow.models import CheckpointState, EngineProbe
 from ckptflow.store.fleetstate import LocalFleetState
 from ckptflow.store.local import LocalStore
 
@@ -41,7 +41,7 @@ def test_verify_beside_live_original(tmp_path, prefect_harness, demo_worker, sla
     assert rows[0]["state"] == "verified", rows
     assert rows[0]["reason"] == "golden digest and 1 session digest(s) equal"
     m = LocalStore(tmp_path / "store").get("chat", ckpt)
-    assert m.state == CheckpointState.verified and "restore" in m.probe["verify_timings"]
+    assert m.state == CheckpointState.verified and "restore" in m.probe.verify_timings
     # The original is untouched, the sandbox is gone.
     assert w.pid == pid and w.proc.poll() is None and w.digests() == digests
     assert _demo_workers(tmp_path) == workers == {pid}
@@ -395,7 +395,7 @@ def _probe_workload(url="http://127.0.0.1:9"):
 
 
 def test_each_outcome_is_a_verify_outcome():
-    from ckptflow.models import Manifest, VerifyOutcome
+    from ckptflow.models import Manifest, ManifestProbe, VerifyOutcome
     from ckptflow.runners.engine import golden_digest
     from ckptflow.runners.verify import _compare
 
@@ -409,9 +409,10 @@ def test_each_outcome_is_a_verify_outcome():
                                                                                 "checkpoint: s"),
         ({**healthy, "golden_answer": {"tokens": [9]}}, m, VerifyOutcome.verify_failed, "golden output digest differs"),
         ({"error": "not healthy within 1 s: HTTP 503"}, m, VerifyOutcome.verify_failed, "sandbox copy not healthy"),
-        (healthy, m.model_copy(update={"probe": {}}), VerifyOutcome.skipped, "the checkpoint recorded no golden"),
+        (healthy, m.model_copy(update={"probe": ManifestProbe()}), VerifyOutcome.skipped,
+         "the checkpoint recorded no golden"),
         # The probe failed at checkpoint time: the sessions were never compared, so not proven.
-        (healthy, m.model_copy(update={"probe": {"golden": m.probe["golden"], "error": "probe failed: HTTP 500"}}),
+        (healthy, m.model_copy(update={"probe": ManifestProbe(golden=m.probe.golden, error="probe failed: HTTP 500")}),
          VerifyOutcome.unverified, "healthy, but sessions not compared: probe failed: HTTP 500 (golden digest equal)"),
     ]
     for got, manifest, outcome, reason in cases:
@@ -449,7 +450,7 @@ def test_a_probe_error_at_checkpoint_time_refuses_the_checkpoint(tmp_path, monke
             raise AssertionError(f"CRIU {name} called")
 
     monkeypatch.setattr(node_mod.process, "resolve", lambda w: type("P", (), {"pid": 4242})())
-    monkeypatch.setattr(node_mod, "probe", lambda w: {"error": "probe failed: HTTP 500"})
+    monkeypatch.setattr(node_mod, "probe", lambda w: EngineProbe(error="probe failed: HTTP 500"))
     store = LocalStore(tmp_path / "store")
     w = _probe_workload()
     with pytest.raises(EngineProtocolError, match=r"workload w: probe failed: HTTP 500 .*not checkpointing") as e:

@@ -201,7 +201,7 @@ def test_verify_restores_a_copy_in_a_sandbox_beside_the_live_engine(servers, ref
         m = node.checkpoint(w)
         res = verify_checkpoint(node, w, m, timeout_s=300)
         assert res.state == "verified" and "golden digest" in res.reason, res.reason
-        bad = m.model_copy(update={"probe": {**m.probe, "golden": "0" * 64}})
+        bad = m.model_copy(update={"probe": m.probe.updated(golden="0" * 64)})
         assert verify_checkpoint(node, w, bad, timeout_s=300).state == "verify_failed"
     # The copies had a /dev/shm of their own: nothing of theirs (their semaphore's link-remap
     # file, say) appeared in the node's, and the original serves on with its rings.
@@ -281,7 +281,7 @@ def test_sessions_through_the_connector_into_an_engine_restored_from_its_templat
     chat.turn(ref)
     twin = chat.copy()
     m = vllm.save_sessions(ref, store, "chat", ["chat-5"], node="local")
-    assert m.kind == "session" and m.probe["sessions"]["chat-5"] >= 1792
+    assert m.kind == "session" and m.probe.sessions["chat-5"] >= 1792
     assert store.list("chat") == []                          # never mistaken for a process checkpoint
 
     # A torn block is refused before the engine sees it.
@@ -297,12 +297,12 @@ def test_sessions_through_the_connector_into_an_engine_restored_from_its_templat
         assert list((tpl.chunk_dir / "blocks").iterdir()) == []
         victim.write_bytes(good)
         got = vllm.restore_sessions(tpl, store, m)
-    assert got["blocks_imported"] == m.probe["blocks"]
+    assert got["blocks_imported"] == m.probe.blocks
 
     a, b = twin.turn(tpl, n=32), chat.turn(ref, n=32)
     assert a["token_ids"] == b["token_ids"]
     # Not prefilled again: the restored engine loaded the session's blocks through the connector.
-    assert a["external_hits"] >= m.probe["sessions"]["chat-5"] - 128, a
+    assert a["external_hits"] >= m.probe.sessions["chat-5"] - 128, a
     assert a["hits"] == 0
 
 

@@ -460,4 +460,4 @@ def restore_sessions(srv: Server, store: LocalStore, m: Manifest) -> dict:
         os.chmod(tmp, 0o600)
         os.replace(tmp, target)  # the connector never sees half a block
         n += 1
-    return {"blocks_imported": n, "sessions": m.probe.get("sessions", {})}
+    return {"blocks_imported": n, "sessions": m.probe.sessions or {}}

@@ -62,7 +62,7 @@ def templates_to_delete(templates: list[Manifest], bound: set[str], now: datetim
                         rule: Retention | None = None) -> list[tuple[Manifest, str]]:
     """Two-tier templates of one name (several source workloads may share it) to delete, each
     with the reason. A template is kept while it is the newest restorable one of its source
-    workload (``probe.template_source``) or a restorable session checkpoint is bound to it
+    workload (``probe.source.workload``) or a restorable session checkpoint is bound to it
     (``bound``: template ids); invalidated or failed ones go after the grace period like any
     checkpoint. The keep-N and age rules do not apply: they would take a template another
     workload's sessions still need.
@@ -73,7 +73,7 @@ def templates_to_delete(templates: list[Manifest], bound: set[str], now: datetim
         >>> def t(h, source, state=CheckpointState.complete):
         ...     return Manifest(id=f"20261130T0{h}0000Z-0000000{h}", workload="template-ab12", node="n1",
         ...                     created=now - timedelta(hours=10 - h), state=state, kind="template",
-        ...                     probe={"template_source": source})
+        ...                     probe={"source": {"workload": source}})
         >>> ts = [t(1, "chat"), t(2, "chat"), t(3, "api"), t(4, "chat", CheckpointState.invalidated)]
         >>> [(m.id[-2:], why) for m, why in templates_to_delete(ts, bound={ts[0].id}, now=now,
         ...                                                     rule=Retention(invalidated_grace_h=1))]
@@ -88,13 +88,18 @@ def templates_to_delete(templates: list[Manifest], bound: set[str], now: datetim
     newest_of: dict[str, str] = {}
     for m in newest_first:
         if m.state.restorable:
-            newest_of.setdefault(str(m.probe.get("template_source")), m.id)
+            newest_of.setdefault(_source(m), m.id)
     out = []
     for m in newest_first:
         if not m.state.restorable:
             if now - m.created > grace:
                 out.append((m, f"{m.state.value} for more than {rule.invalidated_grace_h:g} h"))
-        elif m.id not in bound and newest_of.get(str(m.probe.get("template_source"))) != m.id:
-            out.append((m, f"replaced by a newer template of {m.probe.get('template_source')} "
+        elif m.id not in bound and newest_of.get(_source(m)) != m.id:
+            out.append((m, f"replaced by a newer template of {_source(m)} "
                            "and no session checkpoint is bound to it"))
     return out
+
+
+def _source(template: Manifest) -> str:
+    """The workload a template was captured from ("None" for one that does not say)."""
+    return str(template.probe.source.workload if template.probe.source else None)

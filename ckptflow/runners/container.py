@@ -57,7 +57,7 @@ from ckptflow.container_models import ContainerSpec, PortMap
 from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError, CriuError, CriuTimeout,
                              IncompatibleCheckpoint, RestoreFailed, RunnerUnavailable, WorkloadNotFound,
                              WorkloadRunning)
-from ckptflow.models import CheckpointState, Fingerprint, Manifest, VerifyOutcome, Workload
+from ckptflow.models import CheckpointState, ContainerRecord, Fingerprint, Manifest, VerifyOutcome, Workload
 from ckptflow.policies.compat import diff
 from ckptflow.runners import engine
 from ckptflow.runners.criu import _fix_for
@@ -342,29 +342,20 @@ class ContainerRunner:
         pm = self.podman(w)
         spec = _spec(w)
         proc = resolve_container(w, pm)
-        state = engine.probe(w)
-        if "error" in state:  # stored, it would switch the restore's session check off unseen
-            from ckptflow.errors import EngineProtocolError
+        from ckptflow.runners.node import probe_for_checkpoint
 
-            raise EngineProtocolError(
-                f"workload {w.name}: {state['error']} ({w.probe_url}); not checkpointing: a restore of it could "
-                "not be checked against the sessions it held", retryable=True,
-                fix="check the worker's probe endpoint (probe_url); the next heartbeat tries again")
-        load = engine.read_load(w)
-        if load is not None:
-            state["tokens_total"] = load.tokens_total
+        state = probe_for_checkpoint(w, engine.probe)
         if spec.kubernetes is not None:
             k = spec.kubernetes
-            state["container"] = {"name": spec.name, "pod": f"{k.namespace}/{k.pod}/{k.container}",
-                                  "ports": [p.model_dump() for p in spec.ports]}
+            record = ContainerRecord(name=spec.name, pod=f"{k.namespace}/{k.pod}/{k.container}", ports=spec.ports)
         else:
             c = pm.inspect(spec.name)
-            state["container"] = {"name": c.name, "id": c.id, "image": c.image,
-                                  "ports": [p.model_dump() for p in c.ports]}
+            record = ContainerRecord(name=c.name, id=c.id, image=c.image, ports=c.ports)
+        state = state.updated(container=record)
         pending = self.store.begin(w.name, node=w.node)
         try:
             images = pending.images_dir
-            (images / SPEC_FILE).write_text(json.dumps(state["container"]))
+            (images / SPEC_FILE).write_text(record.model_dump_json(exclude_none=True))
             if spec.kubernetes is not None:  # the kubelet checkpoints it, leaving it running (runners/pod.py)
                 from ckptflow.runners import pod
 
@@ -431,7 +422,7 @@ class ContainerRunner:
         spec = _spec(w)
         if spec.ports:
             return list(spec.ports)
-        return [PortMap(**p) for p in (m.probe.get("container") or {}).get("ports", [])]
+        return list(m.probe.container.ports) if m.probe.container else []
 
     def _preflight(self, w: Workload, m: Manifest, ports: list[PortMap]) -> None:
         """Refuse, before the runtime is called, what would fail or break something."""
@@ -481,7 +472,7 @@ class ContainerRunner:
             timings["health"] = round(engine.wait_healthy(w), 4)
             self.node._check_state(w, m)
             total = round(sum(timings.values()), 4)
-            m = self.store.set_state(m, m.state, m.state_reason, restores=[*m.probe.get("restores", []), total])
+            m = self.store.set_state(m, m.state, m.state_reason, restores=m.probe.restores.adding(total))
             return RestoreResult(manifest=m, pid=pid, timings=timings, skipped=skipped, downloaded_bytes=downloaded)
         if not tried and not skipped:
             raise CheckpointNotFound(f"workload {w.name} has no valid checkpoint in {self.store.root}"
@@ -501,7 +492,7 @@ class ContainerRunner:
             pod.restore(w, m, self.store.images_dir(m) / IMAGE_FILE)
             return 0
         pm = self.podman(w)
-        exported = (m.probe.get("container") or {}).get("name")
+        exported = m.probe.container.name if m.probe.container else None
         # podman (4.3) refuses --tcp-established together with --name: in place, the name the
         # container was exported under is the declared one, so it can stand; a copy beside the
         # original gets a new name and no established connections (they are the original's).
@@ -567,6 +558,8 @@ class ContainerRunner:
                 inspect_copy(pm.inspect(copy))
             got = engine.probe(wc)
             t["probe"] = round(time.perf_counter() - t0, 4)
+            from ckptflow.runners.verify import compare
+
             return compare(w, m, got, t)
         finally:
             pm.remove(copy)
@@ -606,30 +599,3 @@ class ContainerRunner:
         engine.wait_healthy(w, timeout_s)
         c = pm.inspect(spec.name)
         return (c.pid if c else 0), time.perf_counter() - t0
-
-
-def compare(w: Workload, m: Manifest, got: dict, t: dict) -> "VerifyResult":
-    """A copy's probe (engine.probe) against what the checkpoint recorded."""
-    from ckptflow.runners.verify import VerifyResult
-
-    checked = []
-    if w.golden:
-        want, have = m.probe.get("golden"), got.get("golden")
-        if want is None:
-            return VerifyResult(VerifyOutcome.skipped, "the checkpoint recorded no golden digest (golden request "
-                                "failed or was declared later)", t)
-        if have != want:
-            return VerifyResult(VerifyOutcome.verify_failed, f"golden output digest differs: {str(have)[:12]}... "
-                                f"restored vs {want[:12]}... at checkpoint", t)
-        checked.append("golden digest")
-    if m.probe.get("sessions") is not None:
-        if got.get("sessions") != m.probe["sessions"]:
-            have = got.get("sessions") or {}
-            bad = sorted(k for k in set(have) | set(m.probe["sessions"]) if have.get(k) != m.probe["sessions"].get(k))
-            return VerifyResult(VerifyOutcome.verify_failed,
-                                f"session state differs from the checkpoint: {', '.join(bad[:5]) or got.get('error')}", t)
-        checked.append(f"{len(got['sessions'])} session digest(s)")
-    if not checked:  # a healthy copy proves only that it starts, not that it computes like the original
-        return VerifyResult(VerifyOutcome.unverified, "healthy only: no golden request or probe declared, so nothing "
-                            "was compared", t)
-    return VerifyResult(VerifyOutcome.verified, " and ".join(checked) + " equal", t)

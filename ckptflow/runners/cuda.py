@@ -262,11 +262,10 @@ class CudaRunner:
         Raises:
             NotEnoughGpuMemory: free < footprint + margin (the worker stays CHECKPOINTED, intact).
         """
+        from ckptflow.runners.gpu import gate_memory
+
         self._expect(procs, ProcessState.CHECKPOINTED, "restore")
-        if need_by_gpu:
-            gate_gpu_memory_per_gpu(need_by_gpu, free_by_gpu)
-        elif footprint_bytes:
-            gate_gpu_memory(footprint_bytes, free_bytes)
+        gate_memory(need_by_gpu, footprint_bytes, _free(free_by_gpu, free_bytes))
         self._each(procs, "restore", lambda pid: self.backend.restore(pid, gpu_pairs))
 
     def unlock(self, procs: list[CudaProcess]) -> None:
@@ -282,10 +281,9 @@ class CudaRunner:
             try:
                 st = self.state(p.pid)
                 if st == ProcessState.CHECKPOINTED:
-                    if p.gpus:  # each GPU it held, against that GPU's own free memory
-                        gate_gpu_memory_per_gpu(p.gpus)
-                    else:
-                        gate_gpu_memory(p.footprint)
+                    from ckptflow.runners.gpu import gate_memory
+
+                    gate_memory(p.gpus, p.footprint, gpu_free_by_uuid)  # each GPU it held, against its own free memory
                     if self.backend.restore(p.pid, None) == 0:
                         st = ProcessState.LOCKED
                 if st == ProcessState.LOCKED and self.backend.unlock(p.pid) == 0:
@@ -318,29 +316,22 @@ class CudaRunner:
 
 
 # --- NVML: free memory and the GPU fields of a fingerprint -----------------------------------
-def gpu_free_bytes() -> int:
-    """Largest free memory on one GPU of this node (NVML)."""
-    import pynvml
-
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as e:
-        raise RunnerUnavailable(f"NVML unavailable: {e}", fix="no GPU here, or the driver is not loaded") from None
-    try:
-        return max(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free
-                   for i in range(pynvml.nvmlDeviceGetCount()))
-    finally:
-        pynvml.nvmlShutdown()
+def _free(free_by_gpu: dict[str, int] | None, free_bytes: int | None) -> Callable[[], dict[str, int]]:
+    """What the memory gate reads as free memory: given per GPU or as one GPU's bytes, else NVML's."""
+    if free_by_gpu is not None:
+        return lambda: free_by_gpu
+    if free_bytes is not None:
+        return lambda: {"GPU": free_bytes}
+    return gpu_free_by_uuid
 
 
 def gate_gpu_memory(footprint_bytes: int, free_bytes: int | None = None,
                     margin_gib: float = RESTORE_MARGIN_GIB) -> None:
-    """Raise NotEnoughGpuMemory unless free >= footprint + margin."""
-    from ckptflow.runners.gpu import gate_total
+    """Raise NotEnoughGpuMemory unless the freest GPU (NVML, or ``free_bytes``) has footprint + margin
+    (``runners.gpu.gate_memory`` for a checkpoint that recorded only a total)."""
+    from ckptflow.runners.gpu import gate_memory
 
-    if not footprint_bytes:
-        return
-    gate_total(footprint_bytes, gpu_free_bytes() if free_bytes is None else free_bytes, margin_gib)
+    gate_memory(None, footprint_bytes, _free(None, free_bytes), margin_gib)
 
 
 def gpu_free_by_uuid() -> dict[str, int]:
@@ -379,9 +370,9 @@ def gate_gpu_memory_per_gpu(need_by_gpu: dict[str, int], free_by_gpu: dict[str, 
         >>> gate_gpu_memory_per_gpu({"GPU-a": 20 * 2**30, "GPU-b": 20 * 2**30},
         ...                         {"GPU-a": 30 * 2**30, "GPU-b": 30 * 2**30})   # each fits its own GPU
     """
-    from ckptflow.runners.gpu import gate_per_device
+    from ckptflow.runners.gpu import gate_memory
 
-    gate_per_device(need_by_gpu, gpu_free_by_uuid() if free_by_gpu is None else free_by_gpu, margin_gib)
+    gate_memory(need_by_gpu, 0, _free(free_by_gpu, None), margin_gib)
 
 
 def restore_needs(gpu_footprints: dict[str, int], gpu_pairs: list[tuple[str, str]] | None = None,

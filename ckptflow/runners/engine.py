@@ -22,7 +22,7 @@ from ckptflow.errors import EngineProtocolError, RestoreFailed, WorkloadBusy
 from ckptflow.poll import NotYet, poll
 
 if TYPE_CHECKING:  # kept out of the import: the in-namespace exchange below imports this module
-    from ckptflow.models import Workload
+    from ckptflow.models import EngineProbe, Workload
     from ckptflow.policies.load import WorkloadLoad
 
 HEALTH_TIMEOUT_S = 60
@@ -53,20 +53,23 @@ def _post(url: str, body: bytes, timeout_s: float) -> httpx.Response:
     return r
 
 
-def probe(w: Workload) -> dict:
-    """What the worker says about its own state: session digests and the golden answer's digest."""
-    out: dict = {}
+def probe(w: Workload) -> EngineProbe:
+    """What the worker says about its own state: session digests and the golden answer's digest
+    (what a checkpoint's manifest records, ``models.ManifestProbe``)."""
+    from ckptflow.models import EngineProbe
+
+    out = EngineProbe()
     if w.probe_url:
         try:
-            out["sessions"] = _get_json(w.probe_url)["sessions"]
+            out.sessions = _get_json(w.probe_url)["sessions"]
         except (httpx.HTTPError, KeyError, ValueError) as e:
-            out["error"] = f"probe failed: {http_reason(e)}"
+            out.error = f"probe failed: {http_reason(e)}"
     if w.golden:
         try:
             answer = _post(w.golden.url, json.dumps(w.golden.body).encode(), timeout_s=60).json()
-            out["golden"] = golden_digest(answer, w.golden.field)
+            out.golden = golden_digest(answer, w.golden.field)
         except (httpx.HTTPError, KeyError, ValueError, IndexError) as e:
-            out["golden_error"] = f"golden request failed: {http_reason(e)}"
+            out.golden_error = f"golden request failed: {http_reason(e)}"
     return out
 
 

@@ -73,7 +73,7 @@ def collect_facts(w: Workload, store: LocalStore, *, mtbf_s: float | None = None
     growth = 0.0
     if m is not None:
         since_s = max(0.0, now - m.created.timestamp())
-        at_ckpt = m.probe.get("tokens_total")
+        at_ckpt = m.probe.tokens_total
         since_tokens = (load.tokens_total - at_ckpt) if (load is not None and at_ckpt is not None) else live
         growth = since_tokens / since_s if since_s > 0 else 0.0
     footprint = w.gpu_footprint_gib or (m.bytes / 2**30 if m else 0.0)
@@ -102,9 +102,11 @@ def _two_tier_sizes(store: LocalStore, m) -> dict:
         tokens = sum(r.get("tokens", 0) for r in recs.values())
         if tokens:
             out["kv_bytes_per_token"] = sum(r.get("total_bytes", 0) for r in recs.values()) / tokens
-        tmpl = store.get(m.probe["template_workload"], m.probe["template"])
-        if tmpl.probe.get("weights_bytes"):
-            out["weights_gib"] = tmpl.probe["weights_bytes"] / 2**30
+        if m.probe.template is None:
+            return out
+        tmpl = store.get(m.probe.template.workload, m.probe.template.id)
+        if tmpl.probe.weights and tmpl.probe.weights.bytes:
+            out["weights_gib"] = tmpl.probe.weights.bytes / 2**30
     except (OSError, KeyError, ValueError, CheckpointNotFound):
         pass
     return out

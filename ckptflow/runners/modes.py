@@ -50,7 +50,7 @@ class Restored:
         out = {"checkpoint": self.manifest.id, "pid": self.pid, "timings": self.timings, "bytes": self.bytes,
                "downloaded_bytes": self.downloaded_bytes, "copies": self.copies, "skipped": self.skipped,
                "created": self.manifest.created.strftime("%Y-%m-%d %H:%M:%S UTC"), "files": self.files,
-               "sessions": len(self.manifest.probe.get("sessions") or {})}
+               "sessions": len(self.manifest.probe.sessions or {})}
         if self.template is not None:
             out["template"] = self.template.id
         return out

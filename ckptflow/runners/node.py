@@ -26,13 +26,14 @@ from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError
                              IncompatibleCheckpoint, RestoreFailed, RunnerUnavailable,
                              StorageUnavailable, UndeclaredProcess, UnsupportedWorkload, WorkloadNotFound,
                              WorkloadRunning)
-from ckptflow.models import CheckpointKind, CheckpointState, Fingerprint, Manifest, Workload
+from ckptflow.models import CheckpointKind, CheckpointState, Fingerprint, Manifest, ManifestProbe, Workload
 from ckptflow.policies.compat import diff
 from ckptflow.policies.multigpu import FIX as TP_FIX
 from ckptflow.policies.tiers import LocalCopy, restore_order
 from ckptflow.poll import PollTimeout, poll
 from ckptflow.runners import devshm, engine, process
 from ckptflow.runners.criu import CriuRunner
+from ckptflow.runners.digests import compare_sessions
 from ckptflow.runners.engine import probe, read_load
 from ckptflow.runners.facts import tp_unsupported
 from ckptflow.runners.fingerprint import node_fingerprint, workload_fingerprint
@@ -231,15 +232,7 @@ class NodeRunner:
 
     def _checkpoint(self, w: Workload, leave_running: bool, kind: str | None = None) -> Manifest:
         proc = process.resolve(w)
-        state = probe(w)
-        if "error" in state:  # stored, it would switch the restore's session check off unseen
-            raise EngineProtocolError(
-                f"workload {w.name}: {state['error']} ({w.probe_url}); not checkpointing: a restore of it could "
-                "not be checked against the sessions it held", retryable=True,
-                fix="check the worker's probe endpoint (probe_url); the next heartbeat tries again")
-        load = read_load(w)
-        if load is not None:
-            state["tokens_total"] = load.tokens_total
+        state = probe_for_checkpoint(w, probe)
         pending = self.store.begin(w.name, node=w.node)
         try:
             d = self.dump(w, proc, pending.images_dir, leave_running)
@@ -333,8 +326,15 @@ class NodeRunner:
                 continue
             yield m, {"download": round(time.perf_counter() - t0, 4)}, pulled["downloaded_bytes"]
 
-    def _restore(self, w: Workload, manifest: Manifest | None, fallback: bool,
-                 gpu_pairs: list[tuple[str, str]] | None, overrides: frozenset[str], tier=None) -> RestoreResult:
+    def refuse_if_running(self, w: Workload) -> None:
+        """Before a restore in place (the workload lock held): refuse while ``w`` runs, after clearing
+        what an interrupted restore left (the soak found both): its CRIU still restoring the worker
+        is let finish (killed after 60 s), and a worker left stopped (a restore keeps it stopped until
+        its checksums pass) is killed and its PIDs awaited, so the restore can take them again.
+
+        Raises:
+            WorkloadRunning: the worker runs (nothing to recover).
+        """
         try:
             live = process.resolve(w)
         except (WorkloadNotFound, UndeclaredProcess):  # gone, or its stale pid file names another program
@@ -360,6 +360,10 @@ class NodeRunner:
         if live is not None:
             raise WorkloadRunning(f"workload {w.name} is running (PID {live.pid}); refusing to restore over it",
                                 fix="stop it first, or use a sandbox restore (verify) to test a checkpoint")
+
+    def _restore(self, w: Workload, manifest: Manifest | None, fallback: bool,
+                 gpu_pairs: list[tuple[str, str]] | None, overrides: frozenset[str], tier=None) -> RestoreResult:
+        self.refuse_if_running(w)
         skipped: list[dict] = []
         candidates = iter([(manifest, {}, 0)]) if manifest else self._candidates(w, tier, skipped, overrides)
         tried = 0
@@ -382,7 +386,7 @@ class NodeRunner:
             timings["health"] = round(engine.wait_healthy(w), 4)
             self._check_state(w, m)
             total = round(sum(v for k, v in timings.items() if k != "restore_and_checksum"), 4)
-            m = self.store.set_state(m, m.state, m.state_reason, restores=[*m.probe.get("restores", []), total])
+            m = self.store.set_state(m, m.state, m.state_reason, restores=m.probe.restores.adding(total))
             return RestoreResult(manifest=m, pid=pid, timings=timings, skipped=skipped, downloaded_bytes=downloaded)
         if not tried and not skipped:
             raise CheckpointNotFound(f"workload {w.name} has no valid checkpoint in {self.store.root}"
@@ -435,17 +439,41 @@ class NodeRunner:
         return pid
 
     def _check_state(self, w: Workload, m: Manifest) -> None:
-        want = m.probe.get("sessions")
-        if w.probe_url and want is None:  # a checkpoint taken before probe errors were refused
-            log.warning("workload %s: restored from %s WITHOUT a session check: the checkpoint holds no session "
-                        "digests (%s)", w.name, m.id, m.probe.get("error", "probe not read at checkpoint time"))
-        if not want:
+        """The restored worker's session digests against the checkpoint's (runners.digests).
+
+        Raises:
+            RestoreFailed: naming the sessions that differ.
+        """
+        if m.probe.sessions is None:
+            if w.probe_url:  # a checkpoint taken before probe errors were refused
+                log.warning("workload %s: restored from %s WITHOUT a session check: the checkpoint holds no session "
+                            "digests (%s)", w.name, m.id, m.probe.error or "probe not read at checkpoint time")
             return
-        got = engine.probe(w).get("sessions")
-        if got != want:
-            bad = sorted(k for k in set(want) | set(got or {}) if (got or {}).get(k) != want.get(k))
+        if not m.probe.sessions:  # it held none: nothing to ask the worker
+            return
+        c = compare_sessions(m.probe, engine.probe(w), copy="the restored worker")
+        if not c.equal:
             raise RestoreFailed(f"workload {w.name}: restored from {m.id} but sessions differ from the "
-                                f"checkpoint: {', '.join(bad[:5])}", fix="mark the checkpoint bad and run verify")
+                                f"checkpoint: {c.named()}", fix="mark the checkpoint bad and run verify")
+
+
+def probe_for_checkpoint(w: Workload, read=probe) -> ManifestProbe:
+    """What a whole-worker checkpoint records before its dump: the engine's probe (``read``, the
+    caller's ``engine.probe``) and its token counter.
+
+    Raises:
+        EngineProtocolError: the probe_url could not be read (retryable): stored, the error would
+            switch the restore's session check off unseen.
+    """
+    state = read(w)
+    if state.error:
+        raise EngineProtocolError(
+            f"workload {w.name}: {state.error} ({w.probe_url}); not checkpointing: a restore of it could "
+            "not be checked against the sessions it held", retryable=True,
+            fix="check the worker's probe endpoint (probe_url); the next heartbeat tries again")
+    load = read_load(w)
+    return ManifestProbe.model_validate(state.model_dump(exclude_defaults=True)
+                                        | ({"tokens_total": load.tokens_total} if load is not None else {}))
 
 
 def _died_during_dump(w: Workload, pid: int, e: CriuError) -> CriuError | None:

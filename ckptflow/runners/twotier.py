@@ -31,12 +31,13 @@ from typing import TYPE_CHECKING
 from pathlib import Path
 
 from ckptflow.errors import (CheckpointNotFound, CkptflowError, EngineProtocolError, IncompatibleCheckpoint,
-                             RestoreFailed, StorageUnavailable, UndeclaredProcess, UnsupportedWorkload,
-                             WorkloadNotFound, WorkloadRunning)
-from ckptflow.models import CheckpointState, Manifest, Workload
+                             RestoreFailed, StorageUnavailable, UnsupportedWorkload)
+from ckptflow.models import (CheckpointState, EngineProbe, Manifest, ManifestProbe, SessionExport, TemplateBinding,
+                             TemplateSource, WeightChunks, Workload)
 from ckptflow.policies.sessions import MIN_TOKENS, ExportContext, SessionFacts, decide_sessions
 from ckptflow.poll import NotYet, PollTimeout, poll
 from ckptflow.runners import engine, process
+from ckptflow.runners.digests import compare_sessions
 from ckptflow.runners.fingerprint import workload_fingerprint
 from ckptflow.runners.modes import ModeRunner, Restored
 from ckptflow.runners.node import NodeRunner, _write_pid_file
@@ -88,7 +89,7 @@ class TwoTierRunner:
         of any workload of the model in namespaces (``start_replica``), and the weights' chunks
         are shared by all of them."""
         for m in self.store.list(name):
-            if m.state.restorable and (source is None or m.probe.get("template_source") == source):
+            if m.state.restorable and (source is None or (m.probe.source and m.probe.source.workload == source)):
                 return m
         return None
 
@@ -131,7 +132,7 @@ class TwoTierRunner:
         """The session checkpoint of ``w`` over ``tmpl``: ``held`` (session -> tokens, as the
         engine reported them) decides what to export, or ``recs`` were exported already."""
         prev = next((m for m in self._sessions_of(w)
-                     if m.state.restorable and m.probe.get("template") == tmpl.id), None)
+                     if m.state.restorable and _bound_to(m) == tmpl.id), None)
         old = self._records(prev)["sessions"] if prev else {}
         t: dict[str, float] = {}
         if recs is not None:
@@ -165,10 +166,7 @@ class TwoTierRunner:
         recs = keep | recs
         # Each session's digest is in its record; no golden request or probe here (a restore
         # compares what the engine imports with the records).
-        probe: dict = {}
-        load = engine.read_load(w)
-        if load is not None:  # what the cadence policy compares the next tick with
-            probe["tokens_total"] = load.tokens_total
+        load = engine.read_load(w)  # its token counter: what the cadence policy compares the next tick with
         pending = self.store.begin(w.name, node=w.node)
         try:
             for r in recs.values():
@@ -184,13 +182,15 @@ class TwoTierRunner:
             raise
         total = sum(r["total_bytes"] for r in recs.values())
         changed = sorted(sid for sid, ds in _digests(recs).items() if ds != _digests(old).get(sid))
-        probe["session_decisions"] = {d.id: d.reason for d in decisions}
+        probe = ManifestProbe(tokens_total=load.tokens_total if load is not None else None,
+                              template=TemplateBinding(id=tmpl.id, workload=tmpl.workload),
+                              export=SessionExport(total_bytes=total, moved_bytes=moved or 0, changed=changed,
+                                                   decisions={d.id: d.reason for d in decisions}))
         return self.store.commit(
             pending, kind="sessions", parent=prev.id if prev else None, pid=tmpl.pid,
             fingerprint=workload_fingerprint(w, self.node.node_fp),
             timings={k: round(v, 4) for k, v in t.items()} | {"pause": round(t.get("held", t["export"]), 4)},
-            probe={**probe, "template": tmpl.id, "template_workload": tmpl.workload, "moved_bytes": moved or 0,
-                   "session_bytes": total, "changed_sessions": changed})
+            probe=probe)
 
     # --- template tier ----------------------------------------------------------------------
     def _capture_template(self, w: Workload, name: str) -> Manifest:
@@ -205,7 +205,7 @@ class TwoTierRunner:
             recs = engine.call(w, "/v1/ckptflow/sessions/export", {"dir": str(stage), "known": {}})["sessions"]
             moved = self.chunks.adopt(stage)[1]
             t["export"] = time.perf_counter() - t0
-        known = [d for m in self.store.list(name) for d in m.probe.get("weight_chunks", [])]
+        known = [d for m in self.store.list(name) if m.probe.weights for d in m.probe.weights.chunks]
         self.chunks.touch(known)  # the engine skips these: they must outlive a collect meanwhile
         with self.chunks.staging() as stage:
             t0 = time.perf_counter()
@@ -238,11 +238,12 @@ class TwoTierRunner:
                                  gpu_pids=dumped.gpu_pids, gpu_footprints=dumped.per_gpu,
                                  fingerprint=workload_fingerprint(w, self.node.node_fp),
                                  timings={k: round(v, 4) for k, v in t.items()},
-                                 probe={"template_source": w.name, "weights_bytes": weights["total_bytes"],
-                                        "weight_chunks": digests, "base_url": engine.base_url(w)})
+                                 probe=ManifestProbe(
+                                     source=TemplateSource(workload=w.name, base_url=engine.base_url(w)),
+                                     weights=WeightChunks(bytes=weights["total_bytes"], chunks=digests)))
         for m in self._sessions_of(w):  # bound to a template this workload no longer uses
-            if m.state.restorable and m.probe.get("template") != tmpl.id:
-                self.store.set_state(m, CheckpointState.invalidated, f"its template {m.probe.get('template')} "
+            if m.state.restorable and _bound_to(m) != tmpl.id:
+                self.store.set_state(m, CheckpointState.invalidated, f"its template {_bound_to(m)} "
                                      f"was replaced by {tmpl.id}")
         return self._checkpoint_sessions(w, tmpl, recs, moved, t["export"])
 
@@ -284,7 +285,7 @@ class TwoTierRunner:
         """Copy session checkpoint ``m`` to the shared ``tier`` (store.tier.CheckpointTier),
         its template first when the tier lacks it; each with the chunks it names (weights once
         per model, then only changed session chunks: the tier skips chunks it holds)."""
-        tmpl = self.store.get(m.probe["template_workload"], m.probe["template"])
+        tmpl = self.store.get(m.probe.template.workload, m.probe.template.id)
         out: dict = {}
         if tmpl.id not in tier.ids(tmpl.workload):
             out["template_uploaded_bytes"] = tier.push(self.store, tmpl)["uploaded_bytes"]
@@ -301,7 +302,7 @@ class TwoTierRunner:
             rm = tier.manifest(w.name, cid)
             if rm.kind != "sessions" or not rm.state.restorable:
                 continue
-            tier.pull(self.store, rm.probe["template_workload"], rm.probe["template"], w.node)
+            tier.pull(self.store, rm.probe.template.workload, rm.probe.template.id, w.node)
             return tier.pull(self.store, w.name, cid, w.node, remote=rm)[0]
         return None
 
@@ -311,19 +312,15 @@ class TwoTierRunner:
         from ``tier``, the shared tier, when it holds a newer one than this node).
 
         Raises:
+            WorkloadRunning: the worker runs (NodeRunner.refuse_if_running, which first clears what
+                an interrupted restore left).
             IncompatibleCheckpoint: the session checkpoint's template is gone, invalidated or of
                 another fingerprint or model revision (before any CRIU call; final).
             CheckpointNotFound: ``w`` has no session checkpoint.
             ChecksumMismatch: a chunk is missing or torn (before any CRIU call).
         """
         with self.store.lock(w.name):
-            try:
-                live = process.resolve(w)
-            except (WorkloadNotFound, UndeclaredProcess):
-                live = None
-            if live is not None:
-                raise WorkloadRunning(f"workload {w.name} is running (PID {live.pid}); refusing to restore over it",
-                                      fix="stop it first")
+            self.node.refuse_if_running(w)  # also clears what an interrupted restore left
             t: dict[str, float] = {}
             if tier is not None:
                 t0 = time.perf_counter()
@@ -352,7 +349,7 @@ class TwoTierRunner:
             _check_sessions(w, recs, got, f"restored from template {tmpl.id} + sessions {m.id}")
             # Counted where status and the exporter read restores, as a whole-process restore is.
             m = self.store.set_state(m, m.state, m.state_reason,
-                                     restores=[*m.probe.get("restores", []), round(sum(t.values()), 4)])
+                                     restores=m.probe.restores.adding(round(sum(t.values()), 4)))
             return TwoTierResult(manifest=m, template=tmpl, pid=pid, timings={k: round(v, 4) for k, v in t.items()})
 
     def start_replica(self, w: Workload, netns: str, timeout_s: float = 60,
@@ -371,7 +368,7 @@ class TwoTierRunner:
             raise UnsupportedWorkload(f"workload {w.name}: a GPU template cannot be restored beside its source yet",
                                       fix="restore in place (recover) or on another node")
         m, tmpl = self._newest(w)
-        if template_source and template_source != tmpl.probe.get("template_source"):
+        if template_source and template_source != (tmpl.probe.source.workload if tmpl.probe.source else None):
             other = self.template_for(tmpl.workload, source=template_source)  # same key: same engine and weights
             if other is None:
                 raise CheckpointNotFound(f"no valid template of {tmpl.workload} taken from {template_source}",
@@ -383,7 +380,7 @@ class TwoTierRunner:
         t0 = time.perf_counter()
         copy = self.node.criu.restore_beside(self.store.images_dir(tmpl), netns=netns)
         t["restore"] = time.perf_counter() - t0
-        base = tmpl.probe.get("base_url") or engine.base_url(w)
+        base = (tmpl.probe.source.base_url if tmpl.probe.source else None) or engine.base_url(w)
         try:
             def answers() -> dict:  # the copy's server may take a moment to accept in its namespace
                 try:
@@ -442,7 +439,7 @@ class TwoTierRunner:
         return m, self._template_of(w, m)
 
     def _template_of(self, w: Workload, m: Manifest) -> Manifest:
-        tid, tname = m.probe.get("template"), m.probe.get("template_workload")
+        tid, tname = (m.probe.template.id, m.probe.template.workload) if m.probe.template else (None, None)
         try:
             tmpl = self.store.get(tname, tid)
         except (CheckpointNotFound, TypeError, ValueError):
@@ -454,6 +451,11 @@ class TwoTierRunner:
         return tmpl
 
 
+def _bound_to(m: Manifest) -> str | None:
+    """The id of the template session checkpoint ``m`` was taken over (None: none recorded)."""
+    return m.probe.template.id if m.probe.template else None
+
+
 def _check_sessions(w: Workload, recs: dict, got: dict[str, str], what: str) -> None:
     """Every protected session holds the state its export recorded (unchanged ones as of their
     own last export; every session is protected: policies.sessions).
@@ -462,10 +464,12 @@ def _check_sessions(w: Workload, recs: dict, got: dict[str, str], what: str) -> 
         RestoreFailed: naming the sessions that differ.
     """
     want = {k: r["digest"] for k, r in recs.items() if "digest" in r}
-    bad = sorted(k for k in want if got.get(k) != want[k])
-    if bad:
+    # Sessions the engine holds beyond the records (a template's own) are not the checkpoint's.
+    c = compare_sessions(EngineProbe.model_construct(sessions=want),
+                         EngineProbe.model_construct(sessions={k: v for k, v in got.items() if k in want}))
+    if not c.equal:
         raise RestoreFailed(f"workload {w.name}: {what}, but sessions differ from their export: "
-                            f"{', '.join(bad[:5])}", fix="mark the checkpoint bad and run verify")
+                            f"{c.named()}", fix="mark the checkpoint bad and run verify")
 
 
 class TwoTierMode(ModeRunner):
@@ -480,7 +484,8 @@ class TwoTierMode(ModeRunner):
 
     def restore(self, w: Workload, tier=None) -> Restored:
         tt = self._runner().restore(w, tier=tier)
-        return Restored(tt.manifest, tt.pid, tt.timings, tt.manifest.probe.get("session_bytes", 0), template=tt.template)
+        export = tt.manifest.probe.export
+        return Restored(tt.manifest, tt.pid, tt.timings, export.total_bytes if export else 0, template=tt.template)
 
     def push(self, m: Manifest, tier) -> dict:
         return self._runner().push(m, tier)

@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 
 from ckptflow.errors import CkptflowError, CriuError
-from ckptflow.models import Manifest, VerifyOutcome, Workload
+from ckptflow.models import EngineProbe, Manifest, VerifyOutcome, Workload
+from ckptflow.runners.digests import SessionMatch, compare_sessions
 from ckptflow.runners.engine import golden_digest
 from ckptflow.runners.node import NodeRunner
 
@@ -129,32 +130,39 @@ def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: flo
 
 
 def _compare(w: Workload, m: Manifest, got: dict, t: dict) -> VerifyResult:
+    """The in-namespace answer (``probe_in_netns``) against the checkpoint: see ``compare``."""
     if "error" in got:
         return VerifyResult(VerifyOutcome.verify_failed, f"sandbox copy {got['error']}", t)
     t["health"] = round(got.get("health_s", 0), 4)
+    # As the copy answered, unvalidated: a malformed answer differs, it does not crash the verify.
+    have = EngineProbe.model_construct(golden=golden_digest(got["golden_answer"], w.golden.field)
+                                       if w.golden and "golden_answer" in got else None, sessions=got.get("sessions"))
+    return compare(w, m, have, t)
+
+
+def compare(w: Workload, m: Manifest, got: EngineProbe, t: dict) -> VerifyResult:
+    """A healthy copy's probe against what the checkpoint recorded: its golden digest, then its
+    session digests (``runners.digests``). Verified only when something declared was compared."""
     checked = []
     if w.golden:
-        want = m.probe.get("golden")
+        want, have = m.probe.golden, got.golden
         if want is None:
             return VerifyResult(VerifyOutcome.skipped, "the checkpoint recorded no golden digest (golden request failed "
                                 "or was declared later)", t)
-        have = golden_digest(got["golden_answer"], w.golden.field)
         if have != want:
-            return VerifyResult(VerifyOutcome.verify_failed, f"golden output digest differs: {have[:12]}... restored vs "
-                                f"{want[:12]}... at checkpoint", t)
+            return VerifyResult(VerifyOutcome.verify_failed, f"golden output digest differs: {str(have)[:12]}... "
+                                f"restored vs {want[:12]}... at checkpoint", t)
         checked.append("golden digest")
-    if m.probe.get("sessions") is not None and "sessions" in got:
-        if got["sessions"] != m.probe["sessions"]:
-            bad = sorted(k for k in set(got["sessions"]) | set(m.probe["sessions"])
-                         if got["sessions"].get(k) != m.probe["sessions"].get(k))
-            return VerifyResult(VerifyOutcome.verify_failed, f"session state differs from the checkpoint: {', '.join(bad[:5])}", t)
-        checked.append(f"{len(got['sessions'])} session digest(s)")
-    elif w.probe_url:  # declared, but there is nothing to compare: not proven
-        why = m.probe.get("error") or ("the checkpoint recorded no session digests" if m.probe.get("sessions") is None
-                                       else "the sandbox copy's probe returned no sessions")
-        return VerifyResult(VerifyOutcome.unverified, f"healthy, but sessions not compared: {why}"
-                            + (f" ({' and '.join(checked)} equal)" if checked else ""), t)
-    if not checked:
+    if w.probe_url or m.probe.sessions is not None:
+        c = compare_sessions(m.probe, got)
+        if c.outcome is SessionMatch.differ:
+            return VerifyResult(VerifyOutcome.verify_failed, f"session state differs from the checkpoint: {c.named()}", t)
+        if c.equal:
+            checked.append(f"{c.compared} session digest(s)")
+        elif w.probe_url:  # declared, but there is nothing to compare: not proven
+            return VerifyResult(VerifyOutcome.unverified, f"healthy, but sessions not compared: {c.why}"
+                                + (f" ({' and '.join(checked)} equal)" if checked else ""), t)
+    if not checked:  # a healthy copy proves only that it starts, not that it computes like the original
         return VerifyResult(VerifyOutcome.unverified, "healthy only: no golden request or probe declared, so nothing "
                             "compared the copy's state with the checkpoint (declare golden: or probe_url:)", t)
     return VerifyResult(VerifyOutcome.verified, " and ".join(checked) + " equal", t)

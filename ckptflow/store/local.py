@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from ckptflow.errors import CheckpointNotFound, ChecksumMismatch, StorageFull, StoreError, WorkloadBusy
 from ckptflow.models import (_CKPT_ID_RE, CheckpointCopy, CheckpointKind, CheckpointState, CopyTier, FileEntry,
-                             Fingerprint, Manifest, _check_ckpt_id, _check_name, utcnow)
+                             EngineProbe, Fingerprint, Manifest, ManifestProbe, _check_ckpt_id, _check_name,
+                             utcnow)
 
 if TYPE_CHECKING:
     from ckptflow.policies.retention import Retention
@@ -169,7 +170,7 @@ class LocalStore:
         return PendingCheckpoint(workload=workload, node=node, id=checkpoint, dir=d)
 
     def commit(self, pending: PendingCheckpoint, *, timings: dict[str, float] | None = None,
-               fingerprint: Fingerprint | None = None, probe: dict[str, Any] | None = None,
+               fingerprint: Fingerprint | None = None, probe: ManifestProbe | EngineProbe | dict | None = None,
                kind: CheckpointKind | str = CheckpointKind.heartbeat, pid: int | None = None,
                gpu_footprint_bytes: int = 0, parent: str | None = None, gpu_pids: list[int] | None = None,
                gpu_footprints: dict[str, int] | None = None) -> Manifest:
@@ -294,8 +295,10 @@ class LocalStore:
     # --- state changes -----------------------------------------------------------------
     def set_state(self, m: Manifest, state: CheckpointState, reason: str | None = None,
                   **probe: Any) -> Manifest:
+        """Rewrite ``m``'s manifest with a new state; ``probe``: fields of its probe to replace
+        (``restores=m.probe.restores.adding(s)``, ``verify_timings=...``), validated."""
         new = m.model_copy(update={"state": state, "state_reason": reason,
-                                   "probe": {**m.probe, **probe}})
+                                   "probe": m.probe.updated(**probe) if probe else m.probe})
         write_json_atomic(self.root / m.workload / m.id / MANIFEST, new.model_dump_json(indent=2))
         return new
 
@@ -543,7 +546,7 @@ class LocalStore:
         from ckptflow.policies.retention import templates_to_delete
 
         groups = dict(self._groups())
-        bound = {m.probe.get("template") for ms in groups.values() for m in ms
+        bound = {m.probe.template.id for ms in groups.values() for m in ms if m.probe.template
                  if m.kind == CheckpointKind.sessions and m.state.restorable}
         gone = []
         for workload, ms in groups.items():

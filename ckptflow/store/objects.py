@@ -32,7 +32,8 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Iterable, Protocol, runtime_checkable
 
 from ckptflow.errors import ChecksumMismatch, CheckpointNotFound, StorageUnavailable, StoreError
-from ckptflow.models import CheckpointKind, CheckpointState, CopyTier, Manifest, _check_ckpt_id, _check_name, utcnow
+from ckptflow.models import (CheckpointKind, CheckpointState, CopyTier, Manifest, RemoteChunks, _check_ckpt_id,
+                             _check_name, utcnow)
 from ckptflow.store.local import LocalStore
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ class ChunkedTier:
     """
 
     label = "the object store"   # how messages name the store ("from S3 is corrupt")
-    probe_prefix = "objects_"    # manifest probe keys of the chunk map (S3 keeps its s3_ names)
+    chunk_key = "objects"        # where its manifests hold their chunk map: probe.chunk_maps[chunk_key]
 
     def __init__(self, objects: ObjectStore, copy_tier: CopyTier | str, threads: int = THREADS,
                  key: bytes | None = None, chunk: int = CHUNK):
@@ -228,11 +229,10 @@ class ChunkedTier:
         chunks: dict[str, list[str]] = {}
         for (path, _, _), (digest, _, _) in zip(jobs, results):
             chunks.setdefault(path, []).append(digest)
-        p = self.probe_prefix
         local_m = local.add_copy(m, self.copy_tier, self.location)  # written before the manifest goes up:
-        remote = local_m.model_copy(update={"probe": {**local_m.probe, f"{p}chunk_size": size,  # it lists both
-                                                      f"{p}chunks": chunks,
-                                                      **({f"{p}outside_chunks": refs} if refs else {})}})
+        cmap = RemoteChunks(chunk_size=size, chunks=chunks, outside_chunks=refs)  # it lists both copies
+        remote = local_m.model_copy(update={"probe": local_m.probe.updated(
+            chunk_maps={**local_m.probe.chunk_maps, self.chunk_key: cmap})})
         self._put_manifest(remote)
         up = sum(n for _, n, new in results if new)
         return {"uploaded_bytes": up, "skipped_bytes": sum(n for _, n, new in results if not new),
@@ -343,7 +343,7 @@ class ChunkedTier:
             for key, _ in self.objects.list("manifests/"):
                 workload, name = key.rsplit("/", 2)[-2:]
                 by_workload.setdefault(workload, []).append(self.manifest(workload, name.removesuffix(".json")))
-            bound = {m.probe.get("template") for ms in by_workload.values() for m in ms
+            bound = {m.probe.template.id for ms in by_workload.values() for m in ms if m.probe.template
                      if m.kind == CheckpointKind.sessions and m.state.restorable}
             for workload, ms in by_workload.items():
                 if ms and all(m.kind == CheckpointKind.template for m in ms):  # keep-N would take bound ones
@@ -352,9 +352,9 @@ class ChunkedTier:
                     deleted, still = self._retain(workload, ms, now, rule)
                 gone += [{"workload": workload, "checkpoint": i, "why": why} for i, why in deleted]
                 kept += still
-            p = self.probe_prefix
-            referenced = {d for m in kept for ds in m.probe.get(f"{p}chunks", {}).values() for d in ds}
-            referenced |= {d for m in kept for d in m.probe.get(f"{p}outside_chunks", [])}
+            maps = [m.probe.chunk_maps[self.chunk_key] for m in kept if self.chunk_key in m.probe.chunk_maps]
+            referenced = {d for c in maps for ds in c.chunks.values() for d in ds}
+            referenced |= {d for c in maps for d in c.outside_chunks}
             freed = chunks = 0
             for key, size in self.objects.list("chunks/"):
                 if key.rsplit("/", 1)[1] not in referenced:
@@ -388,7 +388,7 @@ class ChunkedTier:
         return self.manifests(workload)
 
     def manifest(self, workload: str, checkpoint: str) -> Manifest:
-        """The manifest here (it lists its chunks in ``probe["<probe_prefix>chunks"]``).
+        """The manifest here (it lists its chunks in ``probe.chunk_maps[chunk_key]``).
 
         Raises:
             CheckpointNotFound: no such checkpoint here.
@@ -420,12 +420,16 @@ class ChunkedTier:
         if have is not None:
             return have, {"downloaded_bytes": 0, "seconds": 0.0}
         remote = remote or self.manifest(workload, checkpoint)
-        p = self.probe_prefix
         t0 = time.perf_counter()
         pending = local.begin_copy(workload, checkpoint, node=node)
         images = pending.images_dir
         try:
-            size = remote.probe[f"{p}chunk_size"]
+            try:
+                cmap = remote.probe.chunk_maps[self.chunk_key]
+            except KeyError:  # a manifest no push of this tier wrote
+                raise CheckpointNotFound(f"checkpoint {checkpoint} of {workload} in {self.location} lists no chunks",
+                                         fix="push it again from a node that holds it") from None
+            size = cmap.chunk_size
             jobs = []
             for f in remote.files:
                 target = images / f.path
@@ -433,7 +437,7 @@ class ChunkedTier:
                 with open(target, "wb") as fh:  # extents up front: parallel writes land in place
                     os.posix_fallocate(fh.fileno(), 0, f.size) if f.size else None
                 os.chmod(target, 0o600)
-                jobs += [(f.path, i * size, digest) for i, digest in enumerate(remote.probe[f"{p}chunks"][f.path])]
+                jobs += [(f.path, i * size, digest) for i, digest in enumerate(cmap.chunks[f.path])]
 
             def one(job) -> int:
                 path, off, digest = job
@@ -462,9 +466,9 @@ class ChunkedTier:
 
             with ThreadPoolExecutor(max_workers=self.threads) as ex:
                 got = sum(ex.map(one, jobs))
-                got += sum(ex.map(one_outside, remote.probe.get(f"{p}outside_chunks", [])))
-            local_m = remote.model_copy(update={"probe": {k: v for k, v in remote.probe.items()
-                                                          if not k.startswith(p)}}).with_copy(CopyTier.node, node)
+                got += sum(ex.map(one_outside, cmap.outside_chunks))
+            local_m = remote.model_copy(update={"probe": remote.probe.updated(chunk_maps={})}).with_copy(
+                CopyTier.node, node)
             # Every chunk matched its sha256 address, taken from bytes the pushing node verified
             # against this manifest: the file-level hashes hold without a second read here (and
             # a restore checks them again, in parallel with CRIU).

@@ -168,7 +168,7 @@ class S3Tier(ChunkedTier):
     """
 
     label = "S3"
-    probe_prefix = "s3_"   # the bucket's manifests have always named their chunk map so
+    chunk_key = "s3"   # the bucket's manifests have always named their chunk map so (s3_chunks before)
 
     def __init__(self, bucket: str, prefix: str = "ckptflow", endpoint_url: str | None = None,
                  region: str | None = None, server_side_encryption: str | None = "AES256",

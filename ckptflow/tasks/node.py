@@ -70,7 +70,7 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
                 continue
             size = checkpoint_bytes(m)  # a session checkpoint's bytes are in the chunks it names
             log.info("checkpoint %s (%s) of %s: %.1f MiB%s, pause %.2f s", m.id, m.kind, name, size / 2**20,
-                     f" ({m.probe['moved_bytes'] / 2**20:.1f} MiB written)" if "moved_bytes" in m.probe else "",
+                     f" ({m.probe.export.moved_bytes / 2**20:.1f} MiB written)" if m.probe.export else "",
                      m.timings.get("pause", 0.0))
             pushed = {}
             if tier is not None:

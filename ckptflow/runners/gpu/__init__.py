@@ -161,10 +161,7 @@ class GpuBackend(ABC):
             NotEnoughGpuMemory: naming each device short of memory.
             RunnerUnavailable: free memory cannot be read.
         """
-        if need_by_device:
-            gate_per_device(need_by_device, self.free_by_device())
-        elif footprint_bytes:
-            gate_total(footprint_bytes, max(self.free_by_device().values(), default=0))
+        gate_memory(need_by_device, footprint_bytes, self.free_by_device)
 
     def gate_restore(self, workload: str, checkpoint: str, need_by_device: dict[str, int],
                      footprint_bytes: int) -> None:
@@ -320,6 +317,33 @@ def restore_needs(footprints: dict[str, int], device_map: list[tuple[str, str]] 
             new = here[taken_on.index(old)]
         out[new] = out.get(new, 0) + need
     return out
+
+
+def gate_memory(need_by_device: dict[str, int] | None, footprint_bytes: int,
+                free_by_device: Callable[[], dict[str, int]], margin_gib: float = RESTORE_MARGIN_GIB) -> None:
+    """The one GPU memory gate of a restore (the node's before CRIU, a backend's before its device
+    restore, the cleanup of a failed checkpoint): each target device against its own share
+    (``need_by_device``: every rank of a TP worker on its own device, so a rank whose device lacks
+    room is refused even when the sum would fit on another), else, for a checkpoint that recorded
+    only a total, the whole ``footprint_bytes`` against the freest device. ``free_by_device`` is
+    read only when something must fit.
+
+    Example:
+        >>> gate_memory({"GPU-a": 20 * 2**30, "GPU-b": 20 * 2**30}, 40 * 2**30,
+        ...             lambda: {"GPU-a": 10 * 2**30, "GPU-b": 100 * 2**30})
+        Traceback (most recent call last):
+        ...
+        ckptflow.errors.NotEnoughGpuMemory: not restoring: GPU-a: 10.0 GiB free < 21.0 GiB needed (footprint 20.0 GiB + 1 GiB margin); a restore that runs out of memory breaks the worker for good
+          fix: free GPU memory on those GPUs (stop or move another worker), remap the worker onto GPUs with room (gpu_pairs), or restore on another node
+
+    Raises:
+        NotEnoughGpuMemory: naming each device short of memory.
+        RunnerUnavailable: free memory cannot be read (from ``free_by_device``).
+    """
+    if need_by_device:
+        gate_per_device(need_by_device, free_by_device(), margin_gib)
+    elif footprint_bytes:
+        gate_total(footprint_bytes, max(free_by_device().values(), default=0), margin_gib)
 
 
 def gate_total(footprint_bytes: int, free_bytes: int, margin_gib: float = RESTORE_MARGIN_GIB) -> None:

@@ -55,13 +55,6 @@ class CudaBackend(GpuBackend):
     def free_by_device(self) -> dict[str, int]:
         return C.gpu_free_by_uuid()
 
-    def gate_memory(self, need_by_device: dict[str, int], footprint_bytes: int = 0) -> None:
-        # The runner's own gates: NVML read the way (and with the errors) its CUDA restore reads it.
-        if need_by_device:
-            C.gate_gpu_memory_per_gpu(need_by_device)
-        elif footprint_bytes:
-            C.gate_gpu_memory(footprint_bytes)
-
     def fingerprint_fields(self) -> tuple[dict[str, Any], str | None]:
         return nvml_fingerprint_fields()
 
