@@ -14,11 +14,14 @@ import pytest
 from conftest import free_port, kill_pid_file
 from squat import squat
 from ckptflow.demo import launch
-from ckptflow.errors import PidBusy
+from ckptflow.errors import GpuCheckpointError, PidBusy
 from ckptflow.models import CheckpointState
 from ckptflow.runners.criu import TMP_PREFIX, image_isolated
+from ckptflow.runners.fingerprint import node_fingerprint
+from ckptflow.runners.gpu import NoGpu
 from ckptflow.runners.isolate import is_isolated
 from ckptflow.runners.node import NodeRunner
+from ckptflow.runners.process import pid_alive
 from ckptflow.runners.verify import VerifyOutcome, verify_checkpoint
 from ckptflow.store.local import LocalStore
 
@@ -174,3 +177,76 @@ def test_the_cli_refuses_no_command_with_one_line(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.splitlines()[0] == "error: run-isolated: no worker command given"
+
+
+class _RecordingDevice(NoGpu):
+    """A backend like CUDA in what it can restore (no copy beside a plain worker's original, a
+    copy of an isolated one by the copy's host PIDs); it records the device calls a verify makes."""
+
+    restores_beside = False
+    restores_isolated_copy = True
+
+    def __init__(self, fail_restore: bool = False):
+        self.calls: list[tuple] = []
+        self.fail_restore = fail_restore
+
+    def gate_restore(self, workload, checkpoint, need_by_device, footprint_bytes) -> None:
+        self.calls.append(("gate", footprint_bytes))
+
+    def checkpointed(self, pids):
+        self.calls.append(("checkpointed", list(pids)))
+        return list(pids)
+
+    def restore(self, procs, *, device_map=None, need_by_device=None, footprint_bytes=0) -> None:
+        self.calls.append(("restore", list(procs)))
+        if self.fail_restore:
+            raise GpuCheckpointError("restore: CUDA_ERROR_ILLEGAL_STATE")
+
+    def unlock(self, procs) -> None:
+        self.calls.append(("unlock", list(procs)))
+
+
+def _gpu_checkpoint(tmp_path, worker, device, isolated=True):
+    """A real CRIU checkpoint of a demo worker declared ``gpu: true`` (no device state is really
+    held: the manifest names the worker's PID as its one GPU process, as a CUDA dump would)."""
+    w = worker(isolated=isolated)
+    w.workload = w.workload.model_copy(update={"gpu": True})
+    launch.complete(w.port, "keep this session " * 10, 12, "s1")
+    node = NodeRunner(LocalStore(tmp_path / f"store-{isolated}"), gpu=device)
+    node._node_fp = node_fingerprint(node.criu.criu_bin)   # the recorder is not registered by name
+    m = node.checkpoint(w.workload)
+    m = m.model_copy(update={"gpu_pids": [w.pid], "gpu_footprint_bytes": 1 << 30})
+    return w, node, m
+
+
+def test_a_gpu_copy_of_an_isolated_worker_gets_its_device_state_back_by_the_copys_host_pid(tmp_path, worker):
+    device = _RecordingDevice()
+    w, node, m = _gpu_checkpoint(tmp_path, worker, device)
+    with node:
+        res = verify_checkpoint(node, w.workload, m)
+    assert res.state == VerifyOutcome.verified, res
+    assert [c[0] for c in device.calls] == ["gate", "checkpointed", "restore", "unlock"]
+    (copy_pid,) = device.calls[2][1]
+    # Not the original's PID: the copy's, which is the original's PID 1 inside its own namespace.
+    assert copy_pid != w.pid and "device_restore" in res.timings
+    assert device.calls[1][1] == device.calls[2][1] == device.calls[3][1]
+    assert not pid_alive(copy_pid)                                   # the copy is gone (a zombie at most)
+
+
+def test_a_failed_device_restore_of_the_copy_fails_verify_and_leaves_nothing(tmp_path, worker):
+    device = _RecordingDevice(fail_restore=True)
+    w, node, m = _gpu_checkpoint(tmp_path, worker, device)
+    with node:
+        res = verify_checkpoint(node, w.workload, m)
+    assert res.state == VerifyOutcome.verify_failed and "ILLEGAL_STATE" in res.reason, res
+    (copy_pid,) = device.calls[2][1]
+    assert not pid_alive(copy_pid) and launch.session_digests(w.port)  # the original serves on
+
+
+def test_a_gpu_copy_of_a_plain_worker_is_skipped_and_says_how_to_make_it_verifiable(tmp_path, worker):
+    device = _RecordingDevice()
+    w, node, m = _gpu_checkpoint(tmp_path, worker, device, isolated=False)
+    with node:
+        res = verify_checkpoint(node, w.workload, m)
+    assert res.state == VerifyOutcome.skipped and "run-isolated" in res.reason
+    assert device.calls == []                                      # nothing restored, nothing gated

@@ -48,7 +48,7 @@ from ckptflow.errors import CriuError, CriuTimeout, PidBusy, RunnerUnavailable, 
 from ckptflow.models import CriuOptions, Workload
 from ckptflow.poll import PollTimeout, poll
 from ckptflow.runners import devshm
-from ckptflow.runners.isolate import is_isolated
+from ckptflow.runners.isolate import is_isolated, nspid
 from ckptflow.runners.process import DeclaredProcess, pid_alive, pid_taken, recheck, resolve, tree
 from ckptflow.settings import settings
 
@@ -454,8 +454,28 @@ def _recorded(images_dir: Path) -> dict:
 def _record(images_dir: Path, opts: CriuOptions, outputs: list[str], pids: list[int], isolated: bool = False) -> None:
     flags = [f for f, on in (("--link-remap", opts.link_remap), ("--ext-unix-sk", opts.ext_unix_sk),
                              ("--file-locks", opts.file_locks)) if on]
-    (images_dir / CRIU_FLAGS_FILE).write_text(json.dumps({"flags": flags, "outputs": outputs, "pids": pids,
-                                                          "isolated": isolated}))
+    rec = {"flags": flags, "outputs": outputs, "pids": pids, "isolated": isolated}
+    if isolated:  # what each process is inside its namespace: a copy's host PIDs are found by it
+        rec["ns_pids"] = {str(p): ns[-1] for p in pids if (ns := nspid(p))}
+    (images_dir / CRIU_FLAGS_FILE).write_text(json.dumps(rec))
+
+
+def copy_pids(images_dir: Path, copy_root: int, original_pids: list[int]) -> list[int]:
+    """The host PIDs, in a copy of an isolated image rooted at host PID ``copy_root``, of the
+    original's processes ``original_pids`` (host PIDs at the dump): each is matched by the PID it
+    has inside its namespace, which the copy keeps.
+
+    Raises:
+        CriuError: the image recorded no namespace PIDs, or the copy lacks one of the processes.
+    """
+    recorded = _recorded(images_dir).get("ns_pids")
+    if not recorded:
+        raise CriuError("the image recorded no namespace PIDs (taken by an older ckptflow, or not isolated)")
+    in_copy = {ns[-1]: p for p in tree(copy_root) if (ns := nspid(p))}
+    missing = [p for p in original_pids if in_copy.get(recorded.get(str(p), -1)) is None]
+    if missing:
+        raise CriuError(f"the copy has no process for PID(s) {', '.join(map(str, missing))} of the original")
+    return [in_copy[recorded[str(p)]] for p in original_pids]
 
 
 def image_isolated(images_dir: Path) -> bool:

@@ -48,7 +48,8 @@ def isolated_argv(argv: list[str], pid_file: str | os.PathLike, log: str | os.Pa
             "sh", "-c", _BOOT, str(pid_file), str(log), *argv]
 
 
-def _nspid(pid: int) -> list[int]:
+def nspid(pid: int) -> list[int]:
+    """``pid``'s PID in each namespace from ours inward (/proc/PID/status NSpid); [] if gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("NSpid:"):
@@ -67,7 +68,7 @@ def _ns(pid: int | str, kind: str) -> str | None:
 
 def is_isolated(pid: int) -> bool:
     """True when ``pid`` is PID 1 of a PID namespace below ours and has its own mount namespace."""
-    ids = _nspid(pid)
+    ids = nspid(pid)
     return (len(ids) > 1 and ids[-1] == 1 and _ns(pid, "pid") != _ns("self", "pid")
             and _ns(pid, "mnt") != _ns("self", "mnt"))
 

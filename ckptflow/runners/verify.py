@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from ckptflow.errors import CkptflowError, CriuError
+from ckptflow.runners.criu import copy_pids, image_isolated
 from ckptflow.models import EngineProbe, Manifest, VerifyOutcome, Workload
 from ckptflow.runners.digests import SessionMatch, compare_sessions
 from ckptflow.runners.engine import golden_digest
@@ -41,6 +42,11 @@ with httpx.Client(follow_redirects=True) as http:
     except PollTimeout as e:
         print(json.dumps({"error": f"not healthy within {cfg['timeout']} s: {e.last}"})); sys.exit()
     out["health_s"] = time.perf_counter() - t0
+    if cfg.get("resume"):  # the image was taken quiesced: the copy is held as the original was
+        try:
+            http.post(cfg["resume"], content=b"{}", timeout=10)
+        except httpx.HTTPError:
+            pass  # its own hold timeout lets it go, as for the original
     if cfg.get("golden"):
         g = cfg["golden"]  # the body as bytes exactly as runners.engine.probe sends it
         r = http.post(g["url"], content=json.dumps(g["body"]).encode(), timeout=120,
@@ -62,7 +68,7 @@ class VerifyResult:
 
 def probe_in_netns(ns: str, w: Workload, timeout_s: float = 120) -> dict:
     """Ask a copy running in network namespace ``ns`` for health, the golden answer and its probe."""
-    cfg = {"health": w.health_url, "timeout": timeout_s, "probe": w.probe_url,
+    cfg = {"health": w.health_url, "timeout": timeout_s, "probe": w.probe_url, "resume": w.resume_url,
            "golden": w.golden.model_dump() if w.golden else None}
     out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", _IN_NS, json.dumps(cfg)],
                          capture_output=True, text=True, timeout=timeout_s + 180)
@@ -108,17 +114,39 @@ def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: flo
     except CkptflowError as e:
         return VerifyResult(VerifyOutcome.verify_failed, str(e).splitlines()[0], t)
     t["checksum"] = round(time.perf_counter() - t0, 4)
-    if not node.gpu_for(w).restores_beside:
-        return VerifyResult(VerifyOutcome.skipped, GPU_SANDBOX, t)
+    gpu, images = node.gpu_for(w), node.store.images_dir(m)
+    # A GPU copy beside its original works only for a worker started isolated (PID 1 of its own
+    # namespaces), on a backend that measured it so; its device state then comes back by the
+    # copy's host PIDs.
+    device_copy = bool(m.gpu_pids) and not gpu.restores_beside
+    if device_copy and not (gpu.restores_isolated_copy and image_isolated(images)):
+        return VerifyResult(VerifyOutcome.skipped, GPU_SANDBOX + (" (or start the worker with `ckptflow run-isolated`, "
+                            "whose copies can be verified beside it)" if gpu.restores_isolated_copy else ""), t)
+    if device_copy:
+        try:  # the copy needs the footprint free once more, beside the original's
+            node.gate_gpu_memory(w, m)
+        except CkptflowError as e:
+            return VerifyResult(VerifyOutcome.skipped, f"no room for a GPU copy beside the original: "
+                                f"{str(e).splitlines()[0]}", t)
     ns = new_netns("ckv")
     copy = None
     try:
         t0 = time.perf_counter()
         try:
-            copy = node.criu.restore_beside(node.store.images_dir(m), netns=ns)
+            copy = node.criu.restore_beside(images, netns=ns)
         except CriuError as e:
             return VerifyResult(VerifyOutcome.verify_failed, f"sandbox restore failed: {str(e).splitlines()[0]}", t, e.log_tail)
         t["restore"] = round(time.perf_counter() - t0, 4)
+        if device_copy:
+            t0 = time.perf_counter()
+            try:
+                procs = gpu.checkpointed(copy_pids(images, copy.pid, m.gpu_pids))
+                gpu.restore(procs, footprint_bytes=m.gpu_footprint_bytes, need_by_device=node.restore_needs(m))
+                gpu.unlock(procs)   # the copy is killed below whatever happens: nothing stays locked
+            except CkptflowError as e:
+                return VerifyResult(VerifyOutcome.verify_failed, f"sandbox device restore failed: "
+                                    f"{str(e).splitlines()[0]}", t)
+            t["device_restore"] = round(time.perf_counter() - t0, 4)
         t0 = time.perf_counter()
         got = probe_in_netns(ns, w, timeout_s)
         t["probe"] = round(time.perf_counter() - t0, 4)

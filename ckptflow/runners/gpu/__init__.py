@@ -83,6 +83,10 @@ class GpuBackend(ABC):
     # running original (a sandbox verify, a template replica). CUDA cannot: measured on the H200,
     # runners/verify.py GPU_SANDBOX.
     restores_beside: ClassVar[bool] = False
+    # Whether it can when the worker was started isolated (runners/isolate.py: PID 1 of its own
+    # PID and mount namespaces), asked with the copy's host PIDs. CUDA can: measured on the H200
+    # (driver 580.159.04, bench/results/gpu_pidns.json, born_in_namespace, layout "init").
+    restores_isolated_copy: ClassVar[bool] = False
 
     @abstractmethod
     def available(self) -> tuple[bool, str]:

@@ -33,6 +33,7 @@ class CudaBackend(GpuBackend):
     first step, which loads cuda-bindings or finds the cuda-checkpoint binary."""
 
     usage_source = "NVML"
+    restores_isolated_copy = True   # see GpuBackend: an isolated worker's copy, by its host PIDs
 
     def __init__(self, runner: "CudaRunner | Any | None" = None):
         self._runner = runner
