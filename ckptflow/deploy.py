@@ -38,7 +38,7 @@ from ckptflow.render import env
 # The flow files prefect.yaml's entrypoints name (templates/prefect.yaml.j2): a directory holds
 # the project when every one of them is there.
 FLOW_FILES = tuple(f"ckptflow/flows/{m}.py" for m in
-                   ("heartbeat", "invalidate", "verify", "node_step", "migrate", "recover", "prune"))
+                   ("heartbeat", "invalidate", "verify", "node_step", "migrate", "drain", "scale", "recover", "prune"))
 K8S_NAMESPACE = "ckptflow"
 # PATH of a node worker: the project's venv, the system, then a relocatable CRIU bundle, so a
 # system CRIU wins and a node without one uses the bundle (runners.criu.BUNDLE_CANDIDATES).
