@@ -88,7 +88,7 @@ def migrate_in(scope: FleetScope, w: Workload, checkpoint: str | None,
         with node_slot(w.node):  # held from before the download ends until the restore ends
             m, pulled = pull.result()
             res = runner.restore(w, manifest=m, fallback=False)
-    at["restored"] = time.time()
+            at["restored"] = time.time()  # healthy: before the slot's release
     return {"checkpoint": m.id, "pid": res.pid, "timings": res.timings, "at": at, **pulled}
 
 
