@@ -316,7 +316,11 @@ def deploy(fleet_file: Path = FLEET_ARG,
                                        "every node's unit and DaemonSet (default: this shell's PREFECT_API_URL; a "
                                        "loopback one is refused for nodes on other machines)."),
            all_nodes_here: bool = typer.Option(False, "--all-nodes-here", help="Every node of the fleet runs on "
-                                               "this machine (a one-box fleet): a loopback API URL is then right.")
+                                               "this machine (a one-box fleet): a loopback API URL is then right."),
+           worker_query_seconds: float = typer.Option(
+               None, "--worker-query-seconds", help="How often each node's Prefect worker asks the server for flow "
+               "runs, written into every unit and DaemonSet (PREFECT_WORKER_QUERY_SECONDS; default: the fleet "
+               "file's worker_query_seconds, 1 s). A migrate's steps wait up to this long to start.")
            ) -> None:
     """Render prefect.<fleet>.yaml beside the fleet file and deploy it to the Prefect server; render
     each node's Prefect worker as a systemd unit and a Kubernetes DaemonSet (<fleet>.workers/)."""
@@ -324,15 +328,18 @@ def deploy(fleet_file: Path = FLEET_ARG,
     from ckptflow.deploy import worker_files
 
     fleet = _fleet(fleet_file)
-    from ckptflow.deploy import check_api_url, prefect_api_url
+    from ckptflow.deploy import check_api_url, check_worker_query_s, prefect_api_url
 
     check_api_url(fleet, api_url or prefect_api_url(), api_url is not None, all_nodes_here)  # before any file
+    if worker_query_seconds is not None:
+        check_worker_query_s(worker_query_seconds)
     if render_only:
         out = render_prefect_yaml(fleet_file, workdir)
-        workers = render_node_workers(fleet_file, workdir, api_url=api_url, image=image, all_nodes_here=all_nodes_here)
+        workers = render_node_workers(fleet_file, workdir, api_url=api_url, image=image, all_nodes_here=all_nodes_here,
+                                      worker_query_s=worker_query_seconds)
     else:
         out = run(fleet_file, ephemeral=ephemeral, workdir=workdir, image=image, api_url=api_url,
-                  all_nodes_here=all_nodes_here)
+                  all_nodes_here=all_nodes_here, worker_query_s=worker_query_seconds)
         workers = worker_files(fleet_file, fleet)
     # Plain lines, not rich: paths are long and an operator copies them whole.
     typer.echo(f"{'rendered' if render_only else 'deployed'} {out}")

@@ -32,23 +32,21 @@ from typing import TYPE_CHECKING, Any, Callable
 import yaml
 
 from ckptflow.errors import ConfigError
-from ckptflow.fleet import load_fleet
+# WORKER_QUERY_S: how often each node's worker asks the server for flow runs
+# (PREFECT_WORKER_QUERY_SECONDS) unless the fleet file or `deploy --worker-query-seconds` says.
+from ckptflow.fleet import WORKER_QUERY_S, load_fleet
 from ckptflow.render import env
 
 # The flow files prefect.yaml's entrypoints name (templates/prefect.yaml.j2): a directory holds
 # the project when every one of them is there.
 FLOW_FILES = tuple(f"ckptflow/flows/{m}.py" for m in
-                   ("heartbeat", "invalidate", "verify", "node_step", "migrate", "recover", "prune"))
+                   ("heartbeat", "invalidate", "verify", "node_step", "migrate", "drain", "scale", "recover", "prune"))
 K8S_NAMESPACE = "ckptflow"
 # PATH of a node worker: the project's venv, the system, then a relocatable CRIU bundle, so a
 # system CRIU wins and a node without one uses the bundle (runners.criu.BUNDLE_CANDIDATES).
 _SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 API_URL_PLACEHOLDER = "http://PREFECT-SERVER:4200/api"
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-# How often each node's worker asks the server for flow runs (PREFECT_WORKER_QUERY_SECONDS).
-# Prefect's default, 10 s, was most of a migrate's downtime: the target's step waited for its
-# worker's next poll. 1 s costs one small query per node per second on the server.
-WORKER_QUERY_S = 1.0
 NODE_LIMIT = "ckptflow-node-{node}"  # one checkpoint or restore per node at a time (tasks.common.node_slot)
 
 if TYPE_CHECKING:
@@ -279,16 +277,34 @@ def node_mounts(fleet, nodes, wd: Path) -> list[tuple[str, str]]:
     return [(p, found[p]) for p in keep]
 
 
+def check_worker_query_s(seconds: float) -> float:
+    """A node workers' poll interval given on the command line, checked as the fleet file's is.
+
+    Example:
+        >>> check_worker_query_s(2.5)
+        2.5
+
+    Raises:
+        ConfigError: not more than 0 and at most 60 s.
+    """
+    if not 0 < seconds <= 60:
+        raise ConfigError(f"worker poll interval {seconds:g} s: it must be more than 0 and at most 60 s",
+                          fix=f"pass --worker-query-seconds of about {WORKER_QUERY_S:g} (a migrate waits up to that "
+                              "long for the target's worker to pick up its step)")
+    return seconds
+
+
 def render_node_workers(fleet_file: Path, workdir: Path | str | None = None, api_url: str | None = None,
                         image: str | None = None, out_dir: Path | None = None,
-                        all_nodes_here: bool = False, worker_query_s: float = WORKER_QUERY_S) -> dict[str, list[Path]]:
+                        all_nodes_here: bool = False, worker_query_s: float | None = None) -> dict[str, list[Path]]:
     """Write what runs each node's Prefect worker: a systemd unit per node and a privileged
     DaemonSet per node pool, into ``<fleet>.workers/`` beside the fleet file (or ``out_dir``).
 
     Both run ``prefect worker start --pool <the node's pool>`` as root in the project directory,
     with PREFECT_API_URL (``api_url``, default: this shell's, else a placeholder to replace),
-    CKPTFLOW_NODE and PREFECT_WORKER_QUERY_SECONDS (``worker_query_s``: how soon a node step
-    starts after a fleet flow asks for it); the unit restarts always and its stop leaves what the flows started running;
+    CKPTFLOW_NODE and PREFECT_WORKER_QUERY_SECONDS (``worker_query_s``, default the fleet file's
+    ``worker_query_seconds``: how soon a node step starts after a fleet flow asks for it); the
+    unit restarts always and its stop leaves what the flows started running;
     the DaemonSet has hostPID, privileged, /dev/shm, the node's store and what its workloads
     name (``node_mounts``: pid files, models, logs) mounted.
 
@@ -301,10 +317,7 @@ def render_node_workers(fleet_file: Path, workdir: Path | str | None = None, api
     """
     wd = check_workdir(workdir)
     fleet = load_fleet(fleet_file)
-    if not 0 < worker_query_s <= 60:
-        raise ConfigError(f"worker poll interval {worker_query_s} s: it must be more than 0 and at most 60 s",
-                          fix=f"pass worker_query_s of about {WORKER_QUERY_S:g} (a migrate waits up to that long for "
-                              "the target's worker to pick up its step)")
+    worker_query_s = fleet.worker_query_seconds if worker_query_s is None else check_worker_query_s(worker_query_s)
     given = api_url is not None
     api_url = api_url or prefect_api_url() or API_URL_PLACEHOLDER
     check_api_url(fleet, api_url, given, all_nodes_here)
@@ -355,7 +368,7 @@ def _version() -> str:
 
 def deploy(fleet_file: Path, *, create_pools: bool = True, ephemeral: bool = False,
            workdir: Path | str | None = None, image: str | None = None, api_url: str | None = None,
-           all_nodes_here: bool = False, worker_query_s: float = WORKER_QUERY_S) -> Path:
+           all_nodes_here: bool = False, worker_query_s: float | None = None) -> Path:
     """Render, then deploy through Prefect's client what the rendered prefect.yaml says (the file
     an operator reviews is the one deployed): each node's process work pool and its
     ``ckptflow-node-<node>`` global concurrency limit (1 slot) when missing, the fleet's results
@@ -364,7 +377,7 @@ def deploy(fleet_file: Path, *, create_pools: bool = True, ephemeral: bool = Fal
 
     ``api_url``: the Prefect API the node workers use (default: this shell's PREFECT_API_URL);
     ``all_nodes_here``: every node runs on this machine, so a loopback one is right;
-    ``worker_query_s``: the node workers' poll interval (render_node_workers).
+    ``worker_query_s``: the node workers' poll interval (default: the fleet file's; render_node_workers).
 
     Raises:
         ConfigError: no Prefect server is configured (PREFECT_API_URL) and ``ephemeral`` is not

@@ -236,6 +236,11 @@ class Slack(BaseModel):
     base_url: str | None = Field(None, description="Slack API base URL (tests point it at a local server).")
 
 
+# Prefect's default worker poll, 10 s, was most of a migrate's downtime: the target's step
+# waited for its worker's next poll. 1 s costs one small query per node per second on the server.
+WORKER_QUERY_S = 1.0
+
+
 class Fleet(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -253,6 +258,11 @@ class Fleet(BaseModel):
         None, min_length=1, description="Work pool of the fleet-level flows (migrate, drain, recover, "
         "recover-node). Default: the first node's pool. Give it a worker off the GPU nodes, so "
         "recover-node still runs when any node is lost.", examples=["ckptflow-control"])
+    worker_query_seconds: float = Field(
+        WORKER_QUERY_S, gt=0, le=60, description="How often each node's Prefect worker asks the server for flow "
+        "runs: PREFECT_WORKER_QUERY_SECONDS in the units and DaemonSets `ckptflow deploy` renders "
+        "(`--worker-query-seconds` overrides it). A fleet flow's node step waits up to this long to start.",
+        examples=[1.0, 5])
 
     @model_validator(mode="after")
     def _references(self) -> "Fleet":

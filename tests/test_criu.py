@@ -124,6 +124,94 @@ def test_established_tcp_connection_survives(tmp_path, criu):
         kill_pid_file(pid_file, "echo_counter.py")
 
 
+def _gated(tmp_path, hold_s: float = 0.0, open_gate: bool = False):
+    """tests/helpers/gated_listener.py: its workload, port, gate file and process."""
+    port, pid_file, gate = free_port(), tmp_path / "g.pid", tmp_path / "gate"
+    if open_gate:
+        gate.touch()
+    p = _spawn([HELPERS / "gated_listener.py", port, pid_file, gate, hold_s], pid_file)
+    w = Workload(name="gated", node="n",
+                 find=ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="gated_listener.py"))
+    return w, port, gate, p
+
+
+def _ss(*filt: str) -> list[str]:
+    return subprocess.run(["ss", "-Htn", *filt], capture_output=True, text=True).stdout.splitlines()
+
+
+def _wait_for(cond, timeout=10):
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, "condition never held"
+        time.sleep(0.01)
+
+
+def test_a_connection_waiting_in_the_accept_queue_does_not_fail_the_dump(tmp_path, criu):
+    """A client whose handshake the kernel completed while the worker had not accepted it yet
+    (a poll arriving as the dump freezes the worker): CRIU cannot carry it and refused the whole
+    dump ("In-flight connection"); now it skips it. The restored worker serves the next client
+    with its state from the image; the skipped client's connection ends instead of hanging."""
+    w, port, gate, p = _gated(tmp_path)
+    try:
+        waiting = socket.create_connection(("127.0.0.1", port), timeout=10)
+        listener = _ss("-l", f"( sport = :{port} )")
+        assert listener and listener[0].split()[1] == "1", listener      # one connection in its accept queue
+        res = criu.dump(w, tmp_path / "img", leave_running=False)
+        p.wait(timeout=10)
+        criu.restore(tmp_path / "img", old_pid=res.pid)
+        gate.touch()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+            assert c.makefile().readline() == "1\n"                     # the first connection it ever served
+        waiting.settimeout(10)
+        try:
+            got = waiting.recv(16)
+        except ConnectionResetError:
+            got = b""
+        assert got == b"", got
+        waiting.close()
+    finally:
+        kill_pid_file(tmp_path / "g.pid", "gated_listener.py")
+
+
+def test_a_request_being_answered_is_waited_out_and_a_held_connection_still_refused(tmp_path, monkeypatch):
+    """A dump that meets a client's connection mid-request fails ("Connected TCP socket"); the
+    worker runs on, the request is answered, and the dump is tried again. A connection the
+    worker keeps open stays refused, naming tcp_established, with the worker untouched."""
+    import ckptflow.runners.criu as criu_mod
+
+    monkeypatch.setattr(criu_mod, "CONNECTED_RETRY_S", 0.5)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    w, port, _, p = _gated(tmp_path, hold_s=1.0, open_gate=True)
+    try:
+        with CriuRunner(log_dir=logs) as criu, socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+            _wait_for(lambda: _ss("state", "established", f"( sport = :{port} )"))   # accepted, being held
+            criu.dump(w, tmp_path / "img", leave_running=True)
+            tries = sorted(logs.glob("dump-*.log"), key=lambda f: f.stat().st_mtime)
+            assert len(tries) >= 2 and "Connected TCP socket" in tries[0].read_text()
+            assert c.makefile().readline() == "1\n"                      # answered, not cut off
+        assert p.poll() is None
+    finally:
+        kill_pid_file(tmp_path / "g.pid", "gated_listener.py")
+
+    monkeypatch.setattr(criu_mod, "CONNECTED_RETRY_S", 0.01)
+    for f in logs.glob("*"):
+        f.unlink()
+    held = tmp_path / "held"
+    held.mkdir()
+    w, port, _, p = _gated(held, hold_s=-1, open_gate=True)
+    try:
+        with CriuRunner(log_dir=logs) as criu, socket.create_connection(("127.0.0.1", port), timeout=10):
+            _wait_for(lambda: _ss("state", "established", f"( sport = :{port} )"))
+            with pytest.raises(CriuError) as e:
+                criu.dump(w, tmp_path / "img2", leave_running=False)
+            assert "tcp_established" in (e.value.fix or "")
+            assert len(list(logs.glob("dump-*.log"))) == 1 + criu_mod.CONNECTED_RETRIES
+        assert p.poll() is None                                            # the worker runs on
+    finally:
+        kill_pid_file(held / "g.pid", "gated_listener.py")
+
+
 @pytest.mark.fault
 def test_refuses_undeclared_process(tmp_path, criu):
     # The pid file points at a process that is not what the workload declares.

@@ -306,3 +306,18 @@ def test_daemonset_mounts_what_the_fleet_files_workloads_name(tmp_path):
     other = next(p for name, p in pods.items() if name != pool)               # no workload of those: none
     assert {m["mountPath"] for m in other["containers"][0]["volumeMounts"]} == {
         "/dev/shm", f"/var/lib/ckptflow/{next(n['name'] for n in data['nodes'] if n['work_pool'] != pool)}"}
+
+
+def test_every_entrypoint_loads_its_flow_and_deployments_made_before_the_split_still_do(example):
+    """One module per flow (flows/drain.py, flows/scale.py); a deployment made while drain and
+    scale-up/-down lived in flows/migrate.py names that file, and loads the same flows."""
+    from prefect.flows import load_flow_from_entrypoint
+
+    doc = yaml.safe_load(render_prefect_yaml(example, ROOT).read_text())
+    entries = {d["entrypoint"] for d in doc["deployments"]}
+    old = {"ckptflow/flows/migrate.py:drain", "ckptflow/flows/migrate.py:scale_up",
+           "ckptflow/flows/migrate.py:scale_down"}
+    assert not entries & old
+    for entry in sorted(entries | old):
+        flow = load_flow_from_entrypoint(f"{ROOT}/{entry}")
+        assert flow.name == entry.rsplit(":", 1)[1].replace("_", "-"), entry

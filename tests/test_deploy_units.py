@@ -137,3 +137,45 @@ def test_a_local_fleet_keeps_prefects_default_result_storage(tmp_path):
                                  "nodes": [{"name": "node-a", "work_pool": "a"}, {"name": "node-b", "work_pool": "b"}]}))
     check_result_storage(load_fleet(f))                                  # no shared tier: nothing to refuse
     assert _results_envs(render_prefect_yaml(f, ROOT)) == {None}
+
+
+def _cli_render(fleet_file: Path, *extra: str):
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    return subprocess.run([sys.executable, "-m", "ckptflow", "deploy", str(fleet_file), "--render-only", "--api-url",
+                           API, *extra], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**base, "COLUMNS": "200"})
+
+
+def test_the_fleet_file_sets_the_poll_and_the_cli_flag_overrides_it(example, tmp_path):
+    text = example.read_text()
+    assert "\nworker_query_seconds: 1\n" in text          # the example documents the field
+    example.write_text(text.replace("\nworker_query_seconds: 1\n", "\nworker_query_seconds: 4\n"))
+    files = render_node_workers(example, ROOT, api_url=API, out_dir=tmp_path / "f")
+    assert {_unit_env(u)["PREFECT_WORKER_QUERY_SECONDS"] for u in files["systemd"]} == {"4"}
+    assert {e["PREFECT_WORKER_QUERY_SECONDS"] for e in _daemonset_envs(files["kubernetes"][0])} == {"4"}
+
+    out = _cli_render(example, "--worker-query-seconds", "0.5")
+    assert out.returncode == 0, out.stderr
+    (workers,) = example.parent.glob("*.workers")
+    units = sorted((workers / "systemd").glob("ckptflow-prefect-worker-*.service"))
+    assert len(units) == len(load_fleet(example).nodes)
+    assert {_unit_env(u)["PREFECT_WORKER_QUERY_SECONDS"] for u in units} == {"0.5"}
+    assert {e["PREFECT_WORKER_QUERY_SECONDS"] for e in _daemonset_envs(workers / "kubernetes" / "daemonset.yaml")} \
+        == {"0.5"}
+    assert _worker_query_seconds(_unit_env(units[0])) == 0.5
+
+
+def test_a_bad_poll_in_the_fleet_file_or_on_the_command_line_is_refused_in_one_line(example, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(example.read_text().replace("\nworker_query_seconds: 1\n", "\nworker_query_seconds: 0\n"))
+    with pytest.raises(ConfigError, match=r"worker_query_seconds \(line \d+\): Input should be greater than 0"):
+        load_fleet(bad)
+    out = _cli_render(example, "--worker-query-seconds", "0")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert lines[0] == "error: worker poll interval 0 s: it must be more than 0 and at most 60 s", lines
+    assert lines[1].startswith("fix: pass --worker-query-seconds of about 1") and len(lines) == 2
+    assert not list(example.parent.glob("*.workers")) and not list(example.parent.glob("prefect.*.yaml"))

@@ -187,6 +187,7 @@ CONFIG = [
     (R, "a demo worker with 512 MiB of static ballast", "bench/s3_store.py", r"ballast_mib=512\b"),
     (D, "content-addressed 64 MiB chunks", "ckptflow/demo/llm_worker.py", r"SLOT = 64 << 20\b"),
     (D, "pinned 8 MiB slots", "ckptflow/demo/llm_worker.py", r"PIECE, RING = 8 << 20\b"),
+    (R, "`worker_query_seconds`, default 1 s", "ckptflow/fleet.py", r"\nWORKER_QUERY_S = 1\.0\b"),
 ]
 
 # Re-measured by other work now: their own tests hold them; this one skips the text from the

@@ -47,7 +47,7 @@ def test_migrate_in_process_session_continues(tmp_path, prefect_harness, demo_wo
 
 
 def test_drain_moves_long_sessions_and_stops_short_ones(tmp_path, prefect_harness, demo_worker, s3):
-    from ckptflow.flows.migrate import drain
+    from ckptflow.flows.drain import drain
 
     long_w, short_w, ref = demo_worker("chat"), demo_worker("api"), demo_worker("ref")
     short_w.workload = short_w.workload.model_copy(update={"traffic": TrafficClass.short_requests})
@@ -66,7 +66,7 @@ def test_drain_skips_a_target_whose_own_maintenance_window_is_about_to_open(tmp_
                                                                             demo_worker, s3):
     from datetime import datetime, timedelta, timezone
 
-    from ckptflow.flows.migrate import drain
+    from ckptflow.flows.drain import drain
 
     w, ref = demo_worker("chat"), demo_worker("ref")
     fleet = _two_node_fleet(tmp_path, s3, [w.workload], "ckpt-drain-mw")
@@ -87,7 +87,7 @@ def test_scale_up_starts_a_warm_replica_beside_the_original(tmp_path, prefect_ha
     import subprocess
 
     from ckptflow.demo.launch import http_json
-    from ckptflow.flows.migrate import scale_up
+    from ckptflow.flows.scale import scale_up
     from ckptflow.runners.criu import SandboxCopy
 
     w = demo_worker("chat")
@@ -106,7 +106,7 @@ def test_scale_up_starts_a_warm_replica_beside_the_original(tmp_path, prefect_ha
         assert res["golden"] == golden_digest(http_json(g.url, g.body), g.field)   # computes like the original
         again = scale_up(fleet, "chat", "node-b", via_deployments=False)  # reuses the template
         assert again["checkpoint"] == res["checkpoint"] and again["downloaded_bytes"] == 0
-        from ckptflow.flows.migrate import scale_down
+        from ckptflow.flows.scale import scale_down
         from ckptflow.runners.process import pid_alive
 
         down = scale_down(fleet, "chat", "node-b", replica=again["netns"], via_deployments=False)

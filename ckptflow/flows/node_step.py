@@ -15,6 +15,7 @@ Actions (each a task on the node that holds the process or the images):
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Literal
 
 from prefect import flow
@@ -37,8 +38,8 @@ def node_step(fleet_file: str, action: Step, workload: str, node: str, checkpoin
     """Run one node-level action for ``workload`` on ``node`` (this node).
 
     A move between nodes pairs two steps (flows.steps.move): ``when_ready`` (on migrate_out)
-    is the target step's flow run id, which must be ready (warmed, waiting) before this checkpoints;
-    ``checkpoint_from`` (on migrate_in) is the idempotency key of the migrate_out step whose
+    is the target step's flow run id, which must be ready (its tier and runner open, waiting)
+    before this checkpoints; ``checkpoint_from`` (on migrate_in) is the idempotency key of the migrate_out step whose
     result names the checkpoint, waited for instead of taking ``checkpoint``.
     """
     if action == "cold_start":  # its task (tasks/verify.py) still reads the file itself
@@ -47,17 +48,18 @@ def node_step(fleet_file: str, action: Step, workload: str, node: str, checkpoin
     scope = fleet.scope()
     if when_ready:
         wait_ready(when_ready)
-    if checkpoint_from:
-        _warm(fleet_file, node)
-        mark_ready()
-        checkpoint = checkpoint_of(checkpoint_from)
+    # A paired move: the source tells the target its checkpoint from inside migrate_out; the
+    # target's migrate_in opens everything, says it is ready and waits for that id itself.
+    out_pair = {"publish": publish_checkpoint} if when_ready else {}
+    in_pair = ({"checkpoint_from": partial(checkpoint_of, checkpoint_from), "ready": mark_ready}
+               if checkpoint_from else {})
     steps = {
         # The flow's own result carries theirs; persisting the task's too was one more S3 write
         # while the moved worker is down.
-        "migrate_out": lambda: _out(migrate_out.with_options(persist_result=False)(scope, placed(fleet, workload)),
-                                    paired=bool(when_ready)),
+        "migrate_out": lambda: migrate_out.with_options(persist_result=False)(scope, placed(fleet, workload),
+                                                                                **out_pair),
         "migrate_in": lambda: migrate_in.with_options(persist_result=False)(scope, placed(fleet, workload, node),
-                                                                              checkpoint),
+                                                                              checkpoint, **in_pair),
         "restore_local": lambda: restore_local(scope, placed(fleet, workload), node, checkpoint),
         "stop": lambda: stop_workload(placed(fleet, workload)),
         "take_template": lambda: take_template(scope, placed(fleet, workload)),
@@ -66,34 +68,3 @@ def node_step(fleet_file: str, action: Step, workload: str, node: str, checkpoin
         "restore": lambda: restore_workload(scope, placed(fleet, workload, node)),
     }
     return steps[action]()
-
-
-def _out(res: dict, paired: bool) -> dict:
-    """A paired migrate_out tells its target the checkpoint at once (flows.steps.publish_checkpoint);
-    if that fails, the target reads it from this flow's result when it ends."""
-    if paired:
-        try:
-            publish_checkpoint(res["checkpoint"])
-        except Exception as e:
-            print(f"could not label the flow run with checkpoint {res['checkpoint']} ({e}); the target "
-                  "reads it from this step's result")
-    return res
-
-
-def _warm(fleet_file: str, node: str) -> None:
-    """Do, while the source still serves, what migrate_in would do first once the worker is down:
-    the per-process caches (the parsed fleet file, this node's fingerprint: CRIU, podman and runc
-    versions) and the S3 clients' imports and service models (boto3's default session keeps
-    them). Measured under load: seconds of a restore's hand-off. Anything failing here fails
-    again in the step itself, with its own error."""
-    try:
-        from prefect_aws import S3Bucket  # noqa: F401  (the results block that carries the checkpoint id)
-
-        from ckptflow.tasks.common import node_runner, open_fleet, tier
-
-        fleet = open_fleet(fleet_file)
-        tier(fleet)
-        with node_runner(fleet, node) as runner:
-            runner.node_fp
-    except Exception:
-        pass

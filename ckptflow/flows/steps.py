@@ -28,9 +28,14 @@ READY_TIMEOUT_S = 600  # longest a source waits for its target's step to start b
 # reads one label instead of waiting for the source's flow to end and loading its result from
 # the results block (measured under load: ~3 s of the hand-off).
 CHECKPOINT_LABEL = "ckptflow.checkpoint"
-# And the target labels its own run once warmed (flows.node_step._warm) and waiting: "Running"
-# comes seconds earlier, before its imports and caches, and a dump then waited on them.
+# And the target labels its own run once its migrate_in task has opened the tier and the runner
+# and waits (tasks.move.migrate_in): "Running" comes seconds earlier, before its imports and
+# caches, and a dump then waited on them.
 READY_LABEL = "ckptflow.ready"
+# How often a ready target asks for the checkpoint label. Faster than POLL_S: the worker is
+# down while it waits, and the wait spans only the source's dump and upload (reads, a few
+# dozen per move).
+CHECKPOINT_POLL_S = 0.05
 
 
 class StepFailed(RuntimeError):
@@ -101,8 +106,9 @@ def cancel_step(fr: FlowRun) -> None:
 
 def move(source: str, target: str, fleet_file: str, workload: str) -> tuple[dict, FlowRun]:
     """Checkpoint ``workload`` on ``source`` for ``target``, with the target's migrate_in step
-    started first and ready (warmed, waiting) when the source dumps. Returns migrate_out's result and
-    the target's flow run (``wait_step`` it). A failed migrate_out cancels or ends that run."""
+    started first and ready (its tier and runner open, waiting) when the source dumps. Returns
+    migrate_out's result and the target's flow run (``wait_step`` it). A failed migrate_out
+    cancels or ends that run."""
     inn = start_step(target, "migrate_in", fleet_file, workload,
                      checkpoint_from=step_key("migrate_out", workload, source))
     try:
@@ -133,7 +139,8 @@ def _wait(run_id, done, timeout_s: float, what: str, ready=lambda fr: False):
 
 
 def mark_ready() -> None:
-    """Label this flow run (a paired migrate_in) ready: warmed, and waiting for its checkpoint."""
+    """Label this flow run (a paired migrate_in) ready: its task opened the tier and the runner,
+    and waits for its checkpoint."""
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as c:
@@ -155,7 +162,9 @@ def wait_ready(run_id: str, timeout_s: float = READY_TIMEOUT_S) -> None:
 
 
 def publish_checkpoint(checkpoint: str) -> None:
-    """Label this flow run (a paired migrate_out) with ``checkpoint``, pushed and complete in S3."""
+    """Label this flow run (a paired migrate_out) with ``checkpoint``, pushed and complete in S3.
+    Called inside the migrate_out task (its ``publish``), so the target need not wait for the
+    task to end."""
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as c:
@@ -183,7 +192,7 @@ def checkpoint_of(key: str, timeout_s: float = STEP_TIMEOUT_S) -> str:
                 break
             if time.monotonic() > deadline:
                 raise StepFailed(f"the checkpoint step {key} did not end within {timeout_s:.0f} s")
-            time.sleep(POLL_S)
+            time.sleep(CHECKPOINT_POLL_S)
     fr = runs[0]
     if not fr.state.is_completed():
         raise StepFailed(f"the checkpoint step (flow run {fr.id}) ended {fr.state.name}: nothing to restore")

@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
-from prefect import task
+from prefect import get_run_logger, task
 
 from ckptflow.errors import ConfigError, RestoreFailed, WorkloadNotFound
 from ckptflow.fleet import FleetScope
@@ -35,24 +37,59 @@ def _tier(scope: FleetScope):
 
 
 @task(name="migrate-out")
-def migrate_out(scope: FleetScope, w: Workload) -> dict:
-    """Checkpoint ``w`` on the node it runs on (the worker exits) and push it to the shared tier."""
+def migrate_out(scope: FleetScope, w: Workload, publish: Callable[[str], None] | None = None) -> dict:
+    """Checkpoint ``w`` on the node it runs on (the worker exits) and push it to the shared tier.
+
+    ``publish``: told the checkpoint's id as soon as the tier holds all of it, inside this task
+    (a paired move's target waits for it: flows.steps.publish_checkpoint). If it fails, the
+    target reads the id from this step's result when the step ends, seconds later.
+    """
     tier = _tier(scope)
-    with node_runner(scope, w.node) as runner:
+    with node_runner(scope, w.node) as runner, ThreadPoolExecutor(1) as ex:
         with node_slot(w.node):
             m = runner.checkpoint(w, leave_running=False)
-        pushed = tier.push(runner.store, m)
-    return {"checkpoint": m.id, "bytes": m.bytes, "timings": m.timings, **pushed}
+            # The upload starts here: the slot's release, a call to the Prefect server while
+            # the worker is down, overlaps it instead of coming first (the push needs no slot).
+            push = ex.submit(tier.push, runner.store, m)
+        pushed = push.result()
+    at = {"pushed": time.time()}  # wall clock: the bench lines these up with its client's answers
+    if publish is not None:
+        try:
+            publish(m.id)
+            at["published"] = time.time()
+        except Exception as e:
+            get_run_logger().warning("could not publish checkpoint %s to the target (%s); it reads it from "
+                                     "this step's result", m.id, e)
+    return {"checkpoint": m.id, "bytes": m.bytes, "timings": m.timings, "at": at, **pushed}
 
 
 @task(name="migrate-in")
-def migrate_in(scope: FleetScope, w: Workload, checkpoint: str) -> dict:
-    """Pull ``checkpoint`` into the store of ``w.node`` (the target) and restore it there."""
-    with node_runner(scope, w.node) as runner:
-        m, pulled = _tier(scope).pull(runner.store, w.name, checkpoint, w.node)
-        with node_slot(w.node):
+def migrate_in(scope: FleetScope, w: Workload, checkpoint: str | None,
+               checkpoint_from: Callable[[], str] | None = None, ready: Callable[[], None] | None = None) -> dict:
+    """Pull ``checkpoint`` into the store of ``w.node`` (the target) and restore it there.
+
+    In a paired move (flows.steps.move) this task starts before the source checkpoints: it
+    opens the tier and the runner and reads this node's fingerprint (the restore's gate needs
+    it) first, then calls ``ready()`` (the source may dump now) and ``checkpoint_from()``,
+    which waits for the checkpoint's id. The worker is down from there on only for the
+    download and the restore: this node's C/R slot is taken while the download runs.
+    """
+    tier = _tier(scope)
+    with node_runner(scope, w.node) as runner, ThreadPoolExecutor(1) as ex:
+        if checkpoint_from is not None:
+            runner.node_fp  # noqa: B018  (CRIU, podman and runc versions: subprocesses, read once)
+            if ready is not None:
+                ready()
+            checkpoint = checkpoint_from()
+        if checkpoint is None:
+            raise ValueError("migrate_in needs a checkpoint or checkpoint_from")
+        at = {"checkpoint_known": time.time()}
+        pull = ex.submit(tier.pull, runner.store, w.name, checkpoint, w.node)
+        with node_slot(w.node):  # held from before the download ends until the restore ends
+            m, pulled = pull.result()
             res = runner.restore(w, manifest=m, fallback=False)
-    return {"checkpoint": m.id, "pid": res.pid, "timings": res.timings, **pulled}
+            at["restored"] = time.time()  # healthy: before the slot's release
+    return {"checkpoint": m.id, "pid": res.pid, "timings": res.timings, "at": at, **pulled}
 
 
 @task(name="restore-local")

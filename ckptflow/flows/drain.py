@@ -1,0 +1,41 @@
+"""drain: ahead of maintenance, move a node's long-session workloads elsewhere (each a migrate)
+and stop its short-request ones once drained."""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from ckptflow.flows.migrate import migrate
+from ckptflow.flows.steps import run_step, spreader_off
+from ckptflow.models import TrafficClass
+from ckptflow.render import render
+from ckptflow.tasks.common import open_fleet
+from ckptflow.tasks.fleet import mark_drained
+
+
+@flow(name="drain", log_prints=True, persist_result=True)
+def drain(fleet_file: str, node: str, via_deployments: bool = True) -> list[dict]:
+    """Ahead of maintenance: move long-session workloads off ``node`` (placement picks the
+    target), stop short-request ones once drained, report what went where, mark the node."""
+    fleet = open_fleet(fleet_file)
+    targets = spreader_off(fleet, node)
+    rows = []
+    for w in (x for x in fleet.workloads if x.node == node):
+        if w.traffic == TrafficClass.short_requests:
+            r = run_step(node, "stop", fleet_file, w.name, None, via_deployments)
+            rows.append({"workload": w.name, "action": "stopped (short requests)", "target": "-", **r})
+            continue
+        p = targets.place(w.gpu_footprint_gib or 0)
+        if p.node is None:
+            rows.append({"workload": w.name, "action": "NOT MOVED", "target": "-", "reason": p.reason})
+            continue
+        try:
+            res = migrate(fleet_file, w.name, p.node, via_deployments)
+            targets.placed(p.node)
+            rows.append({"workload": w.name, "action": "migrated", "target": p.node, "checkpoint": res["checkpoint"]})
+        except Exception as e:
+            rows.append({"workload": w.name, "action": "FAILED", "target": p.node, "reason": str(e).splitlines()[0]})
+    mark_drained(fleet.scope(), node, rows)
+    create_markdown_artifact(key=f"drain-{node}", markdown=render("drain_report.md.j2", node=node, rows=rows))
+    return rows
