@@ -341,7 +341,7 @@ def test_runner_leaves_no_temp_dir_and_removes_a_killed_runners(tmp_path, demo_w
     import tempfile
 
     def dirs():
-        return set(Path(tempfile.gettempdir()).glob("ckptflow-criu-*"))
+        return set(Path(tempfile.gettempdir()).glob(f"ckptflow-criu-{os.getpid()}-*"))  # ours: other CRIU users share /tmp
 
     # A runner killed mid-call (SIGKILL: no cleanup ran) left its directory behind.
     dead = subprocess.Popen(["true"])

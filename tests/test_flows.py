@@ -92,7 +92,7 @@ def _criu_tmp_dirs() -> set:
     import tempfile
     from pathlib import Path
 
-    return set(Path(tempfile.gettempdir()).glob("ckptflow-criu-*"))
+    return set(Path(tempfile.gettempdir()).glob(f"ckptflow-criu-{os.getpid()}-*"))  # ours: other CRIU users share /tmp
 
 
 def test_heartbeat_and_recover_leave_no_criu_temp_dir(tmp_path, prefect_harness, demo_worker):
