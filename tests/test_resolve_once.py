@@ -58,7 +58,7 @@ def tasks(monkeypatch):
         return task
 
     for name in ("migrate_out", "migrate_in", "restore_local", "stop_workload", "take_template",
-                 "scale_up_in", "scale_down_in", "restore_workload"):
+                 "scale_up_in", "scale_down_in", "restore_workload", "cold_start_placed"):
         monkeypatch.setattr(node_step_mod, name, recorder(name))
     return got
 
@@ -66,7 +66,7 @@ def tasks(monkeypatch):
 @pytest.mark.parametrize("action,task,node", [
     ("restore", "restore_workload", "b"), ("migrate_in", "migrate_in", "b"), ("migrate_out", "migrate_out", "a"),
     ("take_template", "take_template", "a"), ("scale_up_in", "scale_up_in", "b"), ("stop", "stop_workload", "a"),
-    ("restore_local", "restore_local", "a")])
+    ("restore_local", "restore_local", "a"), ("cold_start", "cold_start_placed", "b")])
 def test_a_node_step_opens_the_fleet_once_and_hands_its_task_typed_values(tmp_path, opened, tasks, action, task, node):
     f = _fleet(tmp_path)
     open_fleet_state(Storage(kind="local", path=str(tmp_path / "store"))).put_placement("chat", "a", "test")
@@ -76,9 +76,9 @@ def test_a_node_step_opens_the_fleet_once_and_hands_its_task_typed_values(tmp_pa
     assert not any(isinstance(a, str) and a.endswith(".yaml") for a in args)     # no path reaches a task
     w = next(a for a in args if isinstance(a, Workload))
     assert w.name == "chat"
-    if action in ("restore", "migrate_in", "scale_up_in"):                        # brought to the target
+    if action in ("restore", "migrate_in", "scale_up_in", "cold_start"):                        # brought to the target
         assert w.node == "b"
-    if action != "stop":
+    if action not in ("stop", "cold_start"):
         assert isinstance(args[0], FleetScope) and args[0].storage.path == str(tmp_path / "store")
 
 
@@ -104,16 +104,15 @@ def test_no_move_or_restore_task_takes_the_fleet_file():
             assert "fleet_file" not in inspect.signature(fn).parameters, f"{mod.__name__}.{name} takes the file"
 
 
-def test_cold_start_takes_the_placed_workload_and_the_path_works_on_any_kind(tmp_path):
-    """``cold_start_placed`` gets the workload as the flow placed it (no path, no fleet state);
-    the path-taking ``cold_start_workload`` that node_step's cold_start action still calls opens
-    a fleet on a registered object-store kind (the toy) and reads its placements from there."""
+def test_cold_start_takes_the_placed_workload_on_any_kind(tmp_path):
+    """``cold_start_placed`` gets the workload as the flow placed it (no path, no fleet state),
+    from a fleet on a registered object-store kind (the toy) whose placements live there."""
     import os
     import signal
 
     import toy_tier  # noqa: F401  (registers storage.kind toy; tests/helpers is on sys.path)
     from ckptflow.runners import process
-    from ckptflow.tasks.verify import cold_start_placed, cold_start_workload
+    from ckptflow.tasks.verify import cold_start_placed
 
     marker = f"{tmp_path}/cold-{os.getpid()}"
     f = tmp_path / "fleet.yaml"
@@ -127,12 +126,9 @@ def test_cold_start_takes_the_placed_workload_and_the_path_works_on_any_kind(tmp
     assert common.open_fleet(str(f)).workload("chat").node == "b"
     pids = []
     try:
-        row = cold_start_workload.fn(str(f), "chat")
-        pids.append(row["pid"])
-        assert row["workload"] == "chat" and process.pid_alive(row["pid"])
         row = cold_start_placed.fn(common.placed(common.open_fleet(str(f)), "chat"))
         pids.append(row["pid"])
-        assert row["workload"] == "chat" and process.pid_alive(row["pid"]) and row["pid"] != pids[0]
+        assert row["workload"] == "chat" and process.pid_alive(row["pid"])
         assert "fleet_file" not in inspect.signature(cold_start_placed.fn).parameters
     finally:
         for pid in pids:

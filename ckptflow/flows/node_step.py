@@ -25,7 +25,7 @@ from ckptflow.tasks.common import open_fleet, placed
 from ckptflow.tasks.move import (migrate_in, migrate_out, restore_local, scale_down_in, scale_up_in, stop_workload,
                                  take_template)
 from ckptflow.tasks.node import restore_workload
-from ckptflow.tasks.verify import cold_start_workload
+from ckptflow.tasks.verify import cold_start_placed
 
 Step = Literal["migrate_out", "migrate_in", "restore_local", "stop", "take_template", "scale_up_in", "scale_down",
                "restore", "cold_start"]
@@ -42,8 +42,6 @@ def node_step(fleet_file: str, action: Step, workload: str, node: str, checkpoin
     before this checkpoints; ``checkpoint_from`` (on migrate_in) is the idempotency key of the migrate_out step whose
     result names the checkpoint, waited for instead of taking ``checkpoint``.
     """
-    if action == "cold_start":  # its task (tasks/verify.py) still reads the file itself
-        return cold_start_workload(fleet_file, workload)
     fleet = open_fleet(fleet_file)  # once: each task gets typed values, never the path
     scope = fleet.scope()
     if when_ready:
@@ -66,5 +64,6 @@ def node_step(fleet_file: str, action: Step, workload: str, node: str, checkpoin
         "scale_up_in": lambda: scale_up_in(scope, placed(fleet, workload, node), checkpoint),
         "scale_down": lambda: scale_down_in(scope, workload, node, replica),
         "restore": lambda: restore_workload(scope, placed(fleet, workload, node)),
+        "cold_start": lambda: cold_start_placed(placed(fleet, workload, node)),
     }
     return steps[action]()

@@ -2,9 +2,7 @@
 
 A flow resolves the fleet once per run (``open_fleet``) and hands its tasks plain values: the
 fleet's ``FleetScope`` (storage, Slack, retention), the node and the workloads a task acts on
-(``placed``: a workload where a step brings it), never the fleet file's path (the last task
-that still takes it is tasks/verify.py's ``cold_start_workload``, for node_step's ``cold_start``
-action; ``cold_start_placed`` takes the placed workload instead). The
+(``placed``: a workload where a step brings it), never the fleet file's path. The
 helpers below take that scope, or the whole ``Fleet``: they read only its scope fields.
 """
 

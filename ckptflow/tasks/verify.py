@@ -52,14 +52,6 @@ def cold_start_placed(w: Workload) -> dict:
     return _cold_start_row(w)
 
 
-@task(name="cold-start-workload")
-def cold_start_workload(fleet_file: str, workload: str) -> dict:
-    """As ``cold_start_placed``, for a caller that still hands over the fleet file's path
-    (flows/node_step.py's ``cold_start`` action): the file is opened here, its placements read
-    from the fleet state of whatever kind it declares (store.open_fleet_state)."""
-    return _cold_start_row(open_fleet(fleet_file).workload(workload))
-
-
 @task(name="alert-restore-failed")
 def alert_restore_failed(scope: FleetScope, workload: str, node: str, reason: str, checkpoint: str | None,
                          fallback: str | None, log_tail: str = "", cause: str | None = None,
