@@ -30,7 +30,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       ValidationInfo, field_serializer, field_validator, model_validator)
 
 from ckptflow.container_models import ContainerSpec, PortMap
-from ckptflow.modes import DEFAULT_MODE, MODES, ModeParams, unknown_mode
+from ckptflow.modes import DEFAULT_MODE, MODES, ModeParams, canonical_mode, unknown_mode
 
 # Names end up in paths and object keys: keep them to a safe alphabet so that a workload
 # called "../../etc" can never address anything outside its own directory.
@@ -166,7 +166,7 @@ class CheckpointMode(StrEnum):
     ckptflow.modes.MODES; ``Workload.checkpoint`` holds the name)."""
 
     process = "process"     # the whole worker: CUDA checkpoint + CRIU (any engine)
-    two_tier = "two-tier"   # template + sessions through the engine protocol (docs/engines/protocol.md)
+    template_sessions = "template-sessions"  # template + sessions through the engine protocol (docs/engines/protocol.md)
 
 
 class Workload(BaseModel):
@@ -221,12 +221,13 @@ class Workload(BaseModel):
         examples=["http://127.0.0.1:18001/v1/ckptflow/resume"])
     checkpoint: str = Field(
         DEFAULT_MODE, description="Checkpoint mode, by registered name (ckptflow.modes): process: the whole worker "
-        "(CRIU + the node's GPU backend), any engine; two-tier: a template of the initialised engine plus the "
-        "sessions it exports, bytes in proportion to what changed (the engine must speak ckptflow's protocol).",
-        examples=["two-tier"])
+        "(CRIU + the node's GPU backend), any engine; template-sessions (old name: two-tier): a template of "
+        "the initialised engine plus the sessions it exports, bytes in proportion to what changed (the engine "
+        "must speak ckptflow's protocol).",
+        examples=["template-sessions"])
     checkpoint_params: SerializeAsAny[ModeParams] = Field(
         default_factory=ModeParams, validate_default=True, description="Parameters of the checkpoint mode, checked against its model "
-        "(ProcessParams, TwoTierParams).", examples=[{"min_session_tokens": 64}])
+        "(ProcessParams, TemplateSessionsParams).", examples=[{"min_session_tokens": 64}])
     tcp_established: bool = Field(
         False, description="Checkpoint established TCP connections too (CRIU --tcp-established).")
     criu: CriuOptions = Field(default_factory=CriuOptions,
@@ -237,6 +238,7 @@ class Workload(BaseModel):
     @field_validator("checkpoint")
     @classmethod
     def _known_mode(cls, v: str, info: ValidationInfo) -> str:
+        v = canonical_mode(v)  # an old name (two-tier) reads as the mode it names now
         if v not in MODES:
             raise ValueError(unknown_mode(v))
         why = MODES[v].refuse(info.data)  # the fields declared above checkpoint are validated already
@@ -273,7 +275,7 @@ class Workload(BaseModel):
             raise ValueError("give exactly one of find (a process) or container (a container workload)")
         if self.container is not None and self.gpu:  # other modes refuse containers themselves (ckptflow.modes)
             raise ValueError("a container workload is checkpointed whole and on CPU only for now: "
-                             "drop checkpoint: two-tier and gpu: true, or run it as a process")
+                             "drop checkpoint: template-sessions and gpu: true, or run it as a process")
         return self
 
 
@@ -294,7 +296,7 @@ class CheckpointKind(StrEnum):
     heartbeat = "heartbeat"   # the whole worker, left running
     migrate = "migrate"       # the whole worker, which exited (it moves to another node)
     template = "template"     # the initialised worker before traffic: replicas start from it
-    sessions = "sessions"     # two-tier: a workload's session KV over a shared template (runners.twotier)
+    sessions = "sessions"     # two-tier: a workload's session KV over a shared template (runners.template_sessions)
     session = "session"       # one llama.cpp slot saved by the server (engines.llamacpp)
 
 

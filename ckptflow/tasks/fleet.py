@@ -109,8 +109,8 @@ def apply_retention(scope: FleetScope, node: str | None, workloads: list[str]) -
             for name in workloads for ckpt, why in store.apply_retention(name, scope.retention)]
 
 
-@task(name="collect-two-tier")
-def collect_two_tier(scope: FleetScope, node: str | None) -> dict:
+@task(name="collect-template-sessions")
+def collect_template_sessions(scope: FleetScope, node: str | None) -> dict:
     """After retention on the node: the two-tier templates nothing needs any more, then the
     chunks no checkpoint left names."""
     store = open_store(scope.storage, node)
