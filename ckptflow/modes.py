@@ -157,7 +157,7 @@ def _template_sessions_refusal(w: Mapping[str, Any]) -> str | None:
 
 
 register_mode("process", ProcessParams, runner="ckptflow.runners.modes:ProcessMode",
-              kinds=("heartbeat", "migrate", "template"),
+              kinds=("heartbeat", "migrate", "scale_template"),
               summary="the whole worker: CRIU plus the node's GPU backend, any engine")
 register_mode("template-sessions", TemplateSessionsParams,
               runner="ckptflow.runners.template_sessions:TemplateSessionsMode", kinds=("sessions",),

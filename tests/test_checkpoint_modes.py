@@ -103,7 +103,7 @@ def test_what_a_mode_refuses_is_said_at_the_checkpoint_field(tmp_path):
 
 def test_a_manifests_kind_names_the_mode_that_wrote_it(tmp_path):
     assert mode_of_kind("sessions").name == "template-sessions"
-    assert {mode_of_kind(k).name for k in ("heartbeat", "migrate", "template", "session")} == {"process"}
+    assert {mode_of_kind(k).name for k in ("heartbeat", "migrate", "scale_template", "session")} == {"process"}
     w = Workload(name="w1", node="n1", find={"pid_file": "/run/w1.pid"})         # declares process now
     m = Manifest(id="20261130T120000Z-0a0b0c0d", workload="w1", node="n1", kind="sessions")
     with NodeRunner(LocalStore(tmp_path / "store"), criu=object()) as node:

@@ -59,7 +59,7 @@ def test_template_then_session_heartbeats_move_only_what_changed(pair, tt):
     store = tt.store
     m1 = tt.heartbeat(live.workload)
     tmpl = _template(tt, m1)
-    assert tmpl.kind == "template" and m1.kind == "sessions"
+    assert tmpl.kind == "engine_template" and m1.kind == "sessions"
     # The weights (ballast + model) left the image: it is smaller than the weights alone.
     assert tmpl.probe.weights.bytes > BALLAST_MIB << 20 > tmpl.bytes
     assert live.complete("go on", 8, "a") == ref.complete("go on", 8, "a")      # serves on, same tokens

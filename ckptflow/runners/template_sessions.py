@@ -33,7 +33,7 @@ from pathlib import Path
 
 from ckptflow.errors import (CheckpointNotFound, CkptflowError, EngineProtocolError, IncompatibleCheckpoint,
                              RestoreFailed, StorageUnavailable, UnsupportedWorkload)
-from ckptflow.models import (CheckpointState, EngineProbe, Manifest, ManifestProbe, SessionExport, TemplateBinding,
+from ckptflow.models import (CheckpointKind, CheckpointState, EngineProbe, Manifest, ManifestProbe, SessionExport, TemplateBinding,
                              TemplateSource, WeightChunks, Workload)
 from ckptflow.policies.sessions import MIN_TOKENS, ExportContext, SessionFacts, decide_sessions
 from ckptflow.poll import NotYet, PollTimeout, poll
@@ -235,7 +235,7 @@ class TemplateSessionsRunner:
         t0 = time.perf_counter()
         self._unpark(w, weights["tensors"], recs)
         t["unpark"] = time.perf_counter() - t0
-        tmpl = self.store.commit(pending, kind="template", pid=dumped.pid, gpu_footprint_bytes=dumped.footprint,
+        tmpl = self.store.commit(pending, kind=CheckpointKind.engine_template, pid=dumped.pid, gpu_footprint_bytes=dumped.footprint,
                                  gpu_pids=dumped.gpu_pids, gpu_footprints=dumped.per_gpu,
                                  fingerprint=workload_fingerprint(w, self.node.node_fp),
                                  timings={k: round(v, 4) for k, v in t.items()},

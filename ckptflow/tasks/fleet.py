@@ -145,12 +145,12 @@ def prune_bucket(scope: FleetScope) -> dict:
 
 @task(name="find-template")
 def find_template(scope: FleetScope, workload: str) -> str | None:
-    """The newest initialised checkpoint (kind template) of ``workload`` in the fleet's shared
+    """The newest initialised checkpoint (kind scale_template) of ``workload`` in the fleet's shared
     tier, which scale-up starts replicas from; None when there is none (or no shared tier)."""
     t = tier(scope)
     if t is None:
         return None
-    return next((m.id for m in t.manifests(workload) if m.kind == CheckpointKind.template), None)
+    return next((m.id for m in t.manifests(workload) if m.kind == CheckpointKind.scale_template), None)
 
 
 @task(name="record-placement")
