@@ -14,9 +14,9 @@ silently used::
 Modes are registered by name (``register_mode("template-sessions", TemplateSessionsParams, runner=...)``)
 in ``MODES``, which the workload model checks ``checkpoint:`` against; an unknown one is refused in
 one line naming the known ones. A mode may keep an old name as an alias (``two-tier``, which
-fleet files in the wild still say, is ``template-sessions``). ``runner`` is where the mode's implementation lives
-(``"module:Class"``, a ``runners.modes.ModeRunner``), imported only when a node step uses it,
-so this module stays pure and importable by the models. docs/extending/checkpoint-mode.md walks
+fleet files in the wild still say, is ``template-sessions``). ``runner`` is where the mode's
+implementation lives (``"module:Class"``, a ``runners.modes.ModeRunner``), imported only when a
+node step uses it, so this module stays pure and importable by the models. docs/extending/checkpoint-mode.md walks
 through adding one.
 
 Example:
@@ -55,7 +55,8 @@ class ProcessParams(ModeParams):
 
 
 class TemplateSessionsParams(ModeParams):
-    """``template-sessions`` (alias ``two-tier``): a template of the initialised engine plus the sessions it exports."""
+    """``template-sessions`` (alias ``two-tier``): a template of the initialised engine plus the
+    sessions it exports."""
 
     min_session_tokens: int | None = Field(
         None, ge=0, description="Sessions shorter than this are left out of a session checkpoint (they restart "
