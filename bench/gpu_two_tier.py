@@ -37,7 +37,7 @@ from _common import append_results, md_table, record_run  # noqa: E402
 from ckptflow.demo import launch  # noqa: E402
 from ckptflow.models import ProcessFinder  # noqa: E402
 from ckptflow.runners.node import NodeRunner  # noqa: E402
-from ckptflow.runners.twotier import TwoTierRunner  # noqa: E402
+from ckptflow.runners.template_sessions import TemplateSessionsRunner  # noqa: E402
 from ckptflow.store.local import LocalStore  # noqa: E402
 
 PORT = 18651
@@ -162,7 +162,7 @@ def _row(name, a, row, t0, pid_file, tmp, transparent, host_gib, node_box) -> di
                        f"{used:.0f} GiB on the GPU: the CUDA checkpoint brings it into the worker's host "
                        f"memory and CRIU writes it again ({2 * used:.0f} GiB) on a {host_gib:.0f} GiB host"))
     log(name, "transparent", row)
-    tt = TwoTierRunner(node)
+    tt = TemplateSessionsRunner(node)
     m1 = tt.heartbeat(w)
     tmpl = store.get(m1.probe.template.workload, m1.probe.template.id)
     row.update(template_capture=tmpl.timings, template_image_gib=round(tmpl.bytes / GiB, 2),
@@ -213,7 +213,7 @@ def run_faults(a, weights: Path, tmp: Path) -> dict:
             "gpu": True, "gpu_footprint_gib": 12, "model_id": "ckptflow-demo-llm",
             "prepare_url": f"http://127.0.0.1:{PORT}/v1/ckptflow/prepare",
             "find": ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="ckptflow.demo.llm_worker")})
-        tt = TwoTierRunner(node)
+        tt = TemplateSessionsRunner(node)
         m = tt.heartbeat(w)
         before = state()
         kill(int(pid_file.read_text()), node)

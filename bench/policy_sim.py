@@ -176,7 +176,7 @@ def main() -> int:
             cls = run["ckptflow_by_class"]
             sens.append({"kv_bytes_per_token": kv, "seed": seeds[0], "policies": run["policies"],
                          "ckptflow_by_class": cls})
-    dt = {mode: decide_10k(mode) for mode in ("process", "two-tier")}
+    dt = {mode: decide_10k(mode) for mode in ("process", "template-sessions")}
     out = BENCH / "results"
     out.mkdir(exist_ok=True)
     plot([r for r in runs if "fixed_curve" in r], out / "policy_sim.png")
@@ -224,7 +224,7 @@ def main() -> int:
         print()
         print(sens_table)
     print(f"\ndeciding 10,000 workloads: {dt['process']:.3f} s (process), {dt['two-tier']:.3f} s (two-tier)")
-    notes = NOTES.format(dt_p=dt["process"], dt_t=dt["two-tier"], cls_table=cls_table,
+    notes = NOTES.format(dt_p=dt["process"], dt_t=dt["template-sessions"], cls_table=cls_table,
                          protects=protects_text(runs, profiles, n_exp),
                          sens=(f"Seed 0 (exponential) under two-tier-h200 with other KV bytes per token (GPU-hours; "
                                f"the reference uses 65,536):\n\n{sens_table}\n" if sens else ""),

@@ -616,7 +616,7 @@ def attempt_c(a, model: dict, work: Path, res: dict, rc: dict, kind: str) -> boo
         node = node_runner(a.store / f"store-c-tmpl-{kind}")
         w = workload("vllm-c", eng, model)
         t1 = time.perf_counter()
-        m = checkpoint(node, w, leave_running=False, kind="template")
+        m = checkpoint(node, w, leave_running=False, kind="scale_template")
         rc["template_capture_s"] = round(rc["sleep_s"] + time.perf_counter() - t1, 2)
         rc["template_pause_s"] = m.timings.get("pause")
         rc["template_phases"] = m.timings

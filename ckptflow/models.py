@@ -30,7 +30,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       ValidationInfo, field_serializer, field_validator, model_validator)
 
 from ckptflow.container_models import ContainerSpec, PortMap
-from ckptflow.modes import DEFAULT_MODE, MODES, ModeParams, unknown_mode
+from ckptflow.modes import DEFAULT_MODE, MODES, ModeParams, canonical_mode, unknown_mode
 
 # Names end up in paths and object keys: keep them to a safe alphabet so that a workload
 # called "../../etc" can never address anything outside its own directory.
@@ -166,7 +166,7 @@ class CheckpointMode(StrEnum):
     ckptflow.modes.MODES; ``Workload.checkpoint`` holds the name)."""
 
     process = "process"     # the whole worker: CUDA checkpoint + CRIU (any engine)
-    two_tier = "two-tier"   # template + sessions through the engine protocol (docs/engines/protocol.md)
+    template_sessions = "template-sessions"  # template + sessions through the engine protocol (docs/engines/protocol.md)
 
 
 class Workload(BaseModel):
@@ -221,12 +221,13 @@ class Workload(BaseModel):
         examples=["http://127.0.0.1:18001/v1/ckptflow/resume"])
     checkpoint: str = Field(
         DEFAULT_MODE, description="Checkpoint mode, by registered name (ckptflow.modes): process: the whole worker "
-        "(CRIU + the node's GPU backend), any engine; two-tier: a template of the initialised engine plus the "
-        "sessions it exports, bytes in proportion to what changed (the engine must speak ckptflow's protocol).",
-        examples=["two-tier"])
+        "(CRIU + the node's GPU backend), any engine; template-sessions (old name: two-tier): a template of "
+        "the initialised engine plus the sessions it exports, bytes in proportion to what changed (the engine "
+        "must speak ckptflow's protocol).",
+        examples=["template-sessions"])
     checkpoint_params: SerializeAsAny[ModeParams] = Field(
         default_factory=ModeParams, validate_default=True, description="Parameters of the checkpoint mode, checked against its model "
-        "(ProcessParams, TwoTierParams).", examples=[{"min_session_tokens": 64}])
+        "(ProcessParams, TemplateSessionsParams).", examples=[{"min_session_tokens": 64}])
     tcp_established: bool = Field(
         False, description="Checkpoint established TCP connections too (CRIU --tcp-established).")
     criu: CriuOptions = Field(default_factory=CriuOptions,
@@ -237,6 +238,7 @@ class Workload(BaseModel):
     @field_validator("checkpoint")
     @classmethod
     def _known_mode(cls, v: str, info: ValidationInfo) -> str:
+        v = canonical_mode(v)  # an old name (two-tier) reads as the mode it names now
         if v not in MODES:
             raise ValueError(unknown_mode(v))
         why = MODES[v].refuse(info.data)  # the fields declared above checkpoint are validated already
@@ -273,7 +275,7 @@ class Workload(BaseModel):
             raise ValueError("give exactly one of find (a process) or container (a container workload)")
         if self.container is not None and self.gpu:  # other modes refuse containers themselves (ckptflow.modes)
             raise ValueError("a container workload is checkpointed whole and on CPU only for now: "
-                             "drop checkpoint: two-tier and gpu: true, or run it as a process")
+                             "drop checkpoint: template-sessions and gpu: true, or run it as a process")
         return self
 
 
@@ -289,13 +291,18 @@ class CheckpointState(str, Enum):
 
 
 class CheckpointKind(StrEnum):
-    """What a checkpoint holds. Manifests on disk and in S3 carry these exact strings."""
+    """What a checkpoint holds. Manifests on disk and in S3 carry these exact strings (older ones
+    say ``template`` for either kind of template: ``Manifest`` reads which one it is)."""
 
     heartbeat = "heartbeat"   # the whole worker, left running
     migrate = "migrate"       # the whole worker, which exited (it moves to another node)
-    template = "template"     # the initialised worker before traffic: replicas start from it
-    sessions = "sessions"     # two-tier: a workload's session KV over a shared template (runners.twotier)
+    scale_template = "scale_template"    # the whole worker, initialised before traffic: scale-up replicas start from it
+    engine_template = "engine_template"  # template-sessions: the engine with weights and sessions released
+    sessions = "sessions"     # template-sessions: a workload's session KV over an engine template
     session = "session"       # one llama.cpp slot saved by the server (engines.llamacpp)
+    # Deprecated alias of scale_template (the same member), for callers not yet renamed
+    # (tasks/move.py); manifests never carry it.
+    template = "scale_template"
 
 
 class VerifyOutcome(StrEnum):
@@ -569,7 +576,8 @@ class Manifest(BaseModel):
     node: Name
     created: datetime = Field(default_factory=utcnow)
     kind: CheckpointKind = Field(CheckpointKind.heartbeat, description="What the checkpoint holds: heartbeat "
-                                 "(worker left running), migrate (worker exited), template, sessions, session.")
+                                 "(worker left running), migrate (worker exited), scale_template (a warm worker "
+                                 "scale-up clones), engine_template (template-sessions' engine), sessions, session.")
     files: list[FileEntry] = Field(default_factory=list)
     bytes: int = Field(0, ge=0, description="Total image bytes.")
     timings: dict[str, float] = Field(default_factory=dict, description="Phase -> seconds.")
@@ -593,6 +601,29 @@ class Manifest(BaseModel):
     copies: list[CheckpointCopy] = Field(
         default_factory=list, description="Where the bytes are: the node that took it, the S3 tier once "
         "pushed, each node that pulled it. A restore reads the nearest valid one (policies.tiers).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_template_kind(cls, data: Any) -> Any:
+        """A manifest written before the two templates had their own kinds says ``template``:
+        one whose probe names the worker it was captured from (a template source) is an engine
+        template, any other a scale-up template.
+
+        Example:
+            >>> old = {"id": "20261129T081500Z-1a2b3c4d", "workload": "w", "node": "n", "kind": "template"}
+            >>> Manifest.model_validate(old).kind.value
+            'scale_template'
+            >>> Manifest.model_validate({**old, "probe": {"template_source": "chat-a"}}).kind.value
+            'engine_template'
+        """
+        if not isinstance(data, dict) or data.get("kind") != "template":
+            return data
+        probe = data.get("probe")
+        if isinstance(probe, BaseModel):
+            engine = getattr(probe, "source", None) is not None
+        else:
+            engine = isinstance(probe, dict) and any(probe.get(k) is not None for k in ("source", "template_source"))
+        return {**data, "kind": CheckpointKind.engine_template if engine else CheckpointKind.scale_template}
 
     @field_serializer("probe")
     def _probe_as_written(self, probe: ManifestProbe, info: Any) -> dict[str, Any]:

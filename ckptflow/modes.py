@@ -8,25 +8,28 @@ silently used::
       - name: chat-a
         checkpoint: process                    # ProcessParams: no parameters (the default)
       - name: agent-b
-        checkpoint: two-tier                   # TwoTierParams
+        checkpoint: template-sessions          # TemplateSessionsParams
         checkpoint_params: {min_session_tokens: 64}
 
-Modes are registered by name (``register_mode("two-tier", TwoTierParams, runner=...)``) in
-``MODES``, which the workload model checks ``checkpoint:`` against; an unknown one is refused in
-one line naming the known ones. ``runner`` is where the mode's implementation lives
-(``"module:Class"``, a ``runners.modes.ModeRunner``), imported only when a node step uses it,
-so this module stays pure and importable by the models. docs/extending/checkpoint-mode.md walks
+Modes are registered by name (``register_mode("template-sessions", TemplateSessionsParams, runner=...)``)
+in ``MODES``, which the workload model checks ``checkpoint:`` against; an unknown one is refused in
+one line naming the known ones. A mode may keep an old name as an alias (``two-tier``, which
+fleet files in the wild still say, is ``template-sessions``). ``runner`` is where the mode's
+implementation lives (``"module:Class"``, a ``runners.modes.ModeRunner``), imported only when a
+node step uses it, so this module stays pure and importable by the models. docs/extending/checkpoint-mode.md walks
 through adding one.
 
 Example:
     >>> sorted(MODES)
-    ['process', 'two-tier']
-    >>> get_mode("two-tier").parse({"min_session_tokens": 64})
-    TwoTierParams(min_session_tokens=64)
+    ['process', 'template-sessions']
+    >>> get_mode("template-sessions").parse({"min_session_tokens": 64})
+    TemplateSessionsParams(min_session_tokens=64)
+    >>> get_mode("two-tier").name      # the old name, an alias
+    'template-sessions'
     >>> get_mode("snapshot")
     Traceback (most recent call last):
     ...
-    KeyError: "unknown checkpoint mode 'snapshot' (known: process, two-tier)"
+    KeyError: "unknown checkpoint mode 'snapshot' (known: process, template-sessions)"
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ class ProcessParams(ModeParams):
     """``process``: the whole worker, CRIU (+ its GPU backend), any engine (no parameters)."""
 
 
-class TwoTierParams(ModeParams):
-    """``two-tier``: a template of the initialised engine plus the sessions it exports."""
+class TemplateSessionsParams(ModeParams):
+    """``template-sessions`` (alias ``two-tier``): a template of the initialised engine plus the
+    sessions it exports."""
 
     min_session_tokens: int | None = Field(
         None, ge=0, description="Sessions shorter than this are left out of a session checkpoint (they restart "
@@ -98,14 +102,23 @@ class CheckpointModeSpec:
 
 
 MODES: dict[str, CheckpointModeSpec] = {}
+MODE_ALIASES: dict[str, str] = {}  # an old name -> the registered name (fleet files keep working)
 
 
 def register_mode(name: str, params: type[ModeParams], *, runner: str, kinds: tuple[str, ...],
-                  refuse: Refusal | None = None, summary: str = "") -> CheckpointModeSpec:
-    """Register a checkpoint mode under ``name``: what a workload's ``checkpoint:`` names."""
+                  refuse: Refusal | None = None, summary: str = "",
+                  aliases: tuple[str, ...] = ()) -> CheckpointModeSpec:
+    """Register a checkpoint mode under ``name``: what a workload's ``checkpoint:`` names
+    (``aliases``: older names that mean the same mode)."""
     spec = CheckpointModeSpec(name, params, runner, kinds, refuse or (lambda w: None), summary)
     MODES[name] = spec
+    MODE_ALIASES.update({a: name for a in aliases})
     return spec
+
+
+def canonical_mode(name: str) -> str:
+    """The registered name ``name`` stands for (itself unless it is an alias)."""
+    return MODE_ALIASES.get(name, name)
 
 
 def unknown_mode(name: object) -> str:
@@ -119,7 +132,7 @@ def get_mode(name: str) -> CheckpointModeSpec:
         KeyError: no mode of that name (the workload model checks names first).
     """
     try:
-        return MODES[name]
+        return MODES[canonical_mode(name)]
     except KeyError:
         raise KeyError(unknown_mode(name)) from None
 
@@ -131,23 +144,24 @@ def mode_of_kind(kind: str) -> CheckpointModeSpec:
 
 
 # --- the built-in modes ---------------------------------------------------------------------------
-def _two_tier_refusal(w: Mapping[str, Any]) -> str | None:
+def _template_sessions_refusal(w: Mapping[str, Any]) -> str | None:
     if w.get("container") is not None:
         return ("a container workload is checkpointed whole and on CPU only for now: "
-                "drop checkpoint: two-tier and gpu: true, or run it as a process")
+                "drop checkpoint: template-sessions and gpu: true, or run it as a process")
     if (w.get("tensor_parallel") or 1) > 1:
-        return ("checkpoint: two-tier is not supported with tensor_parallel > 1 yet (no "
+        return ("checkpoint: template-sessions is not supported with tensor_parallel > 1 yet (no "
                 "templates for TP groups); use checkpoint: process for this workload")
     if getattr(w.get("engine"), "value", w.get("engine")) == "llamacpp":
-        return ("checkpoint: two-tier is not supported with engine: llamacpp (llama-server has no template hooks; "
+        return ("checkpoint: template-sessions is not supported with engine: llamacpp (llama-server has no template hooks; "
                 "its sessions are carried by the process checkpoint): use checkpoint: process")
     return None
 
 
 register_mode("process", ProcessParams, runner="ckptflow.runners.modes:ProcessMode",
-              kinds=("heartbeat", "migrate", "template"),
+              kinds=("heartbeat", "migrate", "scale_template"),
               summary="the whole worker: CRIU plus the node's GPU backend, any engine")
-register_mode("two-tier", TwoTierParams, runner="ckptflow.runners.twotier:TwoTierMode", kinds=("sessions",),
-              refuse=_two_tier_refusal,
+register_mode("template-sessions", TemplateSessionsParams,
+              runner="ckptflow.runners.template_sessions:TemplateSessionsMode", kinds=("sessions",),
+              refuse=_template_sessions_refusal, aliases=("two-tier",),
               summary="a template of the initialised engine plus the sessions it exports, bytes in proportion to "
                       "what changed (the engine must speak ckptflow's protocol, docs/engines/protocol.md)")

@@ -26,7 +26,7 @@ Example:
     'process'
     >>> tt = simulate(seed=0, cfg=profile_config("two-tier-h200", days=4, nodes=4))
     >>> tt["checkpoint_mode"], tt["policies"]["never"] == out["policies"]["never"]
-    ('two-tier', True)
+    ('template-sessions', True)
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class TraceConfig:
     context_cap_tokens: float = 128_000.0
     request_s: tuple[float, float] = (1.0, 30.0)
     cost: CostModel = field(default_factory=CostModel)
-    checkpoint_mode: str = "process"        # CheckpointMode value of every worker: "process" or "two-tier"
+    checkpoint_mode: str = "process"        # CheckpointMode value of every worker: "process" or "template-sessions"
     # Two-tier only. KV bytes per token: the trace counts tokens (mean 0.87 M live per long-session
     # worker, ~10k per GiB of footprint), so 64 KiB/token keeps that KV (53 GiB on average) inside
     # the footprints (an 8B-class GQA model with fp8 KV; a 70B-class bf16 model's share per GPU at
@@ -83,13 +83,13 @@ class TraceConfig:
     turn_s: float = 30.0
 
     @property
-    def two_tier(self) -> bool:
-        return self.checkpoint_mode == "two-tier"
+    def template_sessions(self) -> bool:
+        return self.checkpoint_mode == "template-sessions"
 
 
 PROFILES: dict[str, dict[str, Any]] = {
     "process-h200": {"checkpoint_mode": "process"},
-    "two-tier-h200": {"checkpoint_mode": "two-tier"},
+    "two-tier-h200": {"checkpoint_mode": "template-sessions"},
 }
 """Named cost profiles: the TraceConfig fields each one sets (the costs themselves are CostModel's
 fields, which hold both paths' calibrations)."""
@@ -225,7 +225,7 @@ def moved_tokens(cfg: TraceConfig, w: Workload, ckpts: np.ndarray) -> float:
 def heartbeat_cost(cfg: TraceConfig, w: Workload, ckpts: np.ndarray) -> tuple[float, float]:
     """(pause GPU-s, bytes written) of a schedule of heartbeats of one worker."""
     cost = cfg.cost
-    if not cfg.two_tier:
+    if not cfg.template_sessions:
         return len(ckpts) * cost.pause_s(w.footprint), len(ckpts) * w.footprint * 2**30
     moved = moved_tokens(cfg, w, ckpts)
     return (len(ckpts) * cost.session_pause_fixed_s
@@ -235,16 +235,16 @@ def heartbeat_cost(cfg: TraceConfig, w: Workload, ckpts: np.ndarray) -> tuple[fl
 
 def pause_of(cfg: TraceConfig, w: Workload, changed_tokens: float) -> float:
     """Pause of one heartbeat of ``w`` that finds ``changed_tokens`` new KV tokens."""
-    if not cfg.two_tier:
+    if not cfg.template_sessions:
         return cfg.cost.pause_s(w.footprint)
     return cfg.cost.session_pause_s(changed_tokens, cfg.kv_bytes_per_token)
 
 
 def restore_of(cfg: TraceConfig, w: Workload, kept_tokens: float) -> float:
     """Restore of ``w`` from a checkpoint holding ``kept_tokens`` KV tokens that are still live."""
-    if not cfg.two_tier:
+    if not cfg.template_sessions:
         return cfg.cost.restore_s(w.footprint)
-    return cfg.cost.two_tier_restore_s(cfg.weights_fraction * w.footprint, kept_tokens, cfg.kv_bytes_per_token)
+    return cfg.cost.template_sessions_restore_s(cfg.weights_fraction * w.footprint, kept_tokens, cfg.kv_bytes_per_token)
 
 
 # --- cost of one checkpoint schedule -----------------------------------------------------
@@ -348,7 +348,7 @@ def ckptflow_heartbeats(tr: Trace, w: Workload, params: Mapping[str, Any] | Cost
         ctx = export_context(f, d, cfg.cost)
         tau = d.interval_s if d.action == Action.protect and d.interval_s else math.inf
         if d.due and d.action in (Action.protect, Action.checkpoint_now):
-            if cfg.two_tier and d.action == Action.checkpoint_now and d.reason.startswith("maintenance in"):
+            if cfg.template_sessions and d.action == Action.checkpoint_now and d.reason.startswith("maintenance in"):
                 drained, drain_ctx = True, ctx  # taken by the drain, at the window's last turn boundary
             else:
                 ckpts.append(t)
@@ -431,7 +431,7 @@ def ckptflow_cost(tr: Trace, w: Workload, params: Mapping[str, Any] | CostBasedP
     """ckptflow's totals for one worker: whole-process heartbeats, or in two tiers heartbeats
     that weigh each session."""
     hb = ckptflow_heartbeats(tr, w, params)
-    if not tr.cfg.two_tier or w.short:
+    if not tr.cfg.template_sessions or w.short:
         return schedule_cost(tr, w, np.array([t for t, _ in hb]), drains_short=True)
     return session_schedule_cost(tr, w, *session_exports(tr, w, hb))
 
@@ -496,7 +496,7 @@ def simulate(seed: int = 0, cfg: TraceConfig | None = None,
     pol["ckptflow"] = tot
 
     out = {"seed": seed, "failure_dist": cfg.failure_dist, "checkpoint_mode": cfg.checkpoint_mode,
-           "kv_bytes_per_token": cfg.kv_bytes_per_token if cfg.two_tier else None,
+           "kv_bytes_per_token": cfg.kv_bytes_per_token if cfg.template_sessions else None,
            "workloads": len(tr.workloads),
            "young_daly_interval_s": tau_yd,
            "node_failures": int(sum(len(f) for f in tr.failures)),

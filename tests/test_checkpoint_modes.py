@@ -23,7 +23,7 @@ from pydantic import Field
 from ckptflow.errors import CheckpointNotFound, ConfigError
 from ckptflow.fleet import load_fleet
 from ckptflow.models import Manifest, VerifyOutcome, Workload
-from ckptflow.modes import MODES, ModeParams, ProcessParams, get_mode, mode_of_kind, register_mode
+from ckptflow.modes import MODES, ModeParams, ProcessParams, TemplateSessionsParams, get_mode, mode_of_kind, register_mode
 from ckptflow.runners.modes import ModeRunner, ProcessMode, Restored, manifest_runner, mode_runner
 from ckptflow.runners.node import NodeRunner
 from ckptflow.runners.verify import VerifyResult
@@ -56,46 +56,58 @@ def test_the_fleet_files_checkpoint_value_chooses_the_mode_with_its_parameters(t
     assert w.checkpoint == "process" and w.checkpoint_params == ProcessParams()
     with NodeRunner(LocalStore(tmp_path / "store"), criu=object()) as node:
         assert type(mode_runner(node, w)) is ProcessMode
-        w = load_fleet(_fleet(tmp_path, checkpoint="two-tier", checkpoint_params={"min_session_tokens": 64})).workloads[0]
+        w = load_fleet(_fleet(tmp_path, checkpoint="template-sessions", checkpoint_params={"min_session_tokens": 64})).workloads[0]
         mode = mode_runner(node, w)
-        assert type(mode).__name__ == "TwoTierMode" and mode._runner().min_session_tokens == 64
-        w = load_fleet(_fleet(tmp_path, checkpoint="two-tier")).workloads[0]
+        assert type(mode).__name__ == "TemplateSessionsMode" and mode._runner().min_session_tokens == 64
+        w = load_fleet(_fleet(tmp_path, checkpoint="template-sessions")).workloads[0]
         assert mode_runner(node, w)._runner().min_session_tokens == 0   # policies.sessions.MIN_TOKENS
+
+
+def test_the_old_mode_name_two_tier_loads_as_template_sessions(tmp_path):
+    """Fleet files in the wild say ``checkpoint: two-tier``: the same mode, parameters and all."""
+    new = load_fleet(_fleet(tmp_path, checkpoint="template-sessions", checkpoint_params={"min_session_tokens": 64}))
+    old = load_fleet(_fleet(tmp_path, checkpoint="two-tier", checkpoint_params={"min_session_tokens": 64}))
+    assert old.workloads[0].checkpoint == new.workloads[0].checkpoint == "template-sessions"
+    assert old.workloads[0].checkpoint_params == new.workloads[0].checkpoint_params == TemplateSessionsParams(
+        min_session_tokens=64)
+    assert get_mode("two-tier") is get_mode("template-sessions")
+    f = _fleet(tmp_path, checkpoint="two-tier", tensor_parallel=2)       # refused as the mode it names
+    assert "template-sessions is not supported with tensor_parallel > 1 yet" in _problem(f)
 
 
 def test_an_unknown_mode_is_one_line_naming_the_known_ones(tmp_path):
     f = _fleet(tmp_path, checkpoint="snapshot")
     assert re.fullmatch(rf"{re.escape(str(f))}: workloads\[0\]\.checkpoint \(line \d+\): unknown checkpoint mode "
-                        r"'snapshot' \(known: process, two-tier\)", _problem(f))
+                        r"'snapshot' \(known: process, template-sessions\)", _problem(f))
     with pytest.raises(KeyError, match="unknown checkpoint mode 'snapshot'"):
         get_mode("snapshot")
 
 
 def test_a_misspelt_or_foreign_mode_parameter_names_the_key_and_the_modes_parameters(tmp_path):
-    f = _fleet(tmp_path, checkpoint="two-tier", checkpoint_params={"min_sesion_tokens": 64})
-    assert re.search(r"workloads\[0\]\.checkpoint_params \(line \d+\): checkpoint mode two-tier has no parameter "
+    f = _fleet(tmp_path, checkpoint="template-sessions", checkpoint_params={"min_sesion_tokens": 64})
+    assert re.search(r"workloads\[0\]\.checkpoint_params \(line \d+\): checkpoint mode template-sessions has no parameter "
                      r"'min_sesion_tokens' \(its parameters: min_session_tokens\)$", _problem(f))
     f = _fleet(tmp_path, checkpoint_params={"min_session_tokens": 64})          # process takes none
     assert _problem(f).endswith("checkpoint mode process has no parameter 'min_session_tokens' (its parameters: none)")
-    f = _fleet(tmp_path, checkpoint="two-tier", checkpoint_params={"min_session_tokens": -1})
+    f = _fleet(tmp_path, checkpoint="template-sessions", checkpoint_params={"min_session_tokens": -1})
     assert _problem(f).endswith("min_session_tokens: Input should be greater than or equal to 0")
 
 
 def test_what_a_mode_refuses_is_said_at_the_checkpoint_field(tmp_path):
-    f = _fleet(tmp_path, checkpoint="two-tier", tensor_parallel=2)
+    f = _fleet(tmp_path, checkpoint="template-sessions", tensor_parallel=2)
     assert "workloads[0].checkpoint (line " in _problem(f)
-    assert "two-tier is not supported with tensor_parallel > 1 yet" in _problem(f)
-    f = _fleet(tmp_path, checkpoint="two-tier", find=None, container={"name": "c"})
+    assert "template-sessions is not supported with tensor_parallel > 1 yet" in _problem(f)
+    f = _fleet(tmp_path, checkpoint="template-sessions", find=None, container={"name": "c"})
     assert "a container workload is checkpointed whole and on CPU only for now" in _problem(f)
 
 
 def test_a_manifests_kind_names_the_mode_that_wrote_it(tmp_path):
-    assert mode_of_kind("sessions").name == "two-tier"
-    assert {mode_of_kind(k).name for k in ("heartbeat", "migrate", "template", "session")} == {"process"}
+    assert mode_of_kind("sessions").name == "template-sessions"
+    assert {mode_of_kind(k).name for k in ("heartbeat", "migrate", "scale_template", "session")} == {"process"}
     w = Workload(name="w1", node="n1", find={"pid_file": "/run/w1.pid"})         # declares process now
     m = Manifest(id="20261130T120000Z-0a0b0c0d", workload="w1", node="n1", kind="sessions")
     with NodeRunner(LocalStore(tmp_path / "store"), criu=object()) as node:
-        assert type(manifest_runner(node, w, m)).__name__ == "TwoTierMode"
+        assert type(manifest_runner(node, w, m)).__name__ == "TemplateSessionsMode"
 
 
 # --- a third mode, registered by name ---------------------------------------------------------------
@@ -144,7 +156,7 @@ def test_a_registered_mode_is_chosen_in_the_fleet_file_and_runs(tmp_path, file_s
     w = load_fleet(_fleet(tmp_path, checkpoint="file-state", checkpoint_params={"state_file": str(state)})).workloads[0]
     assert w.checkpoint_params == FileStateParams(state_file=str(state))
     f = _fleet(tmp_path, checkpoint="snapshot")
-    assert _problem(f).endswith("(known: file-state, process, two-tier)")
+    assert _problem(f).endswith("(known: file-state, process, template-sessions)")
     f = _fleet(tmp_path, checkpoint="file-state")
     assert re.search(r"workloads\[0\]\.checkpoint_params \(line \d+\): state_file: Field required$", _problem(f))
 

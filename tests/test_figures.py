@@ -178,7 +178,7 @@ FIGURES = [
 # Settings, not measurements: (doc, text, file that sets it, what must stand there).
 CONFIG = [
     (R, "free GPU memory ≥ footprint + 1 GiB first", "ckptflow/runners/cuda.py", r"RESTORE_MARGIN_GIB = 1\.0\b"),
-    (R, "(48 MiB of weights", "tests/test_twotier.py", r"BALLAST_MIB = 48\b"),
+    (R, "(48 MiB of weights", "tests/test_template_sessions.py", r"BALLAST_MIB = 48\b"),
     (R, "(90 % pool)", "bench/gpu_two_tier.py", r'"--b-kv-fraction", type=float, default=0\.9\b'),
     (D, "vLLM's default 90 %", "bench/gpu_two_tier.py", r'"--b-kv-fraction", type=float, default=0\.9\b'),
     (R, "≥ 90 % of the prompt", "tests/test_vllm.py", r'\["hits"\] >= 0\.9 \*'),

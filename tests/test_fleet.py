@@ -80,8 +80,8 @@ MISTAKES = [
      "policies[0].params.max_interval_s", "valid number"),
     ("policy bounds crossed", lambda d: d["policies"][0].update(params={"min_interval_s": 600, "max_interval_s": 60}),
      "policies[0].params", "min_interval_s 600 is above max_interval_s 60"),
-    ("two tiers for a TP group", lambda d: d["workloads"][0].update(tensor_parallel=2, checkpoint="two-tier"),
-     "workloads[0]", "two-tier is not supported with tensor_parallel > 1 yet"),
+    ("two tiers for a TP group", lambda d: d["workloads"][0].update(tensor_parallel=2, checkpoint="template-sessions"),
+     "workloads[0]", "template-sessions is not supported with tensor_parallel > 1 yet"),
     ("two workloads, one metrics URL", lambda d: d["workloads"].append(
         {"name": "w2", "node": "n1", "find": {"pid_file": "/run/w2.pid"}, "metrics_url": "http://127.0.0.1:8000/metrics"}),
      "workloads[1].metrics_url", "'http://127.0.0.1:8000/metrics' is also the metrics_url of workloads[0] ('w1')"),
@@ -99,8 +99,8 @@ MISTAKES = [
      "workloads[1].find.pid_file", "'/run/w1.pid' is also the find.pid_file of workloads[0] ('w1')"),
     ("misspelt storage placeholder", lambda d: d.update(storage={"path": "/var/lib/ckptflow/{nod}"}),
      "storage.path", "unknown placeholder {nod} in '/var/lib/ckptflow/{nod}' (known: {node})"),
-    ("two tiers for llama.cpp", lambda d: d["workloads"][0].update(engine="llamacpp", checkpoint="two-tier"),
-     "workloads[0].checkpoint", "two-tier is not supported with engine: llamacpp"),
+    ("two tiers for llama.cpp", lambda d: d["workloads"][0].update(engine="llamacpp", checkpoint="template-sessions"),
+     "workloads[0].checkpoint", "template-sessions is not supported with engine: llamacpp"),
 ]
 
 

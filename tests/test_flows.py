@@ -113,7 +113,7 @@ def test_heartbeat_and_recover_leave_no_criu_temp_dir(tmp_path, prefect_harness,
 
 
 def test_two_tier_workload_through_heartbeat_and_recover_flows(tmp_path, prefect_harness, demo_worker):
-    """checkpoint: two-tier in the fleet file: the heartbeat flow takes a template and a session
+    """checkpoint: template-sessions in the fleet file: the heartbeat flow takes a template and a session
     checkpoint, the next one moves only what changed, and recover brings the worker back from
     template + sessions, continuing exactly like an uninterrupted reference."""
     from ckptflow.flows.heartbeat import heartbeat
@@ -121,7 +121,7 @@ def test_two_tier_workload_through_heartbeat_and_recover_flows(tmp_path, prefect
     from ckptflow.flows.verify import verify
 
     w, ref = demo_worker("tt", ballast_mib=16), demo_worker("ref", ballast_mib=16)
-    w.workload = w.workload.model_copy(update={"checkpoint": CheckpointMode.two_tier})
+    w.workload = w.workload.model_copy(update={"checkpoint": CheckpointMode.template_sessions})
     fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store")
     store = LocalStore(tmp_path / "store")
     for x in (w, ref):

@@ -216,7 +216,7 @@ def test_session_through_slots_into_the_store_and_a_server_restored_from_the_tem
     tpl = llama("tpl")
     wt = _workload("chat-template", tpl, llama_install, llama_model[1])
     with NodeRunner(store) as node:
-        tm = node.checkpoint(wt, leave_running=False, kind="template")
+        tm = node.checkpoint(wt, leave_running=False, kind="scale_template")
         node.criu.wait_pid_free(tm.pid)
         node.restore(wt, manifest=tm)
     got = llamacpp.restore_session(tpl, store, m)

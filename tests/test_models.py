@@ -32,7 +32,8 @@ def test_enums_keep_the_strings_stored_manifests_and_alerts_hold():
     from ckptflow.alerts import AlertKind
     from ckptflow.models import CheckpointKind, CheckpointState, CopyTier, VerifyOutcome
 
-    assert [k.value for k in CheckpointKind] == ["heartbeat", "migrate", "template", "sessions", "session"]
+    assert [k.value for k in CheckpointKind] == ["heartbeat", "migrate", "scale_template", "engine_template",
+                                                 "sessions", "session"]
     assert [k.value for k in AlertKind] == ["restore_failed", "verify_failed", "invalidated", "worker_gone"]
     assert [k.value for k in VerifyOutcome] == ["verified", "verify_failed", "skipped", "unverified"]
     assert {v.value for v in VerifyOutcome} - {"skipped", "unverified"} <= {s.value for s in CheckpointState}
@@ -94,6 +95,7 @@ def test_an_old_flat_manifest_loads_with_its_binding_chunk_map_and_restores(tmp_
 
 def test_old_template_container_and_engine_probes_load_into_their_models():
     t = Manifest(id=TMPL_ID, workload="template-0123456789abcdef", node="n1", kind="template", probe=OLD_TEMPLATE_PROBE)
+    assert t.kind == "engine_template"
     assert (t.probe.source.workload, t.probe.source.base_url) == ("chat", "http://127.0.0.1:18001")
     assert (t.probe.weights.bytes, t.probe.weights.chunks) == (8388608, ["ef" * 32])
     c = Manifest(id=SESS_ID, workload="chat", node="n1", probe=OLD_CONTAINER_PROBE)
@@ -103,6 +105,34 @@ def test_old_template_container_and_engine_probes_load_into_their_models():
     s = Manifest(id=SESS_ID, workload="chat", node="n1", kind="session",
                  probe={"engine": "llamacpp", "slot": 0, "n_saved": 41, "n_written": 9000})
     assert (s.probe.engine, s.probe.slot, s.probe.n_saved) == ("llamacpp", 0, 41)
+
+
+def test_an_old_template_kind_loads_as_the_template_it_was(tmp_path):
+    """Manifests stored before the split say kind "template" for both: the scale-up checkpoint of
+    a warm worker (a whole-process image, no template source) and template-sessions' engine
+    template (its probe names the worker it was captured from, flat or typed)."""
+    import json
+
+    from ckptflow.models import CheckpointKind
+    from ckptflow.store.local import MANIFEST, LocalStore
+
+    scale = {"id": SESS_ID, "workload": "chat", "node": "n1", "created": "2026-11-20T11:00:00Z", "kind": "template",
+             "files": [{"path": "pages-1.img", "size": 4, "sha256": "9" * 64}], "bytes": 4, "state": "complete",
+             "probe": {"sessions": {"s1": "d1"}, "golden": "7" * 64}}
+    engine = {**scale, "id": TMPL_ID, "workload": "template-0123456789abcdef", "probe": OLD_TEMPLATE_PROBE}
+    store = LocalStore(tmp_path / "store")
+    for raw in (scale, engine, {**engine, "id": "20261120T120000Z-2a2b2c2d", "probe": {"source": {"workload": "chat"}}}):
+        d = store.root / raw["workload"] / raw["id"]
+        (d / "images").mkdir(parents=True)
+        (d / MANIFEST).write_text(json.dumps(raw))
+    assert store.get("chat", SESS_ID).kind == CheckpointKind.scale_template
+    assert [m.kind for m in store.list("template-0123456789abcdef")] == [CheckpointKind.engine_template] * 2
+    # Written again, each says which one it is; an old "template" never comes back out.
+    m = store.get("template-0123456789abcdef", TMPL_ID)
+    store.set_state(m, m.state, None)
+    assert json.loads((store.root / m.workload / TMPL_ID / MANIFEST).read_text())["kind"] == "engine_template"
+    assert CheckpointKind.template is CheckpointKind.scale_template      # the not yet renamed callers' name
+    assert Manifest(id=SESS_ID, workload="w", node="n", kind="template").kind == CheckpointKind.scale_template
 
 
 def test_a_malformed_probe_names_the_field():

@@ -67,7 +67,7 @@ def test_status_and_exporter_count_two_tier_bytes_once_and_templates_in_their_ow
 
     store, tmpl, first, second = _two_tier_store(tmp_path)
     w = Workload(name="chat", node="local", find=ProcessFinder(pid_file=str(tmp_path / "w.pid")),
-                 checkpoint="two-tier")
+                 checkpoint="template-sessions")
     fleet = load_fleet(write_fleet(tmp_path / "fleet.yaml", [w], tmp_path / "store"))
     rows = {r["workload"]: r for r in fleet_status(fleet)}
     assert rows["chat"]["bytes"] == first.bytes + second.bytes + 3 * MIB            # s1 counted once
@@ -93,13 +93,13 @@ def test_status_shows_the_node_a_migrate_moved_the_workload_to(tmp_path):
     assert fleet_status(load_fleet(f))[0]["node"] == "node-b"
 
 
-def test_ls_shows_two_tier_sizes_with_their_chunks_and_the_template(tmp_path):
+def test_ls_shows_template_sessions_sizes_with_their_chunks_and_the_template(tmp_path):
     import subprocess
     import sys
 
     store, tmpl, first, second = _two_tier_store(tmp_path)
     w = Workload(name="chat", node="local", find=ProcessFinder(pid_file=str(tmp_path / "w.pid")),
-                 checkpoint="two-tier")
+                 checkpoint="template-sessions")
     fleet = write_fleet(tmp_path / "fleet.yaml", [w], tmp_path / "store")
     out = subprocess.run([sys.executable, "-m", "ckptflow", "ls", str(fleet)], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "COLUMNS": "200"})

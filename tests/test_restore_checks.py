@@ -55,7 +55,7 @@ def _workload(**kw) -> Workload:
 
 def test_a_restore_in_place_and_a_sandbox_copy_name_the_same_differing_session(tmp_path, monkeypatch):
     from ckptflow.runners import engine
-    from ckptflow.runners.twotier import _check_sessions
+    from ckptflow.runners.template_sessions import _check_sessions
     from ckptflow.runners.verify import compare
 
     w = _workload(probe_url="http://127.0.0.1:9/digests")
@@ -118,19 +118,19 @@ def sleeper(tmp_path):
     pid_file.write_text(str(proc.pid))
     yield proc, Workload(name="w", node="n", find=ProcessFinder(pid_file=str(pid_file),
                                                                 cmdline_must_contain="ckptflow-sleeper"),
-                         checkpoint="two-tier")
+                         checkpoint="template-sessions")
     if proc.poll() is None:
         proc.kill()
     proc.wait()
 
 
-@pytest.mark.parametrize("mode", ["process", "two-tier"])
+@pytest.mark.parametrize("mode", ["process", "template-sessions"])
 def test_both_restores_refuse_a_running_worker_the_same_way(tmp_path, sleeper, mode):
-    from ckptflow.runners.twotier import TwoTierRunner
+    from ckptflow.runners.template_sessions import TemplateSessionsRunner
 
     proc, w = sleeper
     with NodeRunner(LocalStore(tmp_path / "s")) as node:
-        restore = node.restore if mode == "process" else TwoTierRunner(node).restore
+        restore = node.restore if mode == "process" else TemplateSessionsRunner(node).restore
         with pytest.raises(WorkloadRunning, match=f"running \\(PID {proc.pid}\\); refusing to restore over it") as e:
             restore(w)
     assert "verify" in e.value.fix and proc.poll() is None                       # untouched
@@ -139,13 +139,13 @@ def test_both_restores_refuse_a_running_worker_the_same_way(tmp_path, sleeper, m
 def test_a_two_tier_restore_clears_a_worker_an_interrupted_restore_left_stopped(tmp_path, sleeper, caplog):
     """The soak's fix, which the two-tier copy of the check lacked: a stopped worker under the
     workload lock is what an interrupted restore left; it is killed, not taken for a live one."""
-    from ckptflow.runners.twotier import TwoTierRunner
+    from ckptflow.runners.template_sessions import TemplateSessionsRunner
 
     proc, w = sleeper
     os.kill(proc.pid, signal.SIGSTOP)
     poll(lambda: process.pid_stopped(proc.pid), 5, 0.01, what="state T")
     with NodeRunner(LocalStore(tmp_path / "s")) as node:
         with pytest.raises(CheckpointNotFound, match="no session checkpoint"):   # got past the check
-            TwoTierRunner(node).restore(w)
+            TemplateSessionsRunner(node).restore(w)
     assert f"PID {proc.pid} is stopped, left by an interrupted restore; killing it" in caplog.text
     assert not process.pid_alive(proc.pid)                                       # killed and reaped

@@ -50,7 +50,7 @@ def test_new_and_rewritten_sessions_always_move_unchanged_ones_never():
 
 
 def test_the_context_comes_from_the_facts_and_the_decision_that_ran_the_heartbeat():
-    f = WorkloadFacts(name="w", mtbf_s=30 * H, kv_bytes_per_token=KV, checkpoint_mode="two-tier")
+    f = WorkloadFacts(name="w", mtbf_s=30 * H, kv_bytes_per_token=KV, checkpoint_mode="template-sessions")
     c = export_context(f, Decision(workload="w", action=Action.checkpoint_now, reason="maintenance in 12 min: ..."))
     assert c.mtbf_s == 30 * H and c.interruption_ahead and c.kv_bytes_per_token == KV and c.device == "gpu"
     c = export_context(f, Decision(workload="w", action=Action.protect, reason="Daly interval ..."))
@@ -79,14 +79,14 @@ def test_simulator_and_live_heartbeat_decide_the_same_on_the_same_facts(mtbf_h, 
     tr, w = _tiny_trace()
     cfg = tr.cfg
     f = WorkloadFacts(name="w", mtbf_s=mtbf_h * H, kv_bytes_per_token=cfg.kv_bytes_per_token,
-                      checkpoint_mode="two-tier")
+                      checkpoint_mode="template-sessions")
     d = Decision(workload="w", action=Action.checkpoint_now if ahead else Action.protect,
                  reason="maintenance in 10 min: ..." if ahead else "Daly interval ...")
     c = export_context(f, d, cfg.cost)
     beats = [(3000.0, c), (6000.0, c), (9000.0, c)]
     exports, n = session_exports(tr, w, beats)
     # The live heartbeat at each of those times: the engine's held tokens, the records of the
-    # workload's newest session checkpoint (TwoTierRunner._checkpoint_sessions builds these).
+    # workload's newest session checkpoint (TemplateSessionsRunner._checkpoint_sessions builds these).
     from ckptflow.sim import _ctx
 
     records: dict[str, int] = {}

@@ -37,7 +37,7 @@ def test_two_tier_costs_are_the_measured_h200_numbers():
     assert cost.stream_gib_s == pytest.approx(row["stream_gib_s"], rel=0.01)
     # The model gives back the measured restore-to-ready of row B (weights + live KV streamed).
     kv_tokens = row["live_kv_gib"] * 2**30 / cost.kv_bytes_per_token
-    assert cost.two_tier_restore_s(row["weights_gib"], kv_tokens) == pytest.approx(row["restore_to_ready_s"], abs=0.1)
+    assert cost.template_sessions_restore_s(row["weights_gib"], kv_tokens) == pytest.approx(row["restore_to_ready_s"], abs=0.1)
     # ... and overstates the measured heartbeat pause (fixed part charged on top), never understates it.
     changed = row["changed_gib"] * 2**30 / cost.kv_bytes_per_token
     assert row["session_pause_s"] <= cost.session_pause_s(changed) <= 2.1 * row["session_pause_s"]
@@ -46,7 +46,7 @@ def test_two_tier_costs_are_the_measured_h200_numbers():
 def test_profiles_and_the_default_trace():
     assert set(PROFILES) == {"process-h200", "two-tier-h200"}
     assert profile_config("process-h200") == TraceConfig()          # old results stay the default
-    assert profile_config("two-tier-h200").two_tier and not TraceConfig().two_tier
+    assert profile_config("two-tier-h200").template_sessions and not TraceConfig().template_sessions
     with pytest.raises(KeyError, match="known: process-h200, two-tier-h200"):
         profile_config("two-tier-h100")
 
@@ -70,10 +70,10 @@ def agent(**kw):
 
 def test_two_tiers_protect_what_the_whole_process_cannot_afford():
     assert decide(agent()).action == Action.skip
-    d = decide(agent(checkpoint_mode="two-tier"))
+    d = decide(agent(checkpoint_mode="template-sessions"))
     assert d.action == Action.protect and "0.036 s/GiB" in d.reason
     # On a healthy node, moving the new KV still costs more than the re-prefill it would save.
-    d = decide(agent(checkpoint_mode="two-tier", mtbf_s=6000 * H))
+    d = decide(agent(checkpoint_mode="template-sessions", mtbf_s=6000 * H))
     assert d.action == Action.skip and "cost more than they save" in d.reason
 
 
@@ -82,14 +82,14 @@ def test_two_tier_maintenance_and_short_requests():
     # 10 s of re-prefill at risk (1e5 tokens): below a 104 s process pause, above the 0.48 s two-tier
     # one (12.2 GiB of KV at 128 KiB/token moved at 0.036 s/GiB, + 0.036 s).
     assert decide(agent(maintenance=window)).action == Action.drain
-    d = decide(agent(maintenance=window, checkpoint_mode="two-tier"))
+    d = decide(agent(maintenance=window, checkpoint_mode="template-sessions"))
     assert d.action == Action.checkpoint_now and d.due and "0.48 s pause" in d.reason
-    d = decide(agent(traffic="short_requests", checkpoint_mode="two-tier"))
+    d = decide(agent(traffic="short_requests", checkpoint_mode="template-sessions"))
     assert d.action == Action.skip and "template restores" in d.reason
 
 
 two_tier_facts = st.builds(
-    WorkloadFacts, name=st.just("w"), traffic=st.just("long_sessions"), checkpoint_mode=st.just("two-tier"),
+    WorkloadFacts, name=st.just("w"), traffic=st.just("long_sessions"), checkpoint_mode=st.just("template-sessions"),
     footprint_gib=st.floats(1, 200), mtbf_s=st.floats(60, 1e8), live_tokens=st.floats(0, 1e8),
     growth_tokens_s=st.floats(0, 1e5), tokens_since_ckpt=st.floats(0, 1e8), seconds_since_ckpt=st.floats(0, 1e7),
     kv_bytes_per_token=st.one_of(st.none(), st.floats(1e3, 1e6)))

@@ -274,7 +274,7 @@ def test_sessions_through_the_connector_into_an_engine_restored_from_its_templat
     tpl = servers.start("tpl", connector=True)
     wt = _workload("chat-template", tpl, vllm_install, vllm_model, golden=False)
     with NodeRunner(store) as node:
-        tm = node.checkpoint(wt, leave_running=False, kind="template")
+        tm = node.checkpoint(wt, leave_running=False, kind="scale_template")
 
     # A long session on the reference engine, exported by name into the store.
     chat = Chat(5, session="chat-5")

@@ -514,7 +514,7 @@ class LlmEngine(EngineSide):
 
     def import_sessions(self, req: ImportRequest) -> dict:
         root, recs = req.dir, req.sessions
-        from ckptflow.demo.tiers import chunk_path
+        from ckptflow.demo.chunkfiles import chunk_path
 
         with self.export_lock, self.lock:
             items, taken = [], set()
@@ -609,7 +609,7 @@ class LlmEngine(EngineSide):
 
     def resume_template(self, req: ResumeRequest) -> dict:
         """Map the ranges back at their addresses, zero the pool, stream the weights in (checked)."""
-        from ckptflow.demo.tiers import chunk_path
+        from ckptflow.demo.chunkfiles import chunk_path
 
         root = req.dir
         ph = {}

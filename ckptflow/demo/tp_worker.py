@@ -193,7 +193,7 @@ class TpWorker(GpuWorker):
     """Rank 0: the GPU worker's API (sessions, peek, prepare, metrics) over the sharded model."""
 
     parked = False  # no template protocol for TP groups yet: its weights never leave
-    SPEAKS_PROTOCOL = False  # the fleet file refuses two-tier with tensor_parallel > 1
+    SPEAKS_PROTOCOL = False  # the fleet file refuses template-sessions with tensor_parallel > 1
     GET_ROUTES = {"/v1/ckptflow/ranks": "rank_states"}
     POST_ROUTES = {"/v1/peek": "peek", "/v1/ckptflow/prepare": "prepare", "/v1/ckptflow/resume": "resume",
                    "/v1/allreduce": "allreduce_check"}

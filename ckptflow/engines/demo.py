@@ -7,7 +7,7 @@ ckptflow's two-tier protocol, served by all three through ckptflow/demo/protocol
         engine: demo
         health_url: http://127.0.0.1:18001/health
         metrics_url: http://127.0.0.1:18001/metrics
-        checkpoint: two-tier
+        checkpoint: template-sessions
 """
 
 from __future__ import annotations

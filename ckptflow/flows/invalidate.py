@@ -7,7 +7,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.utilities.annotations import quote
 
 from ckptflow.tasks.common import open_fleet, this_node
-from ckptflow.tasks.fleet import (alert_invalidations, apply_retention, collect_two_tier, invalidate_stale,
+from ckptflow.tasks.fleet import (alert_invalidations, apply_retention, collect_template_sessions, invalidate_stale,
                                   report_node_fingerprint)
 
 
@@ -32,5 +32,5 @@ def invalidate(fleet_file: str, node: str | None = None) -> dict:
     placed = {w.name: w.node for w in fleet.workloads}
     alerts = alert_invalidations(scope, rows, {r["workload"]: placed[r["workload"]] for r in rows}) if rows else 0
     deleted = apply_retention(scope, node, [w.name for w in fleet.workloads])
-    two_tier = collect_two_tier(scope, node)  # templates no one needs, chunks nothing names
-    return {"invalidated": rows, "alerts": alerts, "deleted": deleted, "two_tier": two_tier}
+    collected = collect_template_sessions(scope, node)  # templates no one needs, chunks nothing names
+    return {"invalidated": rows, "alerts": alerts, "deleted": deleted, "template_sessions": collected}

@@ -30,7 +30,7 @@ higher-order form applies to C' = C/g. A checkpoint pays off only when its pause
 than the re-prefill it saves: C/tau + lambda*min(g*tau/2, A) < lambda*A, A = live KV in
 GPU-s. Short-request traffic never pays: what is at risk is a retry of a few seconds.
 
-A ``two-tier`` workload (``WorkloadFacts.checkpoint_mode``) is checkpointed as a template of
+A ``template-sessions`` workload (``WorkloadFacts.checkpoint_mode``) is checkpointed as a template of
 the initialised engine plus the session KV it exports, bytes in proportion to what changed
 (bench/gpu_two_tier.py). Its heartbeat pauses C0 + p x (GiB of KV changed since the previous
 one), so the pause is paid at a rate k = p x (GiB of new KV per second) whatever the interval,
@@ -62,7 +62,7 @@ than the KV it would save; in two tiers a heartbeat moves only the new KV and pa
     ...                       live_tokens=1e6, growth_tokens_s=200, tokens_since_ckpt=1e5, seconds_since_ckpt=600.0)
     >>> decide(agent).reason
     'checkpoints cost more than they save: 18.2 vs 4.2 GPU-s/h (C=104s, M=24.0 h, KV at risk 100 GPU-s growing 72/h)'
-    >>> agent.checkpoint_mode = "two-tier"
+    >>> agent.checkpoint_mode = "template-sessions"
     >>> d = decide(agent)
     >>> d.action.value, round(d.interval_s), d.due
     ('protect', 557, True)
@@ -92,7 +92,7 @@ class CostModel(BaseModel):
 
     The first five fields are the whole-process path (``checkpoint: process``); the ``session_*``,
     ``template_restore_s``, ``stream_gib_s`` and ``kv_bytes_per_token`` fields are the two-tier
-    path (``checkpoint: two-tier``), measured on the vLLM-shaped engine of bench/gpu_two_tier.py
+    path (``checkpoint: template-sessions``), measured on the vLLM-shaped engine of bench/gpu_two_tier.py
     (bench/results/gpu_two_tier.json, row B: 124 GiB reserved, pool at 90 %). A workload's
     ``WorkloadFacts.checkpoint_mode`` picks which apply.
     """
@@ -141,7 +141,8 @@ class CostModel(BaseModel):
         """Pause of one two-tier heartbeat that moves ``changed_tokens`` tokens of KV."""
         return self.session_pause_fixed_s + self.session_pause_s_per_gib * self.kv_gib(changed_tokens, bytes_per_token)
 
-    def two_tier_restore_s(self, weights_gib: float, kv_tokens: float, bytes_per_token: float | None = None) -> float:
+    def template_sessions_restore_s(self, weights_gib: float, kv_tokens: float,
+                                    bytes_per_token: float | None = None) -> float:
         """Restore of a two-tier checkpoint: template, then weights and ``kv_tokens`` of sessions streamed in."""
         return self.template_restore_s + (weights_gib + self.kv_gib(kv_tokens, bytes_per_token)) / self.stream_gib_s
 
@@ -165,14 +166,14 @@ class WorkloadFacts:
     maintenance: list[tuple[float, float]] = field(default_factory=list)
     unsupported: str | None = None             # why the worker, as started, cannot be checkpointed
     gone: str | None = None                    # why its process cannot be found: the worker is lost
-    checkpoint_mode: str = "process"           # CheckpointMode value: "process" or "two-tier"
+    checkpoint_mode: str = "process"           # CheckpointMode value: "process" or "template-sessions"
     weights_gib: float | None = None           # two-tier: weights a restore streams (None: the footprint)
     kv_bytes_per_token: float | None = None    # two-tier: None = CostModel.kv_bytes_per_token
     device: str = "gpu"                        # "cpu": a CPU-only worker, costed in its own seconds
 
     @property
-    def two_tier(self) -> bool:
-        return self.checkpoint_mode == "two-tier"
+    def template_sessions(self) -> bool:
+        return self.checkpoint_mode == "template-sessions"
 
     @property
     def unit(self) -> str:
@@ -185,7 +186,7 @@ def heartbeat_pause_s(f: WorkloadFacts, cost: CostModel, changed_tokens: float |
     the fixed part plus the KV changed since the last checkpoint (``changed_tokens``, default
     what the facts say is new). ``measured_pause_s`` applies to the process path only: a two-tier
     pause depends on what changed, not on the last one."""
-    if not f.two_tier:
+    if not f.template_sessions:
         return cost.pause_s(f.footprint_gib, f.measured_pause_s)
     if changed_tokens is None:
         changed_tokens = f.live_tokens if f.tokens_since_ckpt is None else f.tokens_since_ckpt
@@ -194,10 +195,10 @@ def heartbeat_pause_s(f: WorkloadFacts, cost: CostModel, changed_tokens: float |
 
 def restore_estimate_s(f: WorkloadFacts, cost: CostModel) -> float:
     """Restore of the workload's newest checkpoint, by its checkpoint mode."""
-    if not f.two_tier:
+    if not f.template_sessions:
         return cost.restore_s(f.footprint_gib)
     weights = f.weights_gib if f.weights_gib is not None else f.footprint_gib
-    return cost.two_tier_restore_s(weights, f.live_tokens, f.kv_bytes_per_token)
+    return cost.template_sessions_restore_s(weights, f.live_tokens, f.kv_bytes_per_token)
 
 
 def young_interval(c: float, m: float) -> float:
@@ -246,7 +247,7 @@ def _is_short(f: WorkloadFacts, short_request_s: float) -> bool:
 def cost_based_interval(f: WorkloadFacts, cost: CostModel, min_s: float = 0.0, max_s: float = INF
                         ) -> tuple[float, str]:
     """Interval for one workload (INF = not worth checkpointing) and the reason with numbers."""
-    if f.two_tier:
+    if f.template_sessions:
         # Fixed pause per heartbeat, plus a pause rate k for moving the new KV (paid whatever tau).
         c = cost.session_pause_fixed_s
         k = cost.session_pause_s_per_gib * cost.kv_gib(max(f.growth_tokens_s, 0.0), f.kv_bytes_per_token)
@@ -266,7 +267,7 @@ def cost_based_interval(f: WorkloadFacts, cost: CostModel, min_s: float = 0.0, m
         with_ckpt = k if k > 0 else INF
     tau = min(max(opt, min_s), max_s)
     without = lam * a
-    if f.two_tier:
+    if f.template_sessions:
         per_h = cost.kv_gib(f.growth_tokens_s * 3600, f.kv_bytes_per_token)
         pause = f"C={c:.2f}s + {cost.session_pause_s_per_gib:.3f} s/GiB x {per_h:.1f} GiB/h changed"
     else:
@@ -378,7 +379,7 @@ def decide_cost_based(f: WorkloadFacts, params: CostBasedParams, cost: CostModel
     short_request_s = params.short_request_s
     burst_factor = params.burst_factor
     c = heartbeat_pause_s(f, cost)  # two tiers: the pause of moving what is new now
-    cs = f"{c:.2f}" if f.two_tier else f"{c:.0f}"
+    cs = f"{c:.2f}" if f.template_sessions else f"{c:.0f}"
     lead_s = params.maintenance_lead_s if params.maintenance_lead_s is not None else max(900.0, 3 * c)
     at_risk_tokens = f.live_tokens if f.tokens_since_ckpt is None else f.tokens_since_ckpt
     at_risk_s = at_risk_tokens / cost.prefill_rate(f.device)
@@ -398,7 +399,7 @@ def decide_cost_based(f: WorkloadFacts, params: CostBasedParams, cost: CostModel
         return Decision(workload=f.name, action=Action.drain, reason=f"maintenance in {mins:.0f} min: drain ({why})")
     if short:
         retry = f.mean_request_s if f.mean_request_s is not None else short_request_s / 2
-        if f.two_tier:
+        if f.template_sessions:
             return Decision(workload=f.name, action=Action.skip,
                             reason=f"short requests (mean {retry:.0f} s): no session KV worth a heartbeat; "
                                    "the template restores the worker")

@@ -72,7 +72,7 @@ def templates_to_delete(templates: list[Manifest], bound: set[str], now: datetim
         >>> now = datetime(2026, 11, 30, 12, tzinfo=timezone.utc)
         >>> def t(h, source, state=CheckpointState.complete):
         ...     return Manifest(id=f"20261130T0{h}0000Z-0000000{h}", workload="template-ab12", node="n1",
-        ...                     created=now - timedelta(hours=10 - h), state=state, kind="template",
+        ...                     created=now - timedelta(hours=10 - h), state=state, kind="engine_template",
         ...                     probe={"source": {"workload": source}})
         >>> ts = [t(1, "chat"), t(2, "chat"), t(3, "api"), t(4, "chat", CheckpointState.invalidated)]
         >>> [(m.id[-2:], why) for m, why in templates_to_delete(ts, bound={ts[0].id}, now=now,

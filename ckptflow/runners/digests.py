@@ -1,7 +1,7 @@
 """The one comparison of a restored worker's session digests with those its checkpoint recorded.
 
 A restore in place (runners/node.py, runners/container.py), a sandbox copy beside the original
-(runners/verify.py) and a two-tier import (runners/twotier.py) all ask the same question; each
+(runners/verify.py) and a two-tier import (runners/template_sessions.py) all ask the same question; each
 turns the answer into its own outcome (RestoreFailed, verify_failed, unverified).
 
 Example:

@@ -81,7 +81,7 @@ def collect_facts(w: Workload, store: LocalStore, *, mtbf_s: float | None = None
     two_tier: dict = {}
     if m is not None and m.kind == "sessions":  # what a two-tier heartbeat and restore cost this workload
         pause = m.timings.get("pause")
-        two_tier = _two_tier_sizes(store, m)
+        two_tier = _template_sessions_sizes(store, m)
     elif m is not None:
         pause = sum(v for k, v in m.timings.items() if k in ("lock", "cuda_checkpoint", "dump", "cuda_restore"))
     return WorkloadFacts(checkpoint_mode=str(w.checkpoint), **two_tier,
@@ -93,7 +93,7 @@ def collect_facts(w: Workload, store: LocalStore, *, mtbf_s: float | None = None
         **({"mtbf_s": mtbf_s} if mtbf_s else {}))
 
 
-def _two_tier_sizes(store: LocalStore, m) -> dict:
+def _template_sessions_sizes(store: LocalStore, m) -> dict:
     """Weights a restore streams (from the template) and KV bytes per token (from the sessions'
     records); {} where the checkpoint does not say."""
     out: dict = {}

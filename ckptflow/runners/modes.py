@@ -13,7 +13,7 @@ whether a heartbeat is a whole-process image or a template plus sessions:
 
 Example:
     >>> with NodeRunner(LocalStore(".ckptflow/store")) as node:        # doctest: +SKIP
-    ...     mode = mode_runner(node, workload)                          # ProcessMode or TwoTierMode
+    ...     mode = mode_runner(node, workload)                          # ProcessMode or TemplateSessionsMode
     ...     m = mode.checkpoint(workload)
     ...     mode.restore(workload).summary()["checkpoint"] == m.id
 """

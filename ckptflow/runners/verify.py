@@ -201,7 +201,7 @@ def verify_two_tier(node: NodeRunner, w: Workload, m: Manifest) -> VerifyResult:
     sessions ``m``, in its own PID and network namespaces beside the live original; every
     imported session must hold the state that was exported. GPU workloads: skipped (GPU_SANDBOX)."""
     from ckptflow.errors import CkptflowError
-    from ckptflow.runners.twotier import TwoTierRunner
+    from ckptflow.runners.template_sessions import TemplateSessionsRunner as TwoTierRunner  # the lead renames the uses
 
     if not node.gpu_for(w).restores_beside:
         return VerifyResult(state=VerifyOutcome.skipped, reason=GPU_SANDBOX)

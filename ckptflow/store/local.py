@@ -519,7 +519,7 @@ class LocalStore:
             except ValueError:  # not a workload's directory (lost+found, ...)
                 continue
             listed = self.list(workload)
-            if listed and all(m.kind == CheckpointKind.template for m in listed):
+            if listed and all(m.kind == CheckpointKind.engine_template for m in listed):
                 continue  # templates: retain_templates below (keep-N would take ones still bound)
             sizes = {m.id: m.bytes for m in listed}
             deleted = self.apply_retention(workload, rule, now, orphan_grace)
@@ -550,7 +550,7 @@ class LocalStore:
                  if m.kind == CheckpointKind.sessions and m.state.restorable}
         gone = []
         for workload, ms in groups.items():
-            if ms and all(m.kind == CheckpointKind.template for m in ms):
+            if ms and all(m.kind == CheckpointKind.engine_template for m in ms):
                 for m, why in templates_to_delete(ms, bound, now or utcnow(), rule):
                     self.delete(m)
                     gone.append({"workload": workload, "checkpoint": m.id, "why": why})
@@ -573,7 +573,7 @@ class LocalStore:
                 refs = self.images_dir(m) / REFS_FILE
                 if refs.exists():
                     referenced.update(json.loads(refs.read_text()))
-                elif m.kind in (CheckpointKind.template, CheckpointKind.sessions):
+                elif m.kind in (CheckpointKind.engine_template, CheckpointKind.sessions):
                     return {"skipped": f"{m.workload}/{m.id} ({m.kind}) does not list its chunks; "
                                        "delete it or take a new heartbeat before chunks are collected"}
         n, freed = ChunkStore(self.root).collect(referenced, grace.total_seconds())

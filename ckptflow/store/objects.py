@@ -346,7 +346,7 @@ class ChunkedTier:
             bound = {m.probe.template.id for ms in by_workload.values() for m in ms if m.probe.template
                      if m.kind == CheckpointKind.sessions and m.state.restorable}
             for workload, ms in by_workload.items():
-                if ms and all(m.kind == CheckpointKind.template for m in ms):  # keep-N would take bound ones
+                if ms and all(m.kind == CheckpointKind.engine_template for m in ms):  # keep-N would take bound ones
                     deleted, still = self._retain_templates(ms, bound, now, rule)
                 else:
                     deleted, still = self._retain(workload, ms, now, rule)

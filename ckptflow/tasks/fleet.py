@@ -109,8 +109,8 @@ def apply_retention(scope: FleetScope, node: str | None, workloads: list[str]) -
             for name in workloads for ckpt, why in store.apply_retention(name, scope.retention)]
 
 
-@task(name="collect-two-tier")
-def collect_two_tier(scope: FleetScope, node: str | None) -> dict:
+@task(name="collect-template-sessions")
+def collect_template_sessions(scope: FleetScope, node: str | None) -> dict:
     """After retention on the node: the two-tier templates nothing needs any more, then the
     chunks no checkpoint left names."""
     store = open_store(scope.storage, node)
@@ -145,12 +145,12 @@ def prune_bucket(scope: FleetScope) -> dict:
 
 @task(name="find-template")
 def find_template(scope: FleetScope, workload: str) -> str | None:
-    """The newest initialised checkpoint (kind template) of ``workload`` in the fleet's shared
+    """The newest initialised checkpoint (kind scale_template) of ``workload`` in the fleet's shared
     tier, which scale-up starts replicas from; None when there is none (or no shared tier)."""
     t = tier(scope)
     if t is None:
         return None
-    return next((m.id for m in t.manifests(workload) if m.kind == CheckpointKind.template), None)
+    return next((m.id for m in t.manifests(workload) if m.kind == CheckpointKind.scale_template), None)
 
 
 @task(name="record-placement")

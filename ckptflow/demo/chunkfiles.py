@@ -1,4 +1,5 @@
-"""The engine side of the two-tier protocol (docs/engines/protocol.md) for numpy engines.
+"""Content-addressed chunk files: how numpy engines write and read tensors for the engine
+protocol (docs/engines/protocol.md).
 
 Tensors leave the process as content-addressed chunks: each tensor is cut into fixed-size
 pieces named by their sha256, and only pieces whose digest the runner does not already hold

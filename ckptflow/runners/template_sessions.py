@@ -1,5 +1,6 @@
-"""Two-tier checkpoints: the initialised engine as a shared *template*, each workload's
-*sessions* exported by the engine itself, bytes in proportion to what changed.
+"""The template + sessions checkpoint mode (``checkpoint: template-sessions``): the initialised
+engine as a shared *template*, each workload's *sessions* exported by the engine itself, bytes
+in proportion to what changed.
 
 - Template: CRIU (+ CUDA on a GPU) of the engine with its weights and sessions released; the
   weights leave as content-addressed chunks through the engine's prepare hook and stream back
@@ -14,7 +15,7 @@
   refused before any CRIU call.
 
 Example:
-    >>> tt = TwoTierRunner(NodeRunner(LocalStore(".ckptflow/store")))   # doctest: +SKIP
+    >>> tt = TemplateSessionsRunner(NodeRunner(LocalStore(".ckptflow/store")))   # doctest: +SKIP
     >>> m = tt.heartbeat(workload)        # first call captures the template too
     >>> r = tt.restore(workload)          # after the worker died
 """
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from ckptflow.errors import (CheckpointNotFound, CkptflowError, EngineProtocolError, IncompatibleCheckpoint,
                              RestoreFailed, StorageUnavailable, UnsupportedWorkload)
-from ckptflow.models import (CheckpointState, EngineProbe, Manifest, ManifestProbe, SessionExport, TemplateBinding,
+from ckptflow.models import (CheckpointKind, CheckpointState, EngineProbe, Manifest, ManifestProbe, SessionExport, TemplateBinding,
                              TemplateSource, WeightChunks, Workload)
 from ckptflow.policies.sessions import MIN_TOKENS, ExportContext, SessionFacts, decide_sessions
 from ckptflow.poll import NotYet, PollTimeout, poll
@@ -53,7 +54,7 @@ TEMPLATE_PREFIX = "template-"
 
 
 @dataclass
-class TwoTierResult:
+class TemplateSessionsResult:
     manifest: Manifest                      # the workload's session checkpoint used
     template: Manifest
     pid: int
@@ -64,7 +65,7 @@ def _digests(recs: dict) -> dict[str, list[str]]:
     return {sid: [d for t in r["tensors"] for d in t["chunks"]] for sid, r in recs.items()}
 
 
-class TwoTierRunner:
+class TemplateSessionsRunner:
     """Template + session checkpoints of one node's workloads (engines that speak the protocol)."""
 
     def __init__(self, node: NodeRunner, min_session_tokens: int = MIN_TOKENS):
@@ -234,7 +235,7 @@ class TwoTierRunner:
         t0 = time.perf_counter()
         self._unpark(w, weights["tensors"], recs)
         t["unpark"] = time.perf_counter() - t0
-        tmpl = self.store.commit(pending, kind="template", pid=dumped.pid, gpu_footprint_bytes=dumped.footprint,
+        tmpl = self.store.commit(pending, kind=CheckpointKind.engine_template, pid=dumped.pid, gpu_footprint_bytes=dumped.footprint,
                                  gpu_pids=dumped.gpu_pids, gpu_footprints=dumped.per_gpu,
                                  fingerprint=workload_fingerprint(w, self.node.node_fp),
                                  timings={k: round(v, 4) for k, v in t.items()},
@@ -307,7 +308,7 @@ class TwoTierRunner:
         return None
 
     # --- restore ----------------------------------------------------------------------------
-    def restore(self, w: Workload, tier=None) -> TwoTierResult:
+    def restore(self, w: Workload, tier=None) -> TemplateSessionsResult:
         """Template image, then weights, then ``w``'s newest session checkpoint (pulled first
         from ``tier``, the shared tier, when it holds a newer one than this node).
 
@@ -350,7 +351,8 @@ class TwoTierRunner:
             # Counted where status and the exporter read restores, as a whole-process restore is.
             m = self.store.set_state(m, m.state, m.state_reason,
                                      restores=m.probe.restores.adding(round(sum(t.values()), 4)))
-            return TwoTierResult(manifest=m, template=tmpl, pid=pid, timings={k: round(v, 4) for k, v in t.items()})
+            return TemplateSessionsResult(manifest=m, template=tmpl, pid=pid,
+                                          timings={k: round(v, 4) for k, v in t.items()})
 
     def start_replica(self, w: Workload, netns: str, timeout_s: float = 60,
                       template_source: str | None = None) -> tuple["SandboxCopy", dict]:
@@ -472,12 +474,12 @@ def _check_sessions(w: Workload, recs: dict, got: dict[str, str], what: str) -> 
                             f"{c.named()}", fix="mark the checkpoint bad and run verify")
 
 
-class TwoTierMode(ModeRunner):
-    """``two-tier`` (ckptflow.modes): template + sessions through ``TwoTierRunner``."""
+class TemplateSessionsMode(ModeRunner):
+    """``template-sessions`` (ckptflow.modes; old name two-tier): through ``TemplateSessionsRunner``."""
 
-    def _runner(self) -> TwoTierRunner:
+    def _runner(self) -> TemplateSessionsRunner:
         n = getattr(self.params, "min_session_tokens", None)
-        return TwoTierRunner(self.node, MIN_TOKENS if n is None else n)
+        return TemplateSessionsRunner(self.node, MIN_TOKENS if n is None else n)
 
     def checkpoint(self, w: Workload, context=None) -> Manifest:
         return self._runner().heartbeat(w, context)

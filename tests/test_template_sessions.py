@@ -15,7 +15,7 @@ import pytest
 from ckptflow.errors import ChecksumMismatch, EngineProtocolError, IncompatibleCheckpoint
 from ckptflow.models import CheckpointState
 from ckptflow.runners.node import NodeRunner
-from ckptflow.runners.twotier import SESSIONS_FILE, TwoTierRunner
+from ckptflow.runners.template_sessions import SESSIONS_FILE, TemplateSessionsRunner
 from ckptflow.store.local import LocalStore
 
 pytestmark = pytest.mark.criu
@@ -47,7 +47,7 @@ def pair(demo_worker):
 @pytest.fixture
 def tt(tmp_path):
     with NodeRunner(LocalStore(tmp_path / "store")) as node:
-        yield TwoTierRunner(node)
+        yield TemplateSessionsRunner(node)
 
 
 def _template(tt, m):
@@ -59,7 +59,7 @@ def test_template_then_session_heartbeats_move_only_what_changed(pair, tt):
     store = tt.store
     m1 = tt.heartbeat(live.workload)
     tmpl = _template(tt, m1)
-    assert tmpl.kind == "template" and m1.kind == "sessions"
+    assert tmpl.kind == "engine_template" and m1.kind == "sessions"
     # The weights (ballast + model) left the image: it is smaller than the weights alone.
     assert tmpl.probe.weights.bytes > BALLAST_MIB << 20 > tmpl.bytes
     assert live.complete("go on", 8, "a") == ref.complete("go on", 8, "a")      # serves on, same tokens
@@ -105,7 +105,7 @@ def _stopped_after_a_heartbeat(live, tt):
     """(its session checkpoint, a two-tier runner on the same store whose CRIU must not be called)"""
     m = tt.heartbeat(live.workload)
     live.stop()
-    return m, TwoTierRunner(NodeRunner(tt.store, criu=NoCriu(), node_fp=tt.node.node_fp))
+    return m, TemplateSessionsRunner(NodeRunner(tt.store, criu=NoCriu(), node_fp=tt.node.node_fp))
 
 
 def test_a_session_bound_to_another_model_revision_or_a_gone_template_is_refused_before_criu(pair, tt):
@@ -224,10 +224,10 @@ _RUNNER = """
 import sys
 from ckptflow.models import Workload
 from ckptflow.runners.node import NodeRunner
-from ckptflow.runners.twotier import TwoTierRunner
+from ckptflow.runners.template_sessions import TemplateSessionsRunner
 from ckptflow.store.local import LocalStore
 with NodeRunner(LocalStore(sys.argv[1])) as node:
-    TwoTierRunner(node).heartbeat(Workload.model_validate_json(sys.argv[2]))
+    TemplateSessionsRunner(node).heartbeat(Workload.model_validate_json(sys.argv[2]))
 """
 
 
@@ -270,12 +270,12 @@ def test_the_policy_reads_a_two_tier_workload_as_two_tier_with_its_own_sizes(pai
     from ckptflow.runners.facts import collect_facts
 
     live, _ = pair
-    w = live.workload.model_copy(update={"checkpoint": CheckpointMode.two_tier})
+    w = live.workload.model_copy(update={"checkpoint": CheckpointMode.template_sessions})
     m = tt.heartbeat(w)
     tmpl = _template(tt, m)
     recs = json.loads((tt.store.images_dir(m) / SESSIONS_FILE).read_text())["sessions"]
     f = collect_facts(w, tt.store)
-    assert f.checkpoint_mode == "two-tier" and f.measured_pause_s == m.timings["pause"]
+    assert f.checkpoint_mode == "template-sessions" and f.measured_pause_s == m.timings["pause"]
     assert f.weights_gib == tmpl.probe.weights.bytes / 2**30
     assert f.kv_bytes_per_token == sum(r["total_bytes"] for r in recs.values()) / sum(r["tokens"] for r in recs.values())
     assert collect_facts(live.workload, tt.store).checkpoint_mode == "process"
@@ -425,7 +425,7 @@ def test_two_tier_checkpoints_go_through_s3_and_restore_on_another_node(pair, tt
     os.kill(live.pid, signal.SIGKILL)                                          # the node is lost
     live.proc.wait()
     with NodeRunner(LocalStore(tmp_path / "node-b")) as other:
-        r = TwoTierRunner(other).restore(live.workload, tier=tier)
+        r = TemplateSessionsRunner(other).restore(live.workload, tier=tier)
         assert r.manifest.id == m2.id and r.template.id == tmpl.id and "fetch" in r.timings
         assert live.digests() == ref.digests()
         for sid in ("a", "b"):
@@ -438,5 +438,5 @@ def test_two_tier_checkpoints_go_through_s3_and_restore_on_another_node(pair, tt
         live.proc.wait()
         shutil.rmtree(other.store.root)
     with NodeRunner(LocalStore(tmp_path / "node-c")) as third:
-        TwoTierRunner(third).restore(live.workload, tier=tier)
+        TemplateSessionsRunner(third).restore(live.workload, tier=tier)
         assert live.digests() == at_m2                                          # m1's removal cost m2 nothing
