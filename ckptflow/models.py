@@ -300,9 +300,6 @@ class CheckpointKind(StrEnum):
     engine_template = "engine_template"  # template-sessions: the engine with weights and sessions released
     sessions = "sessions"     # template-sessions: a workload's session KV over an engine template
     session = "session"       # one llama.cpp slot saved by the server (engines.llamacpp)
-    # Deprecated alias of scale_template (the same member), for callers not yet renamed
-    # (tasks/move.py); manifests never carry it.
-    template = "scale_template"
 
 
 class VerifyOutcome(StrEnum):

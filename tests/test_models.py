@@ -131,7 +131,6 @@ def test_an_old_template_kind_loads_as_the_template_it_was(tmp_path):
     m = store.get("template-0123456789abcdef", TMPL_ID)
     store.set_state(m, m.state, None)
     assert json.loads((store.root / m.workload / TMPL_ID / MANIFEST).read_text())["kind"] == "engine_template"
-    assert CheckpointKind.template is CheckpointKind.scale_template      # the not yet renamed callers' name
     assert Manifest(id=SESS_ID, workload="w", node="n", kind="template").kind == CheckpointKind.scale_template
 
 

@@ -493,6 +493,6 @@ class TemplateSessionsMode(ModeRunner):
         return self._runner().push(m, tier)
 
     def verify(self, w: Workload, m: Manifest):
-        from ckptflow.runners.verify import verify_two_tier
+        from ckptflow.runners.verify import verify_template_sessions
 
-        return verify_two_tier(self.node, w, m)
+        return verify_template_sessions(self.node, w, m)

@@ -196,12 +196,12 @@ def compare(w: Workload, m: Manifest, got: EngineProbe, t: dict) -> VerifyResult
     return VerifyResult(VerifyOutcome.verified, " and ".join(checked) + " equal", t)
 
 
-def verify_two_tier(node: NodeRunner, w: Workload, m: Manifest) -> VerifyResult:
+def verify_template_sessions(node: NodeRunner, w: Workload, m: Manifest) -> VerifyResult:
     """A two-tier checkpoint, verified the same way: a copy of the workload's template given its
     sessions ``m``, in its own PID and network namespaces beside the live original; every
     imported session must hold the state that was exported. GPU workloads: skipped (GPU_SANDBOX)."""
     from ckptflow.errors import CkptflowError
-    from ckptflow.runners.template_sessions import TemplateSessionsRunner as TwoTierRunner  # the lead renames the uses
+    from ckptflow.runners.template_sessions import TemplateSessionsRunner
 
     if not node.gpu_for(w).restores_beside:
         return VerifyResult(state=VerifyOutcome.skipped, reason=GPU_SANDBOX)
@@ -209,7 +209,7 @@ def verify_two_tier(node: NodeRunner, w: Workload, m: Manifest) -> VerifyResult:
     copy = None
     try:
         t0 = time.perf_counter()
-        copy, info = TwoTierRunner(node).start_replica(w, ns)
+        copy, info = TemplateSessionsRunner(node).start_replica(w, ns)
         timings = {k: v for k, v in info.items() if isinstance(v, float)} | {"total": time.perf_counter() - t0}
         if info["sessions"] != m.id:
             return VerifyResult(state=VerifyOutcome.skipped, reason=f"a newer session checkpoint {info['sessions']} exists")

@@ -125,7 +125,7 @@ def take_template(scope: FleetScope, w: Workload) -> dict:
     replicas start from it with warm weights and graphs (scale_up)."""
     with node_runner(scope, w.node) as runner:
         with node_slot(w.node):
-            m = runner.checkpoint(w, leave_running=True, kind=CheckpointKind.template)
+            m = runner.checkpoint(w, leave_running=True, kind=CheckpointKind.scale_template)
         pushed = _tier(scope).push(runner.store, m)
     return {"checkpoint": m.id, "bytes": m.bytes, **pushed}
 
