@@ -182,6 +182,23 @@ def test_a_torn_weight_chunk_fails_the_restore_and_leaves_no_half_worker(pair, t
     assert not pid_alive(tmpl.pid)
 
 
+def test_a_truncated_weight_chunk_is_refused_before_criu_and_named(pair, tt):
+    """The weights are not hashed on the host, but their sizes are checked: a chunk cut short
+    (a disk that filled, a copy cut off) is refused before any CRIU call, naming the chunk."""
+    live, _ = pair
+    m = tt.heartbeat(live.workload)
+    victim = _template(tt, m).probe.weights.chunks[0]
+    path = tt.chunks.path(victim)
+    path.write_bytes(path.read_bytes()[:-1000])
+    live.stop()
+    calls = []
+    real = tt.node.criu.restore
+    tt.node.criu.restore = lambda *a, **k: calls.append(a) or real(*a, **k)
+    with pytest.raises(ChecksumMismatch, match=victim[:12]):
+        tt.restore(live.workload)
+    assert calls == []                                                          # no CRIU call was made
+
+
 def test_one_template_starts_replicas_of_two_workloads_that_continue_exactly(demo_worker, tt):
     """Two workers of the same model; the template taken from the first starts two copies (own
     PID and network namespaces), one given each workload's sessions: each continues exactly

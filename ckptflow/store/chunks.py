@@ -131,15 +131,27 @@ class ChunkStore:
                 if not ok:
                     self.read(d)  # raises with the reason
 
-    def present(self, digests: list[str]) -> None:
-        """Check that every chunk is here (no hashing: for bytes the engine hashes as it loads).
+    def present(self, digests: list[str], nbytes: int | None = None) -> None:
+        """Check that every chunk is here (no hashing: for bytes the engine hashes as it loads)
+        and, given the tensor's ``nbytes``, that the chunks' sizes add up to it (a stat each: a
+        truncated or grown chunk is caught before any CRIU call, not after the template runs).
 
         Raises:
-            ChecksumMismatch: a chunk is missing.
+            ChecksumMismatch: a chunk is missing, or the sizes do not add up (the odd one named).
         """
+        sizes = {}
         for d in dict.fromkeys(digests):
-            if not self.path(d).exists():
+            try:
+                sizes[d] = self.path(d).stat().st_size
+            except FileNotFoundError:
                 self.read(d)  # raises with the reason
+        if nbytes is not None and sum(sizes[d] for d in digests) != nbytes:
+            # Every chunk but the last has the common size: the odd one out is the torn one.
+            common = max(set(sizes[d] for d in digests[:-1]) or {0}, key=[sizes[d] for d in digests[:-1]].count)
+            odd = next((d for d in digests[:-1] if sizes[d] != common), digests[-1])
+            raise ChecksumMismatch(f"chunk {odd[:12]}… is torn ({sizes[odd]} bytes): the chunks hold "
+                                   f"{sum(sizes[d] for d in digests)} bytes of a {nbytes}-byte tensor",
+                                   fix="the checkpoint that names it cannot be restored; use an older one")
 
     def put(self, digest: str, data: bytes) -> int:
         """Store ``data`` under its digest (a chunk from another tier), checked first; written
