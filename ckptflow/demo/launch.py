@@ -78,10 +78,10 @@ def start_worker(port: int, pid_file: Path, *, ballast_mib: int = 0, seed: int =
 
 
 def start_gpu_worker(port: int, pid_file: Path, *, ballast_gib: float, seed: int = 1234,
-                     timeout_s: float = 300) -> subprocess.Popen:
-    """Start the torch GPU demo worker (needs torch and a GPU)."""
+                     timeout_s: float = 300, isolated: bool = False) -> subprocess.Popen:
+    """Start the torch GPU demo worker (needs torch and a GPU); ``isolated`` as start_worker."""
     return start_worker(port, pid_file, seed=seed, timeout_s=timeout_s, module="ckptflow.demo.gpu_worker",
-                        extra=["--ballast-gib", str(ballast_gib)])
+                        extra=["--ballast-gib", str(ballast_gib)], isolated=isolated)
 
 
 def gpu_workload(name: str, port: int, pid_file: Path, footprint_gib: float | None = None) -> Workload:
