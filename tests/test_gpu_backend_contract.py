@@ -14,6 +14,7 @@ the reason.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -432,19 +433,30 @@ def test_a_lock_that_times_out_locks_none_and_says_what_the_engine_was_doing(tmp
 
 
 # --- registration: a node names its backend -------------------------------------------------------
-@pytest.fixture
-def fake_registered(tmp_path):
+@contextlib.contextmanager
+def _registered(tmp_path, name: str, cls: type[FakeGpuBackend]):
+    """``cls`` registered as ``name`` over a fresh fake case's devices; all of it undone after."""
+    from ckptflow.policies import compat
     from ckptflow.runners.fingerprint import node_fingerprint
 
     c = _fake_case(tmp_path)
-    register_backend("fake")(FakeGpuBackend)
-    FakeGpuBackend.default_root = c.backend.root
+    register_backend(name)(cls)
+    cls.default_root = c.backend.root
     node_fingerprint.cache_clear()
-    yield c
-    c.stop()
-    BACKENDS.pop("fake", None)
-    FakeGpuBackend.default_root = None
-    node_fingerprint.cache_clear()
+    try:
+        yield c
+    finally:
+        c.stop()
+        BACKENDS.pop(name, None)
+        compat.GATED.pop(f"gpu-{name}", None)
+        cls.default_root = None
+        node_fingerprint.cache_clear()
+
+
+@pytest.fixture
+def fake_registered(tmp_path):
+    with _registered(tmp_path, "fake", FakeGpuBackend) as c:
+        yield c
 
 
 def test_a_registered_backend_is_chosen_per_node_and_fills_the_fingerprint(tmp_path, fake_registered):
@@ -520,19 +532,9 @@ class FirmwareGpuBackend(FakeGpuBackend):
 
 @pytest.fixture
 def firmware_registered(tmp_path):
-    from ckptflow.policies import compat
-    from ckptflow.runners.fingerprint import node_fingerprint
-
-    c = _fake_case(tmp_path)
-    register_backend("fake-fw")(FirmwareGpuBackend)
-    FirmwareGpuBackend.default_root = c.backend.root
-    node_fingerprint.cache_clear()
-    yield c
-    c.stop()
-    BACKENDS.pop("fake-fw", None)
-    compat.GATED.pop("gpu-fake-fw", None)
-    FirmwareGpuBackend.default_root, FirmwareGpuBackend.firmware = None, "1.0"
-    node_fingerprint.cache_clear()
+    with _registered(tmp_path, "fake-fw", FirmwareGpuBackend) as c:
+        yield c
+    FirmwareGpuBackend.firmware = "1.0"
 
 
 def test_a_backends_own_fingerprint_fields_are_gated(tmp_path, firmware_registered):

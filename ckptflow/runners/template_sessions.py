@@ -33,8 +33,8 @@ from pathlib import Path
 
 from ckptflow.errors import (CheckpointNotFound, CkptflowError, EngineProtocolError, IncompatibleCheckpoint,
                              RestoreFailed, StorageUnavailable, UnsupportedWorkload)
-from ckptflow.models import (CheckpointKind, CheckpointState, EngineProbe, Manifest, ManifestProbe, SessionExport, TemplateBinding,
-                             TemplateSource, WeightChunks, Workload)
+from ckptflow.models import (CheckpointKind, CheckpointState, EngineProbe, Manifest, ManifestProbe, SessionExport,
+                             TemplateBinding, TemplateSource, WeightChunks, Workload)
 from ckptflow.policies.sessions import MIN_TOKENS, ExportContext, SessionFacts, decide_sessions
 from ckptflow.poll import NotYet, PollTimeout, poll
 from ckptflow.runners import engine, process
@@ -90,7 +90,7 @@ class TemplateSessionsRunner:
         of any workload of the model in namespaces (``start_replica``), and the weights' chunks
         are shared by all of them."""
         for m in self.store.list(name):
-            if m.state.restorable and (source is None or (m.probe.source and m.probe.source.workload == source)):
+            if m.state.restorable and (source is None or _source_of(m) == source):
                 return m
         return None
 
@@ -370,7 +370,7 @@ class TemplateSessionsRunner:
             raise UnsupportedWorkload(f"workload {w.name}: a GPU template cannot be restored beside its source yet",
                                       fix="restore in place (recover) or on another node")
         m, tmpl = self._newest(w)
-        if template_source and template_source != (tmpl.probe.source.workload if tmpl.probe.source else None):
+        if template_source and template_source != _source_of(tmpl):
             other = self.template_for(tmpl.workload, source=template_source)  # same key: same engine and weights
             if other is None:
                 raise CheckpointNotFound(f"no valid template of {tmpl.workload} taken from {template_source}",
@@ -457,6 +457,11 @@ class TemplateSessionsRunner:
 def _bound_to(m: Manifest) -> str | None:
     """The id of the template session checkpoint ``m`` was taken over (None: none recorded)."""
     return m.probe.template.id if m.probe.template else None
+
+
+def _source_of(tmpl: Manifest) -> str | None:
+    """The workload template ``tmpl`` was captured from (None: none recorded)."""
+    return tmpl.probe.source.workload if tmpl.probe.source else None
 
 
 def _check_sessions(w: Workload, recs: dict, got: dict[str, str], what: str) -> None:

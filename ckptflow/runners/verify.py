@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field
 
 from ckptflow.errors import CkptflowError, CriuError
-from ckptflow.runners.criu import copy_pids, image_isolated
 from ckptflow.models import EngineProbe, Manifest, VerifyOutcome, Workload
+from ckptflow.runners.criu import copy_pids, image_isolated
 from ckptflow.runners.digests import SessionMatch, compare_sessions
 from ckptflow.runners.engine import golden_digest
 from ckptflow.runners.node import NodeRunner
@@ -200,7 +200,6 @@ def verify_template_sessions(node: NodeRunner, w: Workload, m: Manifest) -> Veri
     """A two-tier checkpoint, verified the same way: a copy of the workload's template given its
     sessions ``m``, in its own PID and network namespaces beside the live original; every
     imported session must hold the state that was exported. GPU workloads: skipped (GPU_SANDBOX)."""
-    from ckptflow.errors import CkptflowError
     from ckptflow.runners.template_sessions import TemplateSessionsRunner
 
     if not node.gpu_for(w).restores_beside:

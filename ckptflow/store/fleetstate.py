@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ckptflow.models import Fingerprint, _check_name
 from ckptflow.store.local import write_json_atomic
-from ckptflow.store.s3 import S3Objects
+from ckptflow.store.s3 import S3Names, S3Objects
 
 if TYPE_CHECKING:
     from ckptflow.store.objects import ObjectStore
@@ -234,7 +234,7 @@ class ObjectFleetState:
         return {n: Fingerprint.model_validate_json(body) for n, body in self._bodies("nodes").items()}
 
 
-class S3FleetState(ObjectFleetState):
+class S3FleetState(S3Names, ObjectFleetState):
     """``ObjectFleetState`` in an S3 bucket, opened by its names (tools and tests; the factory
     ``store.open_fleet_state`` opens the same through the s3 kind's registered client).
 
@@ -252,16 +252,3 @@ class S3FleetState(ObjectFleetState):
         """From the fleet file's ``storage:`` (the chunk encryption key plays no part here)."""
         return cls(bucket=storage.bucket, prefix=storage.prefix, endpoint_url=storage.endpoint_url,
                    region=storage.region, server_side_encryption=storage.server_side_encryption)
-
-    @property
-    def bucket(self) -> str:
-        return self.objects.bucket
-
-    @property
-    def prefix(self) -> str:
-        return self.objects.prefix
-
-    @property
-    def s3(self):
-        """The boto3 client."""
-        return self.objects.s3

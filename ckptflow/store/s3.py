@@ -153,7 +153,32 @@ class S3Objects:
         return [(o["Key"][cut:], o["Size"]) for o in self._keys(self._key(prefix))]
 
 
-class S3Tier(ChunkedTier):
+class S3Names:
+    """The bucket's own names, read through ``self.objects`` (an ``S3Objects``): what tools, tests
+    and an S3 fleet state opened beside a tier (sharing its client) read, on the tier and the
+    fleet state alike."""
+
+    objects: S3Objects
+
+    @property
+    def bucket(self) -> str:
+        return self.objects.bucket
+
+    @property
+    def prefix(self) -> str:
+        return self.objects.prefix
+
+    @property
+    def sse(self) -> str | None:
+        return self.objects.sse
+
+    @property
+    def s3(self):
+        """The boto3 client."""
+        return self.objects.s3
+
+
+class S3Tier(S3Names, ChunkedTier):
     """Push and pull checkpoints between a node's LocalStore and an S3-compatible bucket
     (store.tier's ``CheckpointTier``; the copies it holds are ``CopyTier.s3``).
 
@@ -184,24 +209,6 @@ class S3Tier(ChunkedTier):
         return cls(bucket=storage.bucket, prefix=storage.prefix, endpoint_url=storage.endpoint_url,
                    region=storage.region, server_side_encryption=storage.server_side_encryption,
                    key=key if key is not None else load_key(storage))
-
-    # The bucket's own names, which the fleet state (sharing the client) and tools read.
-    @property
-    def bucket(self) -> str:
-        return self.objects.bucket
-
-    @property
-    def prefix(self) -> str:
-        return self.objects.prefix
-
-    @property
-    def sse(self) -> str | None:
-        return self.objects.sse
-
-    @property
-    def s3(self):
-        """The boto3 client (an S3 fleet state opened beside this tier shares it)."""
-        return self.objects.s3
 
 
 def _b64(hexdigest: str) -> str:
