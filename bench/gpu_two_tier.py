@@ -189,6 +189,9 @@ def _row(name, a, row, t0, pid_file, tmp, transparent, host_gib, node_box) -> di
     row["stream_s"] = round(r.timings.get("weights", 0) + r.timings.get("sessions", 0), 2)
     moved = row.get("weights_gib", 0) + row["live_kv_gib"]
     row["stream_gib_s"] = round(moved / row["stream_s"], 2) if row["stream_s"] else None
+    # The engine's keyed GPU hash of every weight chunk, after the stream (demo/gpuhash.py)
+    if r.timings.get("weights_checked"):
+        row["weights_hash_gib_s"] = round(row.get("weights_gib", 0) / r.timings["weights_checked"], 1)
     row["bitexact"] = state() == before
     log(name, "two-tier", row)
     return row
@@ -262,6 +265,7 @@ def main() -> int:
     ap.add_argument("--changed-tokens", type=int, default=1490, help="1490 tokens x 43 layers = 1 GiB of KV")
     ap.add_argument("--images", default="/dev/shm")
     ap.add_argument("--faults-only", action="store_true", help="only the torn-chunk cases (small weights)")
+    ap.add_argument("--no-transparent", action="store_true", help="row A without the whole-process path (it takes minutes)")
     a = ap.parse_args()
     os.environ.setdefault("CKPTFLOW_CRIU_NETWORK_LOCK", "skip")
     tmp = Path(tempfile.mkdtemp(prefix="ckptflow-2t-", dir=a.images))
@@ -289,7 +293,7 @@ def main() -> int:
     rows = []
     for name in a.rows.split(","):
         pool = ["--kv-gib", str(a.a_kv_gib)] if name == "A" else ["--kv-fraction", str(a.b_kv_fraction)]
-        row = run_row(name, a, weights, tmp, pool, transparent=(name == "A"), host_gib=host_gib)
+        row = run_row(name, a, weights, tmp, pool, transparent=(name == "A" and not a.no_transparent), host_gib=host_gib)
         row["stream_limit_gib_s"] = round(limit, 1)
         rows.append(row)
     import pynvml
@@ -306,11 +310,13 @@ def main() -> int:
     table = md_table(["row", "reserved GiB", "weights GiB", "live KV GiB", "changed GiB", "stream limit GiB/s",
                       "transparent restore s", "transparent pause s", "template restore s", "stream s (GiB/s)",
                       "restore-to-ready s", "session pause s", "session bytes (changed chunks)", "cold start s",
+                      "GPU hash of weights GiB/s",
                       "bit-exact (transparent / two-tier)"],
                      [[r["row"], r["reserved_gib"], r.get("weights_gib"), r["live_kv_gib"], r["changed_gib"],
                        r["stream_limit_gib_s"], f(r["transparent_restore_s"]), f(r["transparent_pause_s"]),
                        r["template_restore_s"], f"{r['stream_s']} ({r['stream_gib_s']})", r["restore_to_ready_s"],
                        r["session_pause_s"], f"{r['session_bytes']} ({r['changed_chunk_bytes']})", r["cold_start_s"],
+                       r.get("weights_hash_gib_s"),
                        f"{f(r['transparent_bitexact'])} / {r['bitexact']}"] for r in rows])
     print(table)
     append_results(f"Two tiers vs the whole process on {gpu}, vLLM-shaped engine (bench/gpu_two_tier.py)", table,
