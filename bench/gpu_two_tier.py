@@ -7,6 +7,11 @@ Rows (issue #13):
   B  the same engine reserving 90 % of free GPU memory for its pool (vLLM's default): the
      whole-process path cannot run (the footprint must fit in host memory twice), so only
      two tiers.
+  S  failover onto a standby (issue #25 item 1): the engine started isolated (``ckptflow
+     run-isolated``: its own PID and mount namespaces, as a container), its template restored
+     ahead of need beside it in namespaces of its own and parked (CUDA context and graphs back,
+     no weights, no sessions); after the kill, restore-to-ready is ``promote`` only: the weights'
+     stream and the session import, checked on the GPU. SB: the same with row B's pool.
 Each row: cold start (process start, weights read, pool, graphs, re-prefill of every session),
 template capture, a session heartbeat after one session grew by ``--changed-tokens``, a kill,
 restore-to-ready, bit-exact check (session state digests and the next 32 tokens vs before the kill).
@@ -82,10 +87,14 @@ def kill(pid: int, node: NodeRunner) -> None:
     node.criu.wait_pid_free(pid)
 
 
-def start(weights: Path, pid_file: Path, pool: list[str]) -> subprocess.Popen:
+def start(weights: Path, pid_file: Path, pool: list[str], isolated: bool = False) -> subprocess.Popen:
+    from ckptflow.runners.isolate import isolated_argv
+
     pid_file.unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "ckptflow.demo.llm_worker", "--port", str(PORT),
-                             "--pid-file", str(pid_file), "--weights", str(weights), *pool],
+    argv = [sys.executable, "-m", "ckptflow.demo.llm_worker", "--port", str(PORT), "--weights", str(weights), *pool]
+    argv = isolated_argv(argv, pid_file, pid_file.with_suffix(".log")) if isolated else \
+        argv[:5] + ["--pid-file", str(pid_file)] + argv[5:]
+    proc = subprocess.Popen(argv,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(pid_file.with_suffix(".log"), "w"),
                             start_new_session=True, close_fds=True)
     launch.wait_healthy(f"http://127.0.0.1:{PORT}/health", 900, proc=proc)
@@ -193,8 +202,85 @@ def _row(name, a, row, t0, pid_file, tmp, transparent, host_gib, node_box) -> di
     if r.timings.get("weights_checked"):
         row["weights_hash_gib_s"] = round(row.get("weights_gib", 0) / r.timings["weights_checked"], 1)
     row["bitexact"] = state() == before
+    row["chunk_hash"] = launch.http_json(f"http://127.0.0.1:{PORT}/v1/ckptflow/engine").get("chunk_hash")
     log(name, "two-tier", row)
     return row
+
+
+def _in_ns(base: str, netns: str, path: str, body: dict | None = None, timeout_s: float = 300) -> dict:
+    from ckptflow.runners.engine import _request_in_netns
+
+    got = _request_in_netns(netns, base + path, body, timeout_s)
+    if "ok" not in got:
+        raise RuntimeError(f"{path} in {netns}: {got}")
+    return got["ok"]
+
+
+def run_standby(name: str, a, weights: Path, tmp: Path, pool: list[str]) -> dict:
+    """Row S/SB: failover onto a standby template restored ahead of need (see the docstring)."""
+    from ckptflow.runners.verify import del_netns, new_netns
+
+    pid_file = tmp / f"{name}.pid"
+    row: dict = {"row": name}
+    launch.require_free_port(PORT)
+    t0 = time.perf_counter()
+    proc = start(weights, pid_file, pool, isolated=True)
+    store = LocalStore(tmp / f"store-{name}")
+    node = NodeRunner(store)
+    ns, sb = None, None
+    try:
+        for i in range(a.sessions):
+            launch.complete(PORT, prompt(i, a.tokens), 16, f"s{i}")
+        row["cold_start_s"] = round(time.perf_counter() - t0, 2)
+        info = launch.http_json(f"http://127.0.0.1:{PORT}/v1/ckptflow/engine")
+        row.update({k: info[k] for k in ("weights_gib", "pool_gib") if k in info})
+        import pynvml
+
+        pynvml.nvmlInit()
+        used = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used / GiB
+        row["reserved_gib"] = round(used, 1)
+        w = launch.demo_workload(f"tt-{name.lower()}", PORT, pid_file).model_copy(update={
+            "gpu": True, "gpu_footprint_gib": used + 1, "model_id": "ckptflow-demo-llm",
+            "prepare_url": f"http://127.0.0.1:{PORT}/v1/ckptflow/prepare",
+            "find": ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="ckptflow.demo.llm_worker")})
+        tt = TemplateSessionsRunner(node)
+        tt.heartbeat(w)
+        ns = new_netns("ckstandby")
+        t0 = time.perf_counter()
+        sb = tt.standby(w, ns)
+        row["standby_s"] = round(time.perf_counter() - t0, 2)
+        row["standby_phases"] = sb.timings
+        row["standby_gpu_gib"] = round(sb.template.gpu_footprint_bytes / GiB, 2)
+        launch.complete(PORT, prompt(99, a.changed_tokens), 1, "s0")          # one session grows, after the standby
+        m2 = tt.heartbeat(w)
+        row.update(session_pause_s=m2.timings["pause"], live_kv_gib=round(m2.probe.export.total_bytes / GiB, 3))
+        before = state()
+        kill(int(pid_file.read_text()), node)
+        t0 = time.perf_counter()
+        r = tt.promote(w, sb)
+        row["restore_to_ready_s"] = round(time.perf_counter() - t0, 2)
+        row["restore_phases"] = r.timings
+        row["stream_s"] = round(r.timings.get("weights", 0) + r.timings.get("sessions", 0), 2)
+        moved = row.get("weights_gib", 0) + row["live_kv_gib"]
+        row["stream_gib_s"] = round(moved / row["stream_s"], 2) if row["stream_s"] else None
+        peek = _in_ns(sb.base, ns, "/v1/peek", {"prompt": "next", "max_tokens": 32, "session_id": "s0"})["tokens"]
+        after = (_in_ns(sb.base, ns, "/v1/sessions/digests")["sessions"], peek,
+                 _in_ns(sb.base, ns, "/v1/ballast/digest")["digest"])
+        row["bitexact"] = after == before
+        row["chunk_hash"] = _in_ns(sb.base, ns, "/v1/ckptflow/engine").get("chunk_hash")
+        log(name, "standby", row)
+        return row
+    finally:
+        if sb is not None:
+            sb.copy.stop()
+        if ns:
+            del_netns(ns)
+        stop(proc, pid_file)
+        node.close()
+        import shutil
+
+        shutil.rmtree(store.root, ignore_errors=True)
+        time.sleep(2)
 
 
 def run_faults(a, weights: Path, tmp: Path) -> dict:
@@ -292,9 +378,14 @@ def main() -> int:
     host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
     rows = []
     for name in a.rows.split(","):
-        pool = ["--kv-gib", str(a.a_kv_gib)] if name == "A" else ["--kv-fraction", str(a.b_kv_fraction)]
-        row = run_row(name, a, weights, tmp, pool, transparent=(name == "A" and not a.no_transparent), host_gib=host_gib)
+        pool = ["--kv-gib", str(a.a_kv_gib)] if name in ("A", "S") else ["--kv-fraction", str(a.b_kv_fraction)]
+        if name in ("S", "SB"):
+            row = run_standby(name, a, weights, tmp, pool)
+        else:
+            row = run_row(name, a, weights, tmp, pool, transparent=(name == "A" and not a.no_transparent),
+                          host_gib=host_gib)
         row["stream_limit_gib_s"] = round(limit, 1)
+        row["stream_of_limit"] = round(row["stream_gib_s"] / limit, 2) if row.get("stream_gib_s") else None
         rows.append(row)
     import pynvml
 
@@ -308,24 +399,27 @@ def main() -> int:
         return "null" if v is None else v
 
     table = md_table(["row", "reserved GiB", "weights GiB", "live KV GiB", "changed GiB", "stream limit GiB/s",
-                      "transparent restore s", "transparent pause s", "template restore s", "stream s (GiB/s)",
-                      "restore-to-ready s", "session pause s", "session bytes (changed chunks)", "cold start s",
-                      "GPU hash of weights GiB/s",
+                      "transparent restore s", "transparent pause s", "template restore s (standby, ahead of need)",
+                      "stream s (GiB/s, of limit)", "restore-to-ready s", "session pause s",
+                      "session bytes (changed chunks)", "cold start s", "GPU hash of weights GiB/s",
                       "bit-exact (transparent / two-tier)"],
-                     [[r["row"], r["reserved_gib"], r.get("weights_gib"), r["live_kv_gib"], r["changed_gib"],
-                       r["stream_limit_gib_s"], f(r["transparent_restore_s"]), f(r["transparent_pause_s"]),
-                       r["template_restore_s"], f"{r['stream_s']} ({r['stream_gib_s']})", r["restore_to_ready_s"],
-                       r["session_pause_s"], f"{r['session_bytes']} ({r['changed_chunk_bytes']})", r["cold_start_s"],
-                       r.get("weights_hash_gib_s"),
-                       f"{f(r['transparent_bitexact'])} / {r['bitexact']}"] for r in rows])
+                     [[r["row"], r["reserved_gib"], r.get("weights_gib"), r["live_kv_gib"], f(r.get("changed_gib")),
+                       r["stream_limit_gib_s"], f(r.get("transparent_restore_s")), f(r.get("transparent_pause_s")),
+                       r["template_restore_s"] if "template_restore_s" in r else f"({r['standby_s']})",
+                       f"{r['stream_s']} ({r['stream_gib_s']}, {r['stream_of_limit']})", r["restore_to_ready_s"],
+                       r["session_pause_s"], f"{f(r.get('session_bytes'))} ({f(r.get('changed_chunk_bytes'))})",
+                       r["cold_start_s"], f(r.get("weights_hash_gib_s")),
+                       f"{f(r.get('transparent_bitexact'))} / {r['bitexact']}"] for r in rows])
     print(table)
     append_results(f"Two tiers vs the whole process on {gpu}, vLLM-shaped engine (bench/gpu_two_tier.py)", table,
-                   "; ".join(f"row {r['row']}: template capture {r['template_capture']}, template image "
-                             f"{r['template_image_gib']} GiB (GPU state {r['template_gpu_gib']} GiB), restore phases "
-                             f"{r['restore_phases']}" + (f", transparent null: {r['transparent_null_reason']}"
-                                                          if r.get("transparent_null_reason") else "")
-                             for r in rows))
-    ok = all(r["bitexact"] and r["transparent_bitexact"] in (True, None) for r in rows)
+                   "; ".join(f"row {r['row']}: " + (
+                       f"template capture {r['template_capture']}, template image {r['template_image_gib']} GiB "
+                       f"(GPU state {r['template_gpu_gib']} GiB), " if "template_capture" in r else
+                       f"standby (template restored ahead of need, parked; {r['standby_gpu_gib']} GiB on the GPU) "
+                       f"{r['standby_phases']}, ") + f"restore phases {r['restore_phases']}"
+                       + (f", transparent null: {r['transparent_null_reason']}" if r.get("transparent_null_reason") else "")
+                       for r in rows))
+    ok = all(r["bitexact"] and r.get("transparent_bitexact") in (True, None) for r in rows)
     return 0 if ok else 1
 
 

@@ -32,7 +32,9 @@ print(json.dumps({
     "base": h.rows(rows), "again": KeyedChunkHash(seed=11, max_bytes=8192, device="cpu").rows(rows),
     "swapped": h.rows(swapped), "flipped": h.rows(flipped), "halves": h.rows(halves),
     "other_key": KeyedChunkHash(seed=12, max_bytes=8192, device="cpu").rows(rows),
-    "flat": h.flat(rows[0]), "flat_short": h.flat(rows[0, :4093]),
+    "flat": h.flat(rows[0]), "flat_short": h.flat(rows[0, :4093]), "impl": h.impl,
+    "chunks": h.chunks(rows.reshape(-1), 4096), "chunks_short": h.chunks(rows.reshape(-1)[:10000], 4096),
+    "flats_short": [h.flat(rows.reshape(-1)[o:min(o + 4096, 10000)]) for o in range(0, 10000, 4096)],
     "state_rows": state_sha256(rows), "state_big": state_sha256(big), "state_big_swapped": state_sha256(big_swapped),
 }))
 """
@@ -58,6 +60,22 @@ def _nh128(row: bytes, key) -> str:
     return out
 
 
+def _splitmix_key(seed: int, n: int) -> list[int]:
+    """gpuhash.key_words in plain integers: top 32 bits of splitmix64(seed + (i + 1) * golden)."""
+    out = []
+    for i in range(1, n + 1):
+        z = (seed + i * 0x9E3779B97F4A7C15) % 2**64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+        out.append((z ^ (z >> 31)) >> 32)
+    return out
+
+
+def test_the_key_is_splitmix64_of_the_seed_so_every_device_makes_the_same(r):
+    flat = [k for lane in r["key"] for half in lane for k in half]
+    assert flat == _splitmix_key(11, 2 * 2 * 1024)
+
+
 def test_the_keyed_chunk_hash_is_nh128_and_tells_permutations_and_flips_apart(r):
     raw = bytes.fromhex(r["rows"])
     rows = [raw[i * 4096:(i + 1) * 4096] for i in range(3)]
@@ -70,6 +88,10 @@ def test_the_keyed_chunk_hash_is_nh128_and_tells_permutations_and_flips_apart(r)
     assert all(a != b for a, b in zip(r["other_key"], r["base"]))         # keyed
     assert r["flat"] == r["base"][0] + ":4096"
     assert r["flat_short"] == _nh128(rows[0][:4093] + b"\0" * 3, r["key"]) + ":4093"
+    # chunks() is flat() of each piece: all at once (the fused kernel on a GPU), the last one short
+    assert r["impl"] == "torch"
+    assert r["chunks"] == [v + ":4096" for v in r["base"]]
+    assert r["chunks_short"] == r["flats_short"] and r["chunks_short"][-1].endswith(":1808")
 
 
 def test_the_state_hash_is_sha256_of_the_bytes_and_a_permutation_changes_it(r):

@@ -237,6 +237,67 @@ def test_one_template_starts_replicas_of_two_workloads_that_continue_exactly(dem
             del_netns(ns)
 
 
+def test_a_standby_taken_while_the_worker_runs_is_promoted_after_it_died_and_continues_exactly(pair, tt):
+    """Failover without CRIU on the critical path: the template restored ahead of need beside the
+    live worker (own PID and network namespaces) and parked; after the worker dies, promote gives
+    it the weights and the newest sessions, taken after the standby was, and it continues token
+    for token like the reference. A standby of a replaced template is refused, not promoted."""
+    from ckptflow.runners import engine
+    from ckptflow.runners.verify import del_netns, new_netns
+
+    live, ref = pair
+    tt.heartbeat(live.workload)
+    ns = new_netns("ckts")
+    sb = tt.standby(live.workload, ns)
+    try:
+        info = engine.call(live.workload, "/v1/ckptflow/engine", base=sb.base, netns=ns)
+        assert info.get("parked") and sb.copy.pid != live.pid           # parked: no weights, no sessions
+        _talk(live, ref, turns=(("a", "a turn after the standby was taken"),))
+        m = tt.heartbeat(live.workload)
+        os.kill(live.pid, signal.SIGKILL)
+        live.proc.wait()
+        r = tt.promote(live.workload, sb)
+        assert r.manifest.id == m.id and r.template.id == sb.template.id and "restore" not in r.timings
+        for sid in ("a", "b"):
+            got = engine.call(live.workload, "/v1/completions", {"prompt": "and then?", "max_tokens": 16,
+                                                                 "session_id": sid}, base=sb.base, netns=ns)
+            assert got["choices"][0]["tokens"] == ref.complete("and then?", 16, sid)
+    finally:
+        sb.copy.stop()
+        del_netns(ns)
+
+
+def test_a_standby_of_a_replaced_template_is_refused_and_a_torn_session_chunk_fails_its_promotion(pair, tt):
+    from ckptflow.runners.verify import del_netns, new_netns
+
+    live, _ = pair
+    m1 = tt.heartbeat(live.workload)
+    ns = new_netns("ckts")
+    sb = tt.standby(live.workload, ns)
+    try:
+        tt.store.set_state(_template(tt, m1), CheckpointState.invalidated, "driver changed")
+        tt.heartbeat(live.workload)                                   # a new template, new sessions
+        with pytest.raises(IncompatibleCheckpoint, match="template"):
+            tt.promote(live.workload, sb)
+    finally:
+        sb.copy.stop()
+        del_netns(ns)
+    ns = new_netns("ckts")
+    sb = tt.standby(live.workload, ns)
+    try:
+        m = tt.heartbeat(live.workload)
+        digest = json.loads((tt.store.images_dir(m) / SESSIONS_FILE).read_text())["sessions"]["a"]["tensors"][0]["chunks"][0]
+        p = tt.chunks.path(digest)
+        p.chmod(0o600)
+        raw = p.read_bytes()
+        p.write_bytes(raw[:10] + bytes([raw[10] ^ 1]) + raw[11:])
+        with pytest.raises(ChecksumMismatch, match=digest[:12]):
+            tt.promote(live.workload, sb)
+    finally:
+        sb.copy.stop()
+        del_netns(ns)
+
+
 _RUNNER = """
 import sys
 from ckptflow.models import Workload

@@ -394,9 +394,7 @@ class LlmEngine(EngineSide):
 
     def _weight_fingerprints(self, key: int | None = None) -> list[str]:
         """The same per 64 MiB chunk of the weights (the chunks of the weights' export)."""
-        h = self._hasher(key)
-        return [h.flat(self.wflat[off:off + min(SLOT, self.weights_bytes - off)])
-                for off in range(0, self.weights_bytes, SLOT)]
+        return self._hasher(key).chunks(self.wflat[:self.weights_bytes], SLOT)
 
     @staticmethod
     def _check(what: str, want: list[str] | None, got: list[str], chunks: list[str]) -> None:
@@ -442,7 +440,8 @@ class LlmEngine(EngineSide):
     def engine_extra(self) -> dict:
         return {"weights_gib": round(self.weights_bytes / 2**30, 2),
                 "pool_gib": round(self.nblocks * self.block_bytes / 2**30, 2),
-                "load_s": round(self.load_s, 3), "graph_s": round(self.graph_s, 3), "start_s": round(self.start_s, 3)}
+                "load_s": round(self.load_s, 3), "graph_s": round(self.graph_s, 3), "start_s": round(self.start_s, 3),
+                "chunk_hash": next((h.impl for h in self.hashers.values()), None)}
 
     def _plan(self, only, known: dict[str, set[str]]) -> tuple[list, dict]:
         """Per session: its blocks' fingerprints; the blocks to copy are those whose fingerprint

@@ -32,7 +32,7 @@ from ckptflow.policies.multigpu import FIX as TP_FIX
 from ckptflow.policies.tiers import LocalCopy, restore_order
 from ckptflow.poll import PollTimeout, poll
 from ckptflow.runners import devshm, engine, process
-from ckptflow.runners.criu import CriuRunner
+from ckptflow.runners.criu import CriuRunner, SandboxCopy, copy_pids, image_isolated
 from ckptflow.runners.digests import compare_sessions
 from ckptflow.runners.engine import probe, read_load
 from ckptflow.runners.facts import tp_unsupported
@@ -248,6 +248,57 @@ class NodeRunner:
         return self.store.commit(pending, timings=d.timings, probe=state, kind=kind, pid=d.pid,
                                  gpu_footprint_bytes=d.footprint, gpu_pids=d.gpu_pids, gpu_footprints=d.per_gpu,
                                  fingerprint=workload_fingerprint(w, self.node_fp))
+
+    def copy_unsupported(self, w: Workload, m: Manifest) -> str | None:
+        """Why ``m`` cannot be restored as a copy beside its running original here, or None. A
+        copy with device state needs a backend that restores it beside the original, or one that
+        measured it for a worker born in its own namespaces (``ckptflow run-isolated``) and an
+        image of such a worker."""
+        gpu = self.gpu_for(w)
+        if not m.gpu_pids or gpu.restores_beside:
+            return None
+        if gpu.restores_isolated_copy and image_isolated(self.store.images_dir(m)):
+            return None
+        return ("the driver restores device state only into the PID that took it, so a copy beside the "
+                "original needs a worker started in its own namespaces"
+                + (" (`ckptflow run-isolated`)" if gpu.restores_isolated_copy else
+                   f" on a backend that supports it ({gpu.name} does not)"))
+
+    def restore_copy(self, w: Workload, m: Manifest, netns: str, timings: dict[str, float] | None = None) -> SandboxCopy:
+        """A copy of ``m`` beside the running original, in its own PID namespace and in network
+        namespace ``netns``; its device state, if any, restored and unlocked by the copy's own
+        host PIDs (an isolated image keeps each process's PID inside its namespace, which maps
+        the original's GPU PIDs to the copy's). Stopping it is the caller's (``copy.stop()``).
+
+        Raises:
+            UnsupportedWorkload: see ``copy_unsupported`` (nothing restored).
+            NotEnoughGpuMemory: no room for a second device footprint beside the original's.
+            CriuError: the CRIU restore failed.
+            GpuCheckpointError: the device restore failed (the copy is stopped).
+        """
+        why = self.copy_unsupported(w, m)
+        if why:
+            raise UnsupportedWorkload(f"workload {w.name}: {why}", fix="restore in place (recover) instead")
+        t = timings if timings is not None else {}
+        gpu = self.gpu_for(w)
+        device = bool(m.gpu_pids) and not gpu.restores_beside
+        if device:
+            self.gate_gpu_memory(w, m)
+        images = self.store.images_dir(m)
+        t0 = time.perf_counter()
+        copy = self.criu.restore_beside(images, netns=netns)
+        t["restore"] = round(time.perf_counter() - t0, 4)
+        if device:
+            t0 = time.perf_counter()
+            try:
+                procs = gpu.checkpointed(copy_pids(images, copy.pid, m.gpu_pids))
+                gpu.restore(procs, footprint_bytes=m.gpu_footprint_bytes, need_by_device=self.restore_needs(m))
+                gpu.unlock(procs)
+            except BaseException:
+                copy.stop()   # a copy whose device state is half back must not live on
+                raise
+            t["device_restore"] = round(time.perf_counter() - t0, 4)
+        return copy
 
     def resume_devices(self, w: Workload, pid: int, m: Manifest, gpu_pairs: list[tuple[str, str]] | None) -> dict:
         """After CRIU restored ``m`` as ``pid``: its device state back (optionally onto other GPUs,

@@ -54,6 +54,17 @@ TEMPLATE_PREFIX = "template-"
 
 
 @dataclass
+class Standby:
+    """A parked copy of a template (``TemplateSessionsRunner.standby``), waiting to be promoted."""
+
+    copy: "SandboxCopy"
+    netns: str
+    template: Manifest
+    base: str                               # where it answers inside ``netns``
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class TemplateSessionsResult:
     manifest: Manifest                      # the workload's session checkpoint used
     template: Manifest
@@ -362,13 +373,35 @@ class TemplateSessionsRunner:
         ``netns``; stopping it (``SandboxCopy.stop``) and deleting ``netns`` is the caller's.
 
         Raises:
-            UnsupportedWorkload: a GPU workload (the driver restores CUDA state only into the PID
-                that took it: measured on the H200, see runners/verify.py).
+            UnsupportedWorkload: a GPU template that cannot be restored beside its source (the
+                driver restores device state only into the PID that took it, unless the worker was
+                started isolated: NodeRunner.copy_unsupported).
             IncompatibleCheckpoint, CheckpointNotFound, ChecksumMismatch: as ``restore``.
         """
-        if not self.node.gpu_for(w).restores_beside:
-            raise UnsupportedWorkload(f"workload {w.name}: a GPU template cannot be restored beside its source yet",
-                                      fix="restore in place (recover) or on another node")
+        sb = self.standby(w, netns, timeout_s, template_source)
+        try:
+            promoted = self.promote(w, sb)
+        except BaseException:
+            sb.copy.stop()
+            raise
+        return sb.copy, sb.timings | promoted.timings | {"template": sb.template.id, "sessions": promoted.manifest.id,
+                                                          "base_url": sb.base}
+
+    def standby(self, w: Workload, netns: str, timeout_s: float = 60,
+                template_source: str | None = None) -> "Standby":
+        """``w``'s template restored ahead of need and parked: a copy in its own PID namespace and
+        network namespace ``netns`` (another node's, in a fleet), its CUDA context and graphs back,
+        no weights and no sessions on it. A failover is then only ``promote``: the weights' stream
+        and the session import, no CRIU and no device restore. Stopping it is the caller's.
+
+        Example:
+            >>> sb = tt.standby(workload, new_netns("standby"))     # doctest: +SKIP
+            >>> tt.promote(workload, sb).timings                     # after the worker died
+
+        Raises:
+            UnsupportedWorkload, IncompatibleCheckpoint, CheckpointNotFound: as ``start_replica``.
+            NotEnoughGpuMemory: no room for the template's device footprint beside the worker.
+        """
         m, tmpl = self._newest(w)
         if template_source and template_source != _source_of(tmpl):
             other = self.template_for(tmpl.workload, source=template_source)  # same key: same engine and weights
@@ -377,11 +410,8 @@ class TemplateSessionsRunner:
                                          fix="run a two-tier heartbeat of that workload first")
             self.node.gate(w, other)
             tmpl = other
-        recs, weights = self._checked_records(m, tmpl)
         t: dict[str, float] = {}
-        t0 = time.perf_counter()
-        copy = self.node.criu.restore_beside(self.store.images_dir(tmpl), netns=netns)
-        t["restore"] = time.perf_counter() - t0
+        copy = self.node.restore_copy(w, tmpl, netns, t)
         base = (tmpl.probe.source.base_url if tmpl.probe.source else None) or engine.base_url(w)
         try:
             def answers() -> dict:  # the copy's server may take a moment to accept in its namespace
@@ -392,19 +422,57 @@ class TemplateSessionsRunner:
                         raise
                     raise NotYet(e.message) from None
 
+            t0 = time.perf_counter()
             try:
-                poll(answers, timeout_s, 0.1, what=f"the copy's engine at {base} in {netns}")
+                poll(answers, timeout_s, 0.02, what=f"the copy's engine at {base} in {netns}")
             except PollTimeout as e:
                 raise EngineProtocolError(f"workload {w.name}: {e}", retryable=True) from None
-            got = self._load(w, weights, recs, t, base=base, netns=netns)
-            _check_sessions(w, recs, got, f"a copy from template {tmpl.id} + sessions {m.id}")
+            t["answers"] = round(time.perf_counter() - t0, 4)
         except BaseException:
             copy.stop()
             raise
-        return copy, {k: round(v, 4) for k, v in t.items()} | {"template": tmpl.id, "sessions": m.id,
-                                                                "base_url": base}
+        return Standby(copy=copy, netns=netns, template=tmpl, base=base, timings=t)
 
-    def _checked_records(self, m: Manifest, tmpl: Manifest) -> tuple[dict, list[dict]]:
+    def promote(self, w: Workload, sb: "Standby") -> TemplateSessionsResult:
+        """Give standby ``sb`` the weights and ``w``'s newest sessions: it then serves ``w`` at
+        ``sb.base`` in ``sb.netns``. Session chunks are hashed on the host only when their
+        records carry no GPU fingerprints; otherwise the engine checks every block on the GPU as
+        it imports them (a torn chunk fails the import), as it does for the weights. On failure
+        the standby is left for the caller to stop: it may hold half of the state.
+
+        Raises:
+            IncompatibleCheckpoint: the newest session checkpoint is bound to another template than
+                the standby's (take a new standby, or restore).
+            CheckpointNotFound, ChecksumMismatch, EngineProtocolError: as ``restore``.
+        """
+        m = next((m for m in self._sessions_of(w) if m.state.restorable), None)
+        if m is None:
+            raise CheckpointNotFound(f"workload {w.name} has no session checkpoint in {self.store.root}",
+                                     fix="run a two-tier heartbeat first, or cold start the worker")
+        # Any valid template of the same key will do (same engine, weights and revision: what
+        # start_replica's template_source relies on), but not one invalidated since the standby.
+        try:
+            now = self.store.get(sb.template.workload, sb.template.id)
+        except CheckpointNotFound:
+            now = None
+        if now is None or not now.state.restorable or not m.probe.template \
+                or m.probe.template.workload != sb.template.workload:
+            why = f"{now.state.value}: {now.state_reason}" if now is not None and not now.state.restorable else \
+                (m.probe.template.workload if m.probe.template else None)
+            raise IncompatibleCheckpoint({"template": (sb.template.id, why)}, checkpoint=m.id)
+        self.node.gate(w, now)
+        t: dict[str, float] = {}
+        t0 = time.perf_counter()
+        recs = self._records(m)["sessions"]
+        gpu_checked = all("fingerprint_key" in r["tensors"][0] for r in recs.values() if r.get("tensors"))
+        recs, weights = self._checked_records(m, sb.template, hash_sessions=not gpu_checked)
+        t["chunks_checked"] = time.perf_counter() - t0
+        got = self._load(w, weights, recs, t, base=sb.base, netns=sb.netns)
+        _check_sessions(w, recs, got, f"a standby of template {sb.template.id} given sessions {m.id}")
+        return TemplateSessionsResult(manifest=m, template=sb.template, pid=sb.copy.pid,
+                                      timings={k: round(v, 4) for k, v in t.items()})
+
+    def _checked_records(self, m: Manifest, tmpl: Manifest, hash_sessions: bool = True) -> tuple[dict, list[dict]]:
         """(session records of ``m``, weight records of ``tmpl``), every chunk they name here.
         Session chunks are hashed now, in parallel (one thread took 4.5 s for 5 GiB on the
         H200); the weights (GiBs) only checked for presence and size: the engine checks their
@@ -417,7 +485,11 @@ class TemplateSessionsRunner:
         weights = json.loads((self.store.images_dir(tmpl) / WEIGHTS_FILE).read_text())
         for r in weights:
             self.chunks.present(r["chunks"], r.get("nbytes"))
-        self.chunks.verify([d for ds in _digests(recs).values() for d in ds])
+        digests = [d for ds in _digests(recs).values() for d in ds]
+        if hash_sessions:
+            self.chunks.verify(digests)
+        else:  # the engine hashes them on the GPU as they land
+            self.chunks.present(digests)
         return recs, weights
 
     def _load(self, w: Workload, weights: list[dict], recs: dict, t: dict, **where) -> dict[str, str]:

@@ -20,9 +20,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ckptflow.errors import CkptflowError, CriuError
+from ckptflow.errors import CkptflowError, CriuError, NotEnoughGpuMemory, RunnerUnavailable
 from ckptflow.models import EngineProbe, Manifest, VerifyOutcome, Workload
-from ckptflow.runners.criu import copy_pids, image_isolated
 from ckptflow.runners.digests import SessionMatch, compare_sessions
 from ckptflow.runners.engine import golden_digest
 from ckptflow.runners.node import NodeRunner
@@ -114,39 +113,23 @@ def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: flo
     except CkptflowError as e:
         return VerifyResult(VerifyOutcome.verify_failed, str(e).splitlines()[0], t)
     t["checksum"] = round(time.perf_counter() - t0, 4)
-    gpu, images = node.gpu_for(w), node.store.images_dir(m)
-    # A GPU copy beside its original works only for a worker started isolated (PID 1 of its own
-    # namespaces), on a backend that measured it so; its device state then comes back by the
-    # copy's host PIDs.
-    device_copy = bool(m.gpu_pids) and not gpu.restores_beside
-    if device_copy and not (gpu.restores_isolated_copy and image_isolated(images)):
+    why = node.copy_unsupported(w, m)
+    if why:
         return VerifyResult(VerifyOutcome.skipped, GPU_SANDBOX + (" (or start the worker with `ckptflow run-isolated`, "
-                            "whose copies can be verified beside it)" if gpu.restores_isolated_copy else ""), t)
-    if device_copy:
-        try:  # the copy needs the footprint free once more, beside the original's
-            node.gate_gpu_memory(w, m)
-        except CkptflowError as e:
-            return VerifyResult(VerifyOutcome.skipped, f"no room for a GPU copy beside the original: "
-                                f"{str(e).splitlines()[0]}", t)
+                            "whose copies can be verified beside it)" if node.gpu_for(w).restores_isolated_copy else ""), t)
     ns = new_netns("ckv")
     copy = None
     try:
-        t0 = time.perf_counter()
         try:
-            copy = node.criu.restore_beside(images, netns=ns)
+            copy = node.restore_copy(w, m, ns, t)
+        except (NotEnoughGpuMemory, RunnerUnavailable) as e:   # the copy needs the footprint free once more
+            return VerifyResult(VerifyOutcome.skipped, f"no room for a GPU copy beside the original: "
+                                f"{str(e).splitlines()[0]}", t)
         except CriuError as e:
             return VerifyResult(VerifyOutcome.verify_failed, f"sandbox restore failed: {str(e).splitlines()[0]}", t, e.log_tail)
-        t["restore"] = round(time.perf_counter() - t0, 4)
-        if device_copy:
-            t0 = time.perf_counter()
-            try:
-                procs = gpu.checkpointed(copy_pids(images, copy.pid, m.gpu_pids))
-                gpu.restore(procs, footprint_bytes=m.gpu_footprint_bytes, need_by_device=node.restore_needs(m))
-                gpu.unlock(procs)   # the copy is killed below whatever happens: nothing stays locked
-            except CkptflowError as e:
-                return VerifyResult(VerifyOutcome.verify_failed, f"sandbox device restore failed: "
-                                    f"{str(e).splitlines()[0]}", t)
-            t["device_restore"] = round(time.perf_counter() - t0, 4)
+        except CkptflowError as e:   # the device restore: restore_copy stopped the copy
+            return VerifyResult(VerifyOutcome.verify_failed, f"sandbox device restore failed: "
+                                f"{str(e).splitlines()[0]}", t)
         t0 = time.perf_counter()
         got = probe_in_netns(ns, w, timeout_s)
         t["probe"] = round(time.perf_counter() - t0, 4)
