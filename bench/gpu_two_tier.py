@@ -255,10 +255,29 @@ def run_standby(name: str, a, weights: Path, tmp: Path, pool: list[str]) -> dict
         m2 = tt.heartbeat(w)
         row.update(session_pause_s=m2.timings["pause"], live_kv_gib=round(m2.probe.export.total_bytes / GiB, 3))
         before = state()
-        kill(int(pid_file.read_text()), node)
+        import threading
+
+        h0, freed, stop_watch = pynvml.nvmlDeviceGetHandleByIndex(0), {}, threading.Event()
+        victim = int(pid_file.read_text())
+
+        def watch() -> None:  # on one GPU the killed original's teardown overlaps the promotion
+            while not stop_watch.is_set():
+                if victim not in {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h0)}:
+                    freed["s"] = round(time.perf_counter() - t0, 3)
+                    return
+                time.sleep(0.005)
+
+        row["original_seen_by_nvml"] = victim in {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h0)}
+        os.kill(victim, signal.SIGKILL)
         t0 = time.perf_counter()
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        node.criu.wait_pid_free(victim)
         r = tt.promote(w, sb)
         row["restore_to_ready_s"] = round(time.perf_counter() - t0, 2)
+        watcher.join(timeout=30)
+        stop_watch.set()
+        row["original_gpu_memory_freed_s"] = freed.get("s")
         row["restore_phases"] = r.timings
         row["stream_s"] = round(r.timings.get("weights", 0) + r.timings.get("sessions", 0), 2)
         moved = row.get("weights_gib", 0) + row["live_kv_gib"]

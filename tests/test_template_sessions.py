@@ -252,6 +252,7 @@ def test_a_standby_taken_while_the_worker_runs_is_promoted_after_it_died_and_con
     try:
         info = engine.call(live.workload, "/v1/ckptflow/engine", base=sb.base, netns=ns)
         assert info.get("parked") and sb.copy.pid != live.pid           # parked: no weights, no sessions
+        assert "warm" in sb.timings                                     # the engine's optional warm-up was asked
         _talk(live, ref, turns=(("a", "a turn after the standby was taken"),))
         m = tt.heartbeat(live.workload)
         os.kill(live.pid, signal.SIGKILL)

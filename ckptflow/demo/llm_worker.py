@@ -606,6 +606,15 @@ class LlmEngine(EngineSide):
         return {"tensors": [rec], "written_bytes": written[0], "total_bytes": self.weights_bytes,
                 "phases": {"export": round(export_s, 4), **(stats if release else {})}}
 
+    def warm_template(self) -> dict:
+        """Pinned transfer slots ahead of a resume (0.12-0.16 s of it on the H200): host memory
+        only, so a standby can hold them beside the live worker's device memory."""
+        t0 = time.perf_counter()
+        with self.lock:
+            self.wregion._current()   # an HTTP handler thread has no current context (the pinned alloc needs one)
+            self.slots.ensure(THREADS * RING * PIECE)
+        return {"pinned_bytes": THREADS * RING * PIECE, "seconds": round(time.perf_counter() - t0, 4)}
+
     def resume_template(self, req: ResumeRequest) -> dict:
         """Map the ranges back at their addresses, zero the pool, stream the weights in (checked)."""
         from ckptflow.demo.chunkfiles import chunk_path

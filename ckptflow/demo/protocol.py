@@ -32,7 +32,8 @@ ENGINE_PATH = "/v1/ckptflow/engine"
 PROTOCOL_POST = {"/v1/ckptflow/sessions/export": "sessions_export",
                  "/v1/ckptflow/sessions/import": "sessions_import",
                  "/v1/ckptflow/template/prepare": "template_prepare",
-                 "/v1/ckptflow/template/resume": "template_resume"}
+                 "/v1/ckptflow/template/resume": "template_resume",
+                 "/v1/ckptflow/template/warm": "template_warm"}
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,14 @@ class EngineSide:
 
     def template_resume(self, body: dict) -> dict:
         return self.resume_template(ResumeRequest.parse(body))
+
+    def template_warm(self, body: dict) -> dict:
+        """``template/warm``: a parked engine that will be resumed soon (a standby) takes what it
+        can ahead of the resume without holding device memory; {} when there is nothing to take."""
+        return self.warm_template()
+
+    def warm_template(self) -> dict:
+        return {}
 
     # --- shared implementation over arrays (numpy, or torch copied to the host) ----------------
     def session_state(self, req: ExportRequest) -> tuple[dict[str, SessionState], float | None]:

@@ -428,6 +428,12 @@ class TemplateSessionsRunner:
             except PollTimeout as e:
                 raise EngineProtocolError(f"workload {w.name}: {e}", retryable=True) from None
             t["answers"] = round(time.perf_counter() - t0, 4)
+            t0 = time.perf_counter()
+            try:   # optional: what the engine can take before the failover (demo: pinned slots)
+                engine.call(w, "/v1/ckptflow/template/warm", {}, base=base, netns=netns, timeout_s=30)
+                t["warm"] = round(time.perf_counter() - t0, 4)
+            except EngineProtocolError as e:
+                log.debug("workload %s: standby not warmed: %s", w.name, e.message)
         except BaseException:
             copy.stop()
             raise
