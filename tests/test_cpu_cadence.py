@@ -63,3 +63,37 @@ def test_the_live_heartbeat_reports_forced_rows_through_forced():
 
     src = inspect.getsource(node.checkpoint_batch)
     assert 'row["decision"] = "forced"' in src and "forced(d).reason" in src
+
+
+def test_live_facts_of_a_cpu_worker_are_cpu_facts_and_a_restarted_worker_has_new_work(demo_worker, tmp_path):
+    """On a node with a GPU backend object (every node has one) a CPU workload is still costed in
+    CPU seconds; and a worker restarted since the newest checkpoint (its token counter went back)
+    has everything since its start as new work, never 'nothing new' (the trial's finding 2)."""
+    from ckptflow.demo import launch
+    from ckptflow.runners.engine import read_load
+    from ckptflow.runners.facts import collect_facts
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.store.local import LocalStore
+
+    w = demo_worker("cpu-facts")
+    for sid in ("a", "b", "c"):
+        w.complete("a long turn that grows the KV " * 12, 24, sid)
+    with NodeRunner(LocalStore(tmp_path / "store")) as node:
+        m = node.checkpoint(w.workload)
+        f = collect_facts(w.workload, node.store, gpu=node.gpu)
+        assert node.gpu is not None and f.device == "cpu" and f.measured_pause_s > 0
+        w.stop()
+        proc = launch.start_worker(w.port, w.pid_file)        # a fresh worker under the same declaration
+        try:
+            launch.complete(w.port, "a new session on the new worker " * 4, 8, "z")
+            now = read_load(w.workload).tokens_total
+            assert 0 < now < m.probe.tokens_total                # its counter started again
+            f = collect_facts(w.workload, node.store, gpu=node.gpu)
+            assert f.tokens_since_ckpt == now
+            assert "nothing new" not in decide(f, params=DEMO_RULE).reason
+        finally:
+            proc.kill()
+            proc.wait()
+            from tests.conftest import kill_pid_file
+
+            kill_pid_file(w.pid_file, "ckptflow.demo.worker")

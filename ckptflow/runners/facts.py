@@ -75,6 +75,10 @@ def collect_facts(w: Workload, store: LocalStore, *, mtbf_s: float | None = None
         since_s = max(0.0, now - m.created.timestamp())
         at_ckpt = m.probe.tokens_total
         since_tokens = (load.tokens_total - at_ckpt) if (load is not None and at_ckpt is not None) else live
+        if since_tokens < 0:
+            # The counter went back: a restarted worker, or one restored from an older copy. None of
+            # what it did since it (re)started is in the newest checkpoint.
+            since_tokens = load.tokens_total
         growth = since_tokens / since_s if since_s > 0 else 0.0
     footprint = w.gpu_footprint_gib or (m.bytes / 2**30 if m else 0.0)
     pause = None
@@ -89,7 +93,8 @@ def collect_facts(w: Workload, store: LocalStore, *, mtbf_s: float | None = None
         live_tokens=live, growth_tokens_s=growth, tokens_since_ckpt=since_tokens, seconds_since_ckpt=since_s,
         newest_invalidated=bool(newest) and newest[0].state == CheckpointState.invalidated,
         mean_request_s=load.mean_request_s if load else None, now=now, maintenance=list(maintenance),
-        unsupported=tp_unsupported(w, gpu=gpu), gone=gone, device="gpu" if gpu else "cpu",
+        # The workload's own declaration: every node has a GPU backend object, GPU or not.
+        unsupported=tp_unsupported(w, gpu=gpu), gone=gone, device="gpu" if w.gpu else "cpu",
         **({"mtbf_s": mtbf_s} if mtbf_s else {}))
 
 
