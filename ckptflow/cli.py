@@ -202,8 +202,9 @@ def ls(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET,
     for col in ("workload", "checkpoint", "state", "age", "size", "copies", "reason"):
         table.add_column(col, no_wrap=col in ("workload", "checkpoint"))
     now = datetime.now(timezone.utc)
+    unreachable: list[str] = []
     for name in names:  # grows by the templates two-tier checkpoints name: their bytes are listed once
-        for m in fleet_manifests(fleet, name):
+        for m in fleet_manifests(fleet, name, unreachable):
             if m.probe.template and m.probe.template.workload not in names:
                 names.append(m.probe.template.workload)
             age = now - m.created
@@ -212,7 +213,16 @@ def ls(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET,
                           + (f" ({m.bytes / 2**20:,.1f} image + {chunk_bytes(m) / 2**20:,.1f} chunks)" if chunk_bytes(m) else ""),
                           ", ".join(f"{c.tier.value}:{c.location}" for c in m.copies),
                           m.state_reason or "")
+    if unreachable:
+        table.title = f"checkpoints of fleet {fleet.fleet} (the nodes' stores only: the bucket could not be read)"
     console.print(table)
+    _say_unreachable(unreachable)
+
+
+def _say_unreachable(unreachable: list[str]) -> None:
+    if unreachable:
+        typer.echo(f"warning: the shared tier {unreachable[0]}: only the nodes' own copies are shown\n"
+                   "  fix: check storage.endpoint_url, the credentials and the network, then run again", err=True)
 
 
 def _age(s: float) -> str:
@@ -228,7 +238,8 @@ def status(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET) -> Non
     from ckptflow.report import fleet_status
 
     fleet = _fleet(_fleet_path(fleet_file, legacy))
-    rows = fleet_status(fleet)
+    unreachable: list[str] = []
+    rows = fleet_status(fleet, unreachable=unreachable)
     # An SRE reads this in an 80-column terminal too: names are never cut; narrow terminals
     # drop the traffic class and show the checkpoint id's unique suffix.
     wide = console.width >= 120
@@ -249,7 +260,10 @@ def status(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET) -> Non
         table.add_row(r["workload"], r["node"], *([r["traffic"]] if wide else []), newest, state,
                       _age(r["age_s"]) if r["age_s"] is not None else "[red]none valid[/]", ver,
                       f"{r['bytes'] / 2**20:,.1f}", last)
+    if unreachable:
+        table.title = f"fleet {fleet.fleet} (the nodes' stores only: the bucket could not be read)"
     console.print(table)
+    _say_unreachable(unreachable)
 
 
 @app.command()

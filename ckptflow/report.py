@@ -62,23 +62,26 @@ def stored_bytes(fleet: Fleet, ms: list[Manifest]) -> int:
     return sum(m.bytes for m in ms) + chunks + unlisted
 
 
-def fleet_manifests(fleet: Fleet, workload: str) -> list[Manifest]:
+def fleet_manifests(fleet: Fleet, workload: str, unreachable: list[str] | None = None) -> list[Manifest]:
     """Every checkpoint of ``workload`` this machine can see, newest first: each node's local
     store (``{node}`` in the storage path names one per node) and the fleet's shared tier (an
-    S3 fleet's bucket). A checkpoint held in several places is listed once, with all its copies."""
+    S3 fleet's bucket). A checkpoint held in several places is listed once, with all its copies.
+    A shared tier that cannot be read is said in ``unreachable`` (one line; once it is there the
+    tier is not asked again), so that a report never passes the nodes' copies off as all there is."""
     seen: dict[str, Manifest] = {}
     stores = {s.root: s for s in [open_store(fleet.storage, n.name) for n in fleet.nodes] + [open_store(fleet.storage)]}
     for root in sorted(stores):
         if root.exists():
             for m in stores[root].manifests(workload):
                 seen[m.id] = _merge(seen.get(m.id), m)
-    tier = open_tier(fleet.storage)
+    tier = open_tier(fleet.storage) if not unreachable else None
     if tier is not None:
         try:
             for m in tier.manifests(workload):
                 seen[m.id] = _merge(seen.get(m.id), m)
-        except CkptflowError:  # the tier is unreachable: the nodes' copies still show
-            pass
+        except CkptflowError as e:  # the nodes' copies still show, and the caller says what is missing
+            if unreachable is not None:
+                unreachable.append(f"{tier.location} could not be read ({str(e).splitlines()[0]})")
     return sorted(seen.values(), key=lambda m: m.id, reverse=True)
 
 
@@ -102,7 +105,7 @@ def _placements(fleet: Fleet) -> dict[str, str]:
         return {}
 
 
-def fleet_status(fleet: Fleet, now: datetime | None = None) -> list[dict]:
+def fleet_status(fleet: Fleet, now: datetime | None = None, unreachable: list[str] | None = None) -> list[dict]:
     """One row per workload (on the node it runs on now), then one per template its two-tier
     checkpoints bind to (``traffic: template``): shared by the workloads of a model, their bytes
     are counted once, under the template."""
@@ -111,13 +114,13 @@ def fleet_status(fleet: Fleet, now: datetime | None = None) -> list[dict]:
     placed = _placements(fleet)
     templates: dict[str, str] = {}
     for w in fleet.workloads:
-        ms = fleet_manifests(fleet, w.name)
+        ms = fleet_manifests(fleet, w.name, unreachable)
         for m in ms:
             if m.probe.template:
                 templates.setdefault(m.probe.template.workload, m.node)
         rows.append(_row(fleet, w.name, placed.get(w.name, w.node), w.traffic.value, ms, now))
     for name, node in sorted(templates.items()):
-        rows.append(_row(fleet, name, node, "template", fleet_manifests(fleet, name), now))
+        rows.append(_row(fleet, name, node, "template", fleet_manifests(fleet, name, unreachable), now))
     return rows
 
 

@@ -207,3 +207,22 @@ def test_simulate_profile_two_tier_costs_less_and_a_wrong_profile_is_named():
     assert costs["two-tier-h200"] < costs["process-h200"] / 2
     bad = _run("simulate", "--profile", "gpu-magic")
     assert bad.returncode == 2 and "--profile" in bad.stderr and "two-tier-h200" in bad.stderr
+
+
+def test_ls_and_status_say_when_the_bucket_cannot_be_read(tmp_path):
+    """An S3 fleet whose bucket is unreachable (here: nothing listens on the endpoint): ls and
+    status still list the nodes' own copies, but say the bucket was not read, once, with the fix,
+    instead of an empty table under a title that claims it was (the trial's finding 5)."""
+    import os
+
+    fleet = (ROOT / "deployments" / "example-h200-fleet.yaml").read_text().replace(
+        "endpoint_url: http://s3.internal:8333", "endpoint_url: http://127.0.0.1:9")
+    f = tmp_path / "fleet.yaml"
+    f.write_text(fleet)
+    env = {**os.environ, "COLUMNS": "200", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"}
+    for cmd in ("ls", "status"):
+        out = subprocess.run([str(CKPTFLOW), cmd, str(f)], capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr
+        assert out.stderr.count("could not be read") == 1 and "fix:" in out.stderr, out.stderr
+        assert "127.0.0.1:9" in out.stderr or "ckptflow-h200" in out.stderr
+        assert "the bucket could not be read" in " ".join(out.stdout.split())   # the title, however wrapped
