@@ -8,7 +8,7 @@ A field is a path into one run (``rows[row=A].stream_gib_s``: the row whose ``ro
 or a function of the run; the run is the newest one in which every field resolves, among the
 runs QUOTED says the docs quote (a small code-path check run does not replace the full-size one).
 So each FIGURES row picks its own run: a field that is null, or a helper that raises KeyError
-(``_ab``: rows A and B both there),
+(``_ab``: rows A and B both there; ``_standby``: the standby rows, timed from the kill or not),
 passes over a run that does not hold what the text quotes, and two rows of one table may quote
 two runs (the docs say which). A claim beside a figure (``holds``, ``same``, ``absent``) that the
 chosen run contradicts fails the test instead.
@@ -72,6 +72,16 @@ def _ab(run):
     return rows
 
 
+def _standby(run, from_kill: bool = True):
+    """Rows S and SB (failover onto a standby). ``from_kill``: runs whose restore-to-ready counts from
+    the kill, the wait for the killed original included (they record when its GPU memory was freed);
+    else the runs before them, which started the clock once the killed process had exited."""
+    rows = _rows(run, row="S") + _rows(run, row="SB")
+    if not rows or any(("original_gpu_memory_freed_s" in x) != from_kill for x in rows):
+        raise KeyError("standby rows")
+    return rows
+
+
 def _tp8(run):
     return _rows(run, backend="nccl", world_size="2", ballast_gib_per_rank="8.0")
 
@@ -116,7 +126,8 @@ FIGURES = [
     (R, "incl. swapped GPUs | {}× H200 |", "gpu_tp", "gpus", "d"),
     # --- two tiers on the vLLM-shaped engine (bench/gpu_two_tier.py) ---
     # The whole-process column comes from the newest run that took it (the later runs are
-    # --no-transparent), the two-tier figures from the newest run with rows A and B.
+    # --no-transparent), the two-tier figures from the newest run with rows A and B, the standby's
+    # from the newest run with rows S and SB.
     (R, "a vLLM-shaped engine with {} GiB of bf16 weights", "gpu_two_tier", f"{A}.weights_gib", ".1f"),
     (R, "{} 1,500-token sessions = {} GiB of live KV", "gpu_two_tier",
      (lambda r: ["no", "one", "two", "three", "four", "five"][r["sessions"]], f"{A}.live_kv_gib"), ("s", ".0f")),
@@ -137,6 +148,11 @@ FIGURES = [
         "pause {} s |", "gpu_two_tier",
      (lambda r: absent(_rows(r, row="B")[0], "transparent_restore_s", _rows(r, row="B")[0]["reserved_gib"]),
       f"{B}.restore_to_ready_s", f"{B}.session_pause_s"), (".0f", ".1f", ".3f")),
+    (R, "| {} or {} GiB reserved: failover onto a standby | — | **{} s** from the kill", "gpu_two_tier",
+     (lambda r: same(*(_fmt(x["reserved_gib"], ".0f") for x in _standby(r) if x["row"] == "S")),
+      lambda r: same(*(_fmt(x["reserved_gib"], ".0f") for x in _standby(r) if x["row"] == "SB")),
+      lambda r: holds(all(x["bitexact"] for x in _standby(r)),
+                      span([x["restore_to_ready_s"] for x in _standby(r)], ".2f"))), "s"),
     (R, "the weights' check on the GPU took {} s of the restore", "gpu_two_tier",
      lambda r: holds(all(x["bitexact"] and x["chunk_hash"] == "fused" for x in _ab(r)),
                      span([x["restore_phases"]["weights_checked"] for x in _ab(r)], ".3f")), "s"),
@@ -146,7 +162,25 @@ FIGURES = [
       f"{B}.cold_start_s", lambda r: _rows(r, row="B")[0]["weights_gib"] / _rows(r, row="B")[0]["load_s"]),
      (".0f", ".1f", ".0f")),
     (R, "the template's CRIU restore alone takes {} s", "gpu_two_tier", f"{B}.restore_phases.restore", ".1f"),
-    (R, "(rows at {} and {} GiB reserved, torn-chunk faults)", "gpu_two_tier",
+    (R, "CUDA context and graphs back ({} GiB on the GPU), no weights, no sessions", "gpu_two_tier",
+     lambda r: same(*(_fmt(x["standby_gpu_gib"], ".1f") for x in _standby(r))), "s"),
+    (R, "two rows at {} and two at {} GiB reserved): the standby took {} s", "gpu_two_tier",
+     (lambda r: same(*(_fmt(x["reserved_gib"], ".0f") for x in _standby(r) if x["row"] == "S")),
+      lambda r: same(*(_fmt(x["reserved_gib"], ".0f") for x in _standby(r) if x["row"] == "SB")),
+      lambda r: span([x["standby_s"] for x in _standby(r)], ".1f")), "s"),
+    (R, "kill → serving took {} s, bit-exact", "gpu_two_tier",
+     lambda r: holds(all(x["bitexact"] for x in _standby(r)),
+                     span([x["restore_to_ready_s"] for x in _standby(r)], ".2f")), "s"),
+    (R, "its GPU memory was free {} s after the kill", "gpu_two_tier",
+     lambda r: span([x["original_gpu_memory_freed_s"] for x in _standby(r)], ".2f"), "s"),
+    (R, "weights + KV streamed at {} of the limit measured in the same run", "gpu_two_tier",
+     lambda r: span([x["stream_of_limit"] for x in _standby(r)], ".2f"), "s"),
+    (R, "That is {}× the same rows' cold starts", "gpu_two_tier",
+     lambda r: span([x["restore_to_ready_s"] / x["cold_start_s"] for x in _standby(r)], ".2f"), "s"),
+    (R, "The run before it started the clock once the killed process had exited: {} s", "gpu_two_tier",
+     lambda r: holds(all(x["bitexact"] for x in _standby(r, from_kill=False)),
+                     span([x["restore_to_ready_s"] for x in _standby(r, from_kill=False)], ".2f")), "s"),
+    (R, "(rows at {} and {} GiB reserved, restored in place and onto a standby, torn-chunk faults)", "gpu_two_tier",
      (f"{A}.reserved_gib", f"{B}.reserved_gib"), ".0f"),
     (D, "a worker reserving {} GiB froze for {} s per heartbeat and came back in {} s", "gpu_two_tier",
      (f"{A}.reserved_gib", f"{A}.transparent_pause_s", f"{A}.transparent_restore_s"), (".0f", ".1f", ".1f")),
@@ -175,6 +209,9 @@ FIGURES = [
     (D, "an engine that cold-starts in {} s", "gpu_two_tier", f"{B}.cold_start_s", ".1f"),
     (D, "two tiers win only {}×", "gpu_two_tier",
      lambda r: _rows(r, row="B")[0]["cold_start_s"] / _rows(r, row="B")[0]["restore_to_ready_s"], ".1f"),
+    (D, "restore-to-ready {} s from the kill, bit-exact", "gpu_two_tier",
+     lambda r: holds(all(x["bitexact"] for x in _standby(r)),
+                     span([x["restore_to_ready_s"] for x in _standby(r)], ".2f")), "s"),
     # --- vLLM on the H200 (bench/vllm_gpu.py) ---
     (R, "vLLM 0.26.0 on an H200 with a {} GiB Llama-3-8B-shaped model", "vllm_gpu", "rows.a.model_gib", ".0f"),
     (R, "cold start {} s, whole-process restore {} s, two tiers (sleep-level-2 template + connector sessions) "
