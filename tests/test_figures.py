@@ -212,6 +212,13 @@ FIGURES = [
     (D, "restore-to-ready {} s from the kill, bit-exact", "gpu_two_tier",
      lambda r: holds(all(x["bitexact"] for x in _standby(r)),
                      span([x["restore_to_ready_s"] for x in _standby(r)], ".2f")), "s"),
+    # --- the keyed chunk hash on the GPU (bench/gpu_hash.py) ---
+    (R, "`bench/gpu_hash.py` on {} GiB: the fused kernel's chunk hashes equal the torch reference's and a swap "
+        "of two words changes them; it takes {} s against the reference's {} s, a new key {} s", "gpu_hash",
+     (lambda r: holds(_rows(r, impl="fused")[0]["equal_to_reference"] and _rows(r, impl="fused")[0]["swap_detected"],
+                      _rows(r, impl="fused")[0]["gib"]),
+      "rows[impl=fused].fused_s", "rows[impl=fused].reference_s", "rows[impl=fused].new_key_s"),
+     ("g", ".3f", ".2f", ".3f")),
     # --- vLLM on the H200 (bench/vllm_gpu.py) ---
     (R, "vLLM 0.26.0 on an H200 with a {} GiB Llama-3-8B-shaped model", "vllm_gpu", "rows.a.model_gib", ".0f"),
     (R, "cold start {} s, whole-process restore {} s, two tiers (sleep-level-2 template + connector sessions) "
