@@ -219,6 +219,15 @@ FIGURES = [
                       _rows(r, impl="fused")[0]["gib"]),
       "rows[impl=fused].fused_s", "rows[impl=fused].reference_s", "rows[impl=fused].new_key_s"),
      ("g", ".3f", ".2f", ".3f")),
+    # --- verify of a GPU worker started isolated (bench/gpu_isolated_verify.py) ---
+    (R, "(`bench/gpu_isolated_verify.py`, the GPU demo worker holding {} GiB on the GPU): started isolated, `{}` "
+        "({}), the copy's device restore {} s; with one session digest recorded wrong, `{}`; started plainly, `{}`; "
+        "the original unchanged after each", "gpu_isolated_verify",
+     ("rows[layout=isolated].ballast_gib", "rows[layout=isolated].outcome", "rows[layout=isolated].reason",
+      "rows[layout=isolated].phases.device_restore", "rows[layout=isolated].wrong_digest_outcome",
+      lambda r: holds(all(x["original_unchanged_after_both"] for x in r["rows"]),
+                      _rows(r, layout="plain")[0]["outcome"])),
+     ("g", "s", "s", ".2f", "s", "s")),
     # --- vLLM on the H200 (bench/vllm_gpu.py) ---
     (R, "vLLM 0.26.0 on an H200 with a {} GiB Llama-3-8B-shaped model", "vllm_gpu", "rows.a.model_gib", ".0f"),
     (R, "cold start {} s, whole-process restore {} s, two tiers (sleep-level-2 template + connector sessions) "
