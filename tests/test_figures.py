@@ -7,6 +7,11 @@ FIGURES: (doc, text with ``{}`` where each figure stands, results name, field(s)
 A field is a path into one run (``rows[row=A].stream_gib_s``: the row whose ``row`` is ``A``)
 or a function of the run; the run is the newest one in which every field resolves, among the
 runs QUOTED says the docs quote (a small code-path check run does not replace the full-size one).
+So each FIGURES row picks its own run: a field that is null, or a helper that raises KeyError
+(``_ab``: rows A and B both there; ``_standby``: the standby rows, timed from the kill or not),
+passes over a run that does not hold what the text quotes, and two rows of one table may quote
+two runs (the docs say which). A claim beside a figure (``holds``, ``same``, ``absent``) that the
+chosen run contradicts fails the test instead.
 CONFIG: figures that are settings, not measurements, checked against the line that sets them.
 OTHERS: figures other work re-measures now (fleet tick, policy simulator); a test of their own
 holds them (tests/test_bench_results.py for the fleet tick).
@@ -42,8 +47,39 @@ def absent(row: dict, key: str, then):
     return then
 
 
+def holds(claim, then):
+    """A figure the doc quotes beside a claim ("bit-exact", "equal"): the run must bear it out."""
+    if not claim:
+        raise ValueError(f"the run quoted for {then!r} does not bear out the doc's claim beside it")
+    return then
+
+
+def span(values, spec: str) -> str:
+    """Several rows' figure as the doc writes it: ``lo–hi``, or one value when they round alike."""
+    lo, hi = _fmt(min(values), spec), _fmt(max(values), spec)
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
 def _rows(run, **match):
     return [r for r in run["rows"] if all(str(r.get(k)) == v for k, v in match.items())]
+
+
+def _ab(run):
+    """Rows A and B (restore in place); a run without both does not resolve (a standby-only run)."""
+    rows = _rows(run, row="A") + _rows(run, row="B")
+    if {x["row"] for x in rows} != {"A", "B"}:
+        raise KeyError("rows A and B")
+    return rows
+
+
+def _standby(run, from_kill: bool = True):
+    """Rows S and SB (failover onto a standby). ``from_kill``: runs whose restore-to-ready counts from
+    the kill, the wait for the killed original included (they record when its GPU memory was freed);
+    else the runs before them, which started the clock once the killed process had exited."""
+    rows = _rows(run, row="S") + _rows(run, row="SB")
+    if not rows or any(("original_gpu_memory_freed_s" in x) != from_kill for x in rows):
+        raise KeyError("standby rows")
+    return rows
 
 
 def _tp8(run):
@@ -89,47 +125,80 @@ FIGURES = [
       lambda r: same(*(x["image_gib"] for x in _tp8(r)))), ("g", ".1f", ".1f", ".1f", ".1f", ".1f")),
     (R, "incl. swapped GPUs | {}× H200 |", "gpu_tp", "gpus", "d"),
     # --- two tiers on the vLLM-shaped engine (bench/gpu_two_tier.py) ---
+    # The whole-process column comes from the newest run that took it (the later runs are
+    # --no-transparent), the two-tier figures from the newest run with rows A and B, the standby's
+    # from the newest run with rows S and SB.
     (R, "a vLLM-shaped engine with {} GiB of bf16 weights", "gpu_two_tier", f"{A}.weights_gib", ".1f"),
     (R, "{} 1,500-token sessions = {} GiB of live KV", "gpu_two_tier",
      (lambda r: ["no", "one", "two", "three", "four", "five"][r["sessions"]], f"{A}.live_kv_gib"), ("s", ".0f")),
     (R, "four {}-token sessions", "gpu_two_tier", "tokens_per_session", ","),
     (R, "the template image is {} GiB whatever the engine reserves", "gpu_two_tier",
-     lambda r: same(*(f"{x['template_image_gib']:.1f}" for x in r["rows"])), "s"),
-    (R, "| {} GiB reserved: restore to serving | {} s | **{} s** (CRIU + CUDA {} s, weights + KV streamed {} s = "
-        "{} GiB/s of a {} GiB/s limit) |", "gpu_two_tier",
-     (f"{A}.reserved_gib", f"{A}.transparent_restore_s", f"{A}.restore_to_ready_s",
+     lambda r: same(*(_fmt(x["template_image_gib"], ".1f") for x in _ab(r))), "s"),
+    (R, "| {} GiB reserved: restore to serving | {} s |", "gpu_two_tier",
+     (f"{A}.reserved_gib", f"{A}.transparent_restore_s"), (".0f", ".1f")),
+    (R, "**{} s** (CRIU + CUDA {} s, weights + KV streamed {} s = {} GiB/s of a {} GiB/s limit) |", "gpu_two_tier",
+     (f"{A}.restore_to_ready_s",
       lambda r: _rows(r, row="A")[0]["restore_phases"]["restore"] + _rows(r, row="A")[0]["restore_phases"]["cuda_restore"],
-      f"{A}.stream_s", f"{A}.stream_gib_s", f"{A}.stream_limit_gib_s"), (".0f",) + (".1f",) * 6),
-    (R, "| {} GiB reserved: heartbeat pause | {} s | **{} s** for {} GiB of changed KV", "gpu_two_tier",
-     (f"{A}.reserved_gib", f"{A}.transparent_pause_s", f"{A}.session_pause_s", f"{A}.changed_gib"),
-     (".0f", ".1f", ".3f", ".0f")),
+      f"{A}.stream_s", f"{A}.stream_gib_s", f"{A}.stream_limit_gib_s"), ".1f"),
+    (R, "| {} GiB reserved: heartbeat pause | {} s |", "gpu_two_tier",
+     (f"{A}.reserved_gib", f"{A}.transparent_pause_s"), (".0f", ".1f")),
+    (R, "**{} s** for {} GiB of changed KV", "gpu_two_tier", (f"{A}.session_pause_s", f"{A}.changed_gib"),
+     (".3f", ".0f")),
     (R, "| {} GiB reserved (90 % pool) | cannot run: the footprint must fit twice in host memory | restore {} s, "
         "pause {} s |", "gpu_two_tier",
      (lambda r: absent(_rows(r, row="B")[0], "transparent_restore_s", _rows(r, row="B")[0]["reserved_gib"]),
       f"{B}.restore_to_ready_s", f"{B}.session_pause_s"), (".0f", ".1f", ".3f")),
+    (R, "| {} or {} GiB reserved: failover onto a standby | — | **{} s** from the kill", "gpu_two_tier",
+     (lambda r: same(*(_fmt(x["reserved_gib"], ".0f") for x in _standby(r) if x["row"] == "S")),
+      lambda r: same(*(_fmt(x["reserved_gib"], ".0f") for x in _standby(r) if x["row"] == "SB")),
+      lambda r: holds(all(x["bitexact"] for x in _standby(r)),
+                      span([x["restore_to_ready_s"] for x in _standby(r)], ".2f"))), "s"),
+    (R, "the weights' check on the GPU took {} s of the restore", "gpu_two_tier",
+     lambda r: holds(all(x["bitexact"] and x["chunk_hash"] == "fused" for x in _ab(r)),
+                     span([x["restore_phases"]["weights_checked"] for x in _ab(r)], ".3f")), "s"),
     (R, "Missed: restore-to-ready ≤ 0.1× cold start on the {} GiB row — this toy engine cold-starts in {} s "
         "(weights from page cache at {} GiB/s", "gpu_two_tier",
      (lambda r: [x["reserved_gib"] for x in _rows(r, row="B") if x["restore_to_ready_s"] > 0.1 * x["cold_start_s"]][0],
       f"{B}.cold_start_s", lambda r: _rows(r, row="B")[0]["weights_gib"] / _rows(r, row="B")[0]["load_s"]),
      (".0f", ".1f", ".0f")),
     (R, "the template's CRIU restore alone takes {} s", "gpu_two_tier", f"{B}.restore_phases.restore", ".1f"),
-    (R, "(rows at {} and {} GiB reserved, torn-chunk faults)", "gpu_two_tier",
+    (R, "CUDA context and graphs back ({} GiB on the GPU), no weights, no sessions", "gpu_two_tier",
+     lambda r: same(*(_fmt(x["standby_gpu_gib"], ".1f") for x in _standby(r))), "s"),
+    (R, "two rows at {} and two at {} GiB reserved): the standby took {} s", "gpu_two_tier",
+     (lambda r: same(*(_fmt(x["reserved_gib"], ".0f") for x in _standby(r) if x["row"] == "S")),
+      lambda r: same(*(_fmt(x["reserved_gib"], ".0f") for x in _standby(r) if x["row"] == "SB")),
+      lambda r: span([x["standby_s"] for x in _standby(r)], ".1f")), "s"),
+    (R, "kill → serving took {} s, bit-exact", "gpu_two_tier",
+     lambda r: holds(all(x["bitexact"] for x in _standby(r)),
+                     span([x["restore_to_ready_s"] for x in _standby(r)], ".2f")), "s"),
+    (R, "its GPU memory was free {} s after the kill", "gpu_two_tier",
+     lambda r: span([x["original_gpu_memory_freed_s"] for x in _standby(r)], ".2f"), "s"),
+    (R, "weights + KV streamed at {} of the limit measured in the same run", "gpu_two_tier",
+     lambda r: span([x["stream_of_limit"] for x in _standby(r)], ".2f"), "s"),
+    (R, "That is {}× the same rows' cold starts", "gpu_two_tier",
+     lambda r: span([x["restore_to_ready_s"] / x["cold_start_s"] for x in _standby(r)], ".2f"), "s"),
+    (R, "The run before it started the clock once the killed process had exited: {} s", "gpu_two_tier",
+     lambda r: holds(all(x["bitexact"] for x in _standby(r, from_kill=False)),
+                     span([x["restore_to_ready_s"] for x in _standby(r, from_kill=False)], ".2f")), "s"),
+    (R, "(rows at {} and {} GiB reserved, restored in place and onto a standby, torn-chunk faults)", "gpu_two_tier",
      (f"{A}.reserved_gib", f"{B}.reserved_gib"), ".0f"),
     (D, "a worker reserving {} GiB froze for {} s per heartbeat and came back in {} s", "gpu_two_tier",
      (f"{A}.reserved_gib", f"{A}.transparent_pause_s", f"{A}.transparent_restore_s"), (".0f", ".1f", ".1f")),
     (D, "one reserving vLLM's default 90 % ({} GiB) cannot be checkpointed at all", "gpu_two_tier",
      lambda r: absent(_rows(r, row="B")[0], "transparent_pause_s", _rows(r, row="B")[0]["reserved_gib"]), ".0f"),
     (D, "The image is the process plus {} GiB of CUDA context and graph scratch: {} GiB at {} or {} GiB reserved",
-     "gpu_two_tier", (lambda r: same(*(f"{x['template_gpu_gib']:.1f}" for x in r["rows"])),
-                      lambda r: same(*(f"{x['template_image_gib']:.1f}" for x in r["rows"])),
+     "gpu_two_tier", (lambda r: same(*(_fmt(x["template_gpu_gib"], ".1f") for x in _ab(r))),
+                      lambda r: same(*(_fmt(x["template_image_gib"], ".1f") for x in _ab(r))),
                       f"{A}.reserved_gib", f"{B}.reserved_gib"), ("s", "s", ".0f", ".0f")),
     (D, "the only pause: {} ms for {} GiB changed", "gpu_two_tier",
-     (lambda r: same(*(round(x["session_pause_s"] * 1000) for x in r["rows"])), f"{A}.changed_gib"), ("d", ".0f")),
+     (lambda r: span([x["session_pause_s"] * 1000 for x in _ab(r)], ".0f"), f"{A}.changed_gib"), ("s", ".0f")),
     (D, "template image (CRIU {} s + CUDA {} s)", "gpu_two_tier",
      (f"{A}.restore_phases.restore", f"{A}.restore_phases.cuda_restore"), ".1f"),
     (D, "({} GiB/s of the {} GiB/s this machine reaches without checks)", "gpu_two_tier",
      (f"{A}.stream_gib_s", f"{A}.stream_limit_gib_s"), ".1f"),
-    (D, "{} s to serving against {} s, bit-exact", "gpu_two_tier",
+    (D, "{} s to serving, bit-exact by sha256", "gpu_two_tier",
+     lambda r: holds(_rows(r, row="A")[0]["bitexact"], _rows(r, row="A")[0]["restore_to_ready_s"]), ".1f"),
+    (D, "the run that also took the whole process: {} s against {} s", "gpu_two_tier",
      (lambda r: [x["restore_to_ready_s"] for x in _rows(r, row="A") if x["bitexact"] and x["transparent_bitexact"]][0],
       f"{A}.transparent_restore_s"), ".1f"),
     (D, "first touch of ~{} GiB of process memory and {} GiB of CUDA state) is a floor of ~{} s", "gpu_two_tier",
@@ -140,6 +209,25 @@ FIGURES = [
     (D, "an engine that cold-starts in {} s", "gpu_two_tier", f"{B}.cold_start_s", ".1f"),
     (D, "two tiers win only {}×", "gpu_two_tier",
      lambda r: _rows(r, row="B")[0]["cold_start_s"] / _rows(r, row="B")[0]["restore_to_ready_s"], ".1f"),
+    (D, "restore-to-ready {} s from the kill, bit-exact", "gpu_two_tier",
+     lambda r: holds(all(x["bitexact"] for x in _standby(r)),
+                     span([x["restore_to_ready_s"] for x in _standby(r)], ".2f")), "s"),
+    # --- the keyed chunk hash on the GPU (bench/gpu_hash.py) ---
+    (R, "`bench/gpu_hash.py` on {} GiB: the fused kernel's chunk hashes equal the torch reference's and a swap "
+        "of two words changes them; it takes {} s against the reference's {} s, a new key {} s", "gpu_hash",
+     (lambda r: holds(_rows(r, impl="fused")[0]["equal_to_reference"] and _rows(r, impl="fused")[0]["swap_detected"],
+                      _rows(r, impl="fused")[0]["gib"]),
+      "rows[impl=fused].fused_s", "rows[impl=fused].reference_s", "rows[impl=fused].new_key_s"),
+     ("g", ".3f", ".2f", ".3f")),
+    # --- verify of a GPU worker started isolated (bench/gpu_isolated_verify.py) ---
+    (R, "(`bench/gpu_isolated_verify.py`, the GPU demo worker holding {} GiB on the GPU): started isolated, `{}` "
+        "({}), the copy's device restore {} s; with one session digest recorded wrong, `{}`; started plainly, `{}`; "
+        "the original unchanged after each", "gpu_isolated_verify",
+     ("rows[layout=isolated].ballast_gib", "rows[layout=isolated].outcome", "rows[layout=isolated].reason",
+      "rows[layout=isolated].phases.device_restore", "rows[layout=isolated].wrong_digest_outcome",
+      lambda r: holds(all(x["original_unchanged_after_both"] for x in r["rows"]),
+                      _rows(r, layout="plain")[0]["outcome"])),
+     ("g", "s", "s", ".2f", "s", "s")),
     # --- vLLM on the H200 (bench/vllm_gpu.py) ---
     (R, "vLLM 0.26.0 on an H200 with a {} GiB Llama-3-8B-shaped model", "vllm_gpu", "rows.a.model_gib", ".0f"),
     (R, "cold start {} s, whole-process restore {} s, two tiers (sleep-level-2 template + connector sessions) "
