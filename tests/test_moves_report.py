@@ -1,0 +1,65 @@
+"""A move that cannot happen says so in the fleet flow: a drain that left a workload behind ends
+Failed and does not mark its node; a fleet without a shared tier is refused before any node
+step runs; a node step's own error line reaches the flow that waited for it."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ckptflow.flows import steps
+from ckptflow.models import ProcessFinder, TrafficClass, Workload
+
+ROOT = Path(__file__).parent.parent
+NO_TIER = "moving workloads between nodes needs a shared tier, and storage.kind local has none"
+
+
+def _ghost(tmp_path, name, traffic=TrafficClass.long_sessions) -> Workload:
+    """A declared workload whose worker is gone (no pid file): its migrate_out fails."""
+    return Workload(name=name, node="node-a", traffic=traffic, find=ProcessFinder(pid_file=str(tmp_path / f"{name}.pid")))
+
+
+def _fleet(tmp_path, workloads, **storage) -> str:
+    f = tmp_path / "fleet.yaml"
+    f.write_text(yaml.safe_dump({
+        "fleet": "moves", "storage": {"kind": "local", "path": str(tmp_path / "store" / "{node}"), **storage},
+        "nodes": [{"name": "node-a", "work_pool": "node-a", "gpu_class": "cpu"},
+                  {"name": "node-b", "work_pool": "node-b", "gpu_class": "cpu"}],
+        "workloads": [w.model_dump(mode="json", exclude_none=True) for w in workloads]}))
+    return str(f)
+
+
+def _no_node_step(monkeypatch):
+    started = []
+
+    def run_deployment(**kw):
+        started.append(kw["parameters"]["action"])
+        raise AssertionError(f"node step {kw['parameters']['action']} started")
+    monkeypatch.setattr(steps, "run_deployment", run_deployment)
+    return started
+
+
+def test_a_failed_target_steps_own_error_reaches_the_migrate_that_waited_for_it(tmp_path, prefect_harness):
+    """The trial's chain: node-b's migrate_in fails (here: no shared tier, raised in the task);
+    node-a's migrate_out, waiting for it to be ready, fails; the fleet flow reads node-a's step.
+    Each level's message carries node-b's own error line, not only "ended Failed"."""
+    from prefect.client.orchestration import get_client
+
+    from ckptflow.flows.node_step import node_step
+
+    fleet = _fleet(tmp_path, [_ghost(tmp_path, "chat")])
+    target = node_step(fleet, "migrate_in", "chat", "node-b", checkpoint_from="k", return_state=True)
+    assert target.is_failed()
+    target_id = str(target.state_details.flow_run_id)
+    with pytest.raises(steps.StepFailed, match="before it was ready") as e:
+        steps.wait_ready(target_id, timeout_s=30)
+    assert f"(ConfigError: fleet moves: {NO_TIER}): nothing was checkpointed" in str(e.value)
+
+    source = node_step(fleet, "migrate_out", "chat", "node-a", when_ready=target_id, return_state=True)
+    assert source.is_failed()
+    with get_client(sync_client=True) as c:
+        fr = c.read_flow_run(source.state_details.flow_run_id)
+    with pytest.raises(steps.StepFailed) as e:
+        steps.step_result(fr, "migrate_out", "chat", "node-a")
+    first = str(e.value).splitlines()[0]
+    assert first.startswith("migrate_out of chat on node-a: flow run ") and f"ConfigError: fleet moves: {NO_TIER}" in first
