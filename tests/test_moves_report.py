@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ckptflow.errors import ConfigError
 from ckptflow.flows import steps
 from ckptflow.models import ProcessFinder, TrafficClass, Workload
 
@@ -37,6 +38,27 @@ def _no_node_step(monkeypatch):
         raise AssertionError(f"node step {kw['parameters']['action']} started")
     monkeypatch.setattr(steps, "run_deployment", run_deployment)
     return started
+
+
+@pytest.mark.parametrize("flow", ["migrate", "drain", "scale_up"])
+def test_a_move_on_a_fleet_without_a_shared_tier_is_refused_before_any_node_step(tmp_path, prefect_harness,
+                                                                                monkeypatch, flow):
+    from ckptflow.flows.drain import drain
+    from ckptflow.flows.migrate import migrate
+    from ckptflow.flows.scale import scale_up
+
+    started = _no_node_step(monkeypatch)
+    fleet = _fleet(tmp_path, [_ghost(tmp_path, "chat"), _ghost(tmp_path, "api", TrafficClass.short_requests)])
+    run = {"migrate": lambda: migrate(fleet, "chat", "node-b", return_state=True),
+           "drain": lambda: drain(fleet, "node-a", return_state=True),
+           "scale_up": lambda: scale_up(fleet, "chat", "node-b", return_state=True)}[flow]
+    state = run()
+    assert state.is_failed() and started == []
+    with pytest.raises(ConfigError) as e:
+        state.result()
+    assert NO_TIER in e.value.message and e.value.fix.startswith("set storage: {kind: s3")
+    assert NO_TIER in state.message and "fix: set storage" in state.message   # what the Prefect UI shows
+    assert not (tmp_path / "store" / "node-a" / ".nodes" / "node-a.drained").exists()
 
 
 def test_a_failed_target_steps_own_error_reaches_the_migrate_that_waited_for_it(tmp_path, prefect_harness):

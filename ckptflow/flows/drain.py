@@ -12,16 +12,24 @@ from ckptflow.models import TrafficClass
 from ckptflow.render import render
 from ckptflow.tasks.common import open_fleet
 from ckptflow.tasks.fleet import mark_drained
+from ckptflow.tasks.move import need_shared_tier
 
 
 @flow(name="drain", log_prints=True, persist_result=True)
 def drain(fleet_file: str, node: str, via_deployments: bool = True) -> list[dict]:
     """Ahead of maintenance: move long-session workloads off ``node`` (placement picks the
-    target), stop short-request ones once drained, report what went where, mark the node."""
+    target), stop short-request ones once drained, report what went where, mark the node.
+
+    Raises:
+        ConfigError: a workload would move and the fleet has no shared tier (nothing was done).
+    """
     fleet = open_fleet(fleet_file)
     targets = spreader_off(fleet, node)
+    here = [x for x in fleet.workloads if x.node == node]
+    if any(x.traffic != TrafficClass.short_requests for x in here):
+        need_shared_tier(fleet.scope())  # before a short-request worker is stopped for nothing
     rows = []
-    for w in (x for x in fleet.workloads if x.node == node):
+    for w in here:
         if w.traffic == TrafficClass.short_requests:
             r = run_step(node, "stop", fleet_file, w.name, None, via_deployments)
             rows.append({"workload": w.name, "action": "stopped (short requests)", "target": "-", **r})
