@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ckptflow.errors import ConfigError
+from ckptflow.errors import ConfigError, NotDrained
 from ckptflow.flows import steps
 from ckptflow.models import ProcessFinder, TrafficClass, Workload
 
@@ -85,3 +85,29 @@ def test_a_failed_target_steps_own_error_reaches_the_migrate_that_waited_for_it(
         steps.step_result(fr, "migrate_out", "chat", "node-a")
     first = str(e.value).splitlines()[0]
     assert first.startswith("migrate_out of chat on node-a: flow run ") and f"ConfigError: fleet moves: {NO_TIER}" in first
+
+
+@pytest.mark.criu
+def test_a_drain_that_left_a_workload_behind_fails_and_does_not_mark_the_node(tmp_path, prefect_harness, s3):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    from ckptflow.flows.drain import drain
+
+    fleet = _fleet(tmp_path, [_ghost(tmp_path, "chat"), _ghost(tmp_path, "api", TrafficClass.short_requests)],
+                   kind="s3", bucket=s3.bucket("ckpt-drain-left"), endpoint_url=s3.endpoint)
+    state = drain(fleet, "node-a", via_deployments=False, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(NotDrained) as e:
+        state.result()
+    assert e.value.message.startswith("drain of node-a: 1 workload(s) did not move off it, so it is not marked drained: "
+                                      "chat (workload chat: pid file ")
+    assert "run drain again" in e.value.fix and "still on node-a" in e.value.fix
+    assert not (tmp_path / "store" / "node-a" / ".nodes" / "node-a.drained").exists()
+    # The report still has every row, the failed one with its reason.
+    with get_client(sync_client=True) as c:
+        [art] = c.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["drain-node-a"]),
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    assert "| chat | FAILED | node-b | workload chat: pid file " in art.data
+    assert "| api | stopped (short requests) | - |" in art.data

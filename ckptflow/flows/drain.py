@@ -6,6 +6,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
+from ckptflow.errors import NotDrained
 from ckptflow.flows.migrate import migrate
 from ckptflow.flows.steps import run_step, spreader_off
 from ckptflow.models import TrafficClass
@@ -22,6 +23,7 @@ def drain(fleet_file: str, node: str, via_deployments: bool = True) -> list[dict
 
     Raises:
         ConfigError: a workload would move and the fleet has no shared tier (nothing was done).
+        NotDrained: a workload did not move (the report has every row; the node is not marked).
     """
     fleet = open_fleet(fleet_file)
     targets = spreader_off(fleet, node)
@@ -44,6 +46,12 @@ def drain(fleet_file: str, node: str, via_deployments: bool = True) -> list[dict
             rows.append({"workload": w.name, "action": "migrated", "target": p.node, "checkpoint": res["checkpoint"]})
         except Exception as e:
             rows.append({"workload": w.name, "action": "FAILED", "target": p.node, "reason": str(e).splitlines()[0]})
-    mark_drained(fleet.scope(), node, rows)
     create_markdown_artifact(key=f"drain-{node}", markdown=render("drain_report.md.j2", node=node, rows=rows))
+    left = [r for r in rows if r["action"] in ("FAILED", "NOT MOVED")]
+    if left:  # a green drain is the go for maintenance: never with a worker still on the node
+        raise NotDrained(f"drain of {node}: {len(left)} workload(s) did not move off it, so it is not marked "
+                         "drained: " + "; ".join(f"{r['workload']} ({r['reason']})" for r in left),
+                         fix=f"resolve each cause and run drain again; until it ends Completed those workloads are "
+                             f"still on {node}: do not start its maintenance")
+    mark_drained(fleet.scope(), node, rows)
     return rows
