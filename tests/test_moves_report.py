@@ -111,3 +111,19 @@ def test_a_drain_that_left_a_workload_behind_fails_and_does_not_mark_the_node(tm
             flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
     assert "| chat | FAILED | node-b | workload chat: pid file " in art.data
     assert "| api | stopped (short requests) | - |" in art.data
+
+
+def test_deploy_warns_once_for_several_nodes_without_a_shared_tier(tmp_path, capsys):
+    from ckptflow.deploy import render_prefect_yaml
+
+    f = Path(_fleet(tmp_path, []))
+    render_prefect_yaml(f, ROOT)                                          # it still renders (and deploys)
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("warning: fleet moves has 2 nodes and storage.kind local has no shared tier: migrate, "
+                           "drain and recover-node cannot move workloads between its nodes")
+    assert line.endswith("(fix: set storage.kind to s3 or another shared tier)")
+    one = yaml.safe_load(f.read_text())
+    one["nodes"] = one["nodes"][:1]
+    f.write_text(yaml.safe_dump(one))
+    render_prefect_yaml(f, ROOT)
+    assert capsys.readouterr().err == ""
