@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -167,6 +168,19 @@ def check_result_storage(fleet, all_nodes_here: bool = False) -> None:
                               "node runs on this machine")
 
 
+def shared_tier_warning(fleet) -> str | None:
+    """The warning for a fleet of several nodes on a kind without a shared tier (``local``): it
+    deploys, and each node checkpoints and recovers in place, but migrate, drain and recover-node
+    refuse to move a workload between its nodes. None when that does not apply."""
+    from ckptflow.store import has_shared_tier
+
+    if len(fleet.nodes) < 2 or has_shared_tier(fleet.storage):
+        return None
+    return (f"warning: fleet {fleet.fleet} has {len(fleet.nodes)} nodes and storage.kind {_kind(fleet)} has no shared "
+            "tier: migrate, drain and recover-node cannot move workloads between its nodes (fix: set storage.kind "
+            "to s3 or another shared tier)")
+
+
 def prefect_api_url() -> str | None:
     """The Prefect API the deployments would go to: PREFECT_API_URL from the environment or the
     active Prefect profile; None means Prefect would start a temporary server."""
@@ -183,6 +197,10 @@ def render_prefect_yaml(fleet_file: Path, workdir: Path | str | None = None) -> 
     """
     wd = check_workdir(workdir)
     fleet = load_fleet(fleet_file)
+    if warning := shared_tier_warning(fleet):
+        # Here, where both `ckptflow deploy` and its --render-only pass: once each, before the
+        # deployments exist, and never a refusal (each node still checkpoints in place).
+        print(warning, file=sys.stderr)
     out = fleet_file.with_name(f"prefect.{fleet.fleet}.yaml")
     nodes = {n.name: [w.name for w in fleet.workloads if w.node == n.name] for n in fleet.nodes}
     results = results_env(fleet)

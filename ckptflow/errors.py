@@ -55,6 +55,11 @@ class UndeclaredProcess(CkptflowError):
     """A PID does not belong to a declared workload; the runner refuses to touch it."""
 
 
+class NotDrained(CkptflowError):
+    """A drain moved not every workload off its node; each still runs there. The node is not
+    marked drained: maintenance must not start on it."""
+
+
 # --- runners ------------------------------------------------------------------------------
 class RunnerUnavailable(CkptflowError):
     """A node mechanism (CRIU, CUDA driver) is missing or unusable on this machine."""

@@ -6,22 +6,32 @@ from __future__ import annotations
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
+from ckptflow.errors import NotDrained
 from ckptflow.flows.migrate import migrate
 from ckptflow.flows.steps import run_step, spreader_off
 from ckptflow.models import TrafficClass
 from ckptflow.render import render
 from ckptflow.tasks.common import open_fleet
 from ckptflow.tasks.fleet import mark_drained
+from ckptflow.tasks.move import need_shared_tier
 
 
 @flow(name="drain", log_prints=True, persist_result=True)
 def drain(fleet_file: str, node: str, via_deployments: bool = True) -> list[dict]:
     """Ahead of maintenance: move long-session workloads off ``node`` (placement picks the
-    target), stop short-request ones once drained, report what went where, mark the node."""
+    target), stop short-request ones once drained, report what went where, mark the node.
+
+    Raises:
+        ConfigError: a workload would move and the fleet has no shared tier (nothing was done).
+        NotDrained: a workload did not move (the report has every row; the node is not marked).
+    """
     fleet = open_fleet(fleet_file)
     targets = spreader_off(fleet, node)
+    here = [x for x in fleet.workloads if x.node == node]
+    if any(x.traffic != TrafficClass.short_requests for x in here):
+        need_shared_tier(fleet.scope())  # before a short-request worker is stopped for nothing
     rows = []
-    for w in (x for x in fleet.workloads if x.node == node):
+    for w in here:
         if w.traffic == TrafficClass.short_requests:
             r = run_step(node, "stop", fleet_file, w.name, None, via_deployments)
             rows.append({"workload": w.name, "action": "stopped (short requests)", "target": "-", **r})
@@ -36,6 +46,12 @@ def drain(fleet_file: str, node: str, via_deployments: bool = True) -> list[dict
             rows.append({"workload": w.name, "action": "migrated", "target": p.node, "checkpoint": res["checkpoint"]})
         except Exception as e:
             rows.append({"workload": w.name, "action": "FAILED", "target": p.node, "reason": str(e).splitlines()[0]})
-    mark_drained(fleet.scope(), node, rows)
     create_markdown_artifact(key=f"drain-{node}", markdown=render("drain_report.md.j2", node=node, rows=rows))
+    left = [r for r in rows if r["action"] in ("FAILED", "NOT MOVED")]
+    if left:  # a green drain is the go for maintenance: never with a worker still on the node
+        raise NotDrained(f"drain of {node}: {len(left)} workload(s) did not move off it, so it is not marked "
+                         "drained: " + "; ".join(f"{r['workload']} ({r['reason']})" for r in left),
+                         fix=f"resolve each cause and run drain again; until it ends Completed those workloads are "
+                             f"still on {node}: do not start its maintenance")
+    mark_drained(fleet.scope(), node, rows)
     return rows

@@ -10,6 +10,7 @@ from ckptflow.flows.steps import move, run_step, wait_step
 from ckptflow.render import render
 from ckptflow.tasks.common import open_fleet
 from ckptflow.tasks.fleet import record_placement
+from ckptflow.tasks.move import need_shared_tier
 
 
 @flow(name="migrate", log_prints=True, persist_result=True)
@@ -23,6 +24,7 @@ def migrate(fleet_file: str, workload: str, target_node: str, via_deployments: b
     fleet = open_fleet(fleet_file)
     w = fleet.workload(workload)
     fleet.node(target_node)
+    need_shared_tier(fleet.scope())  # before any step: from a step, its error stayed on its node
     source = w.node
     paired = via_deployments and target_node != source  # one node's steps run one at a time (concurrency 1)
     if paired:  # the target's step starts first: the worker is down for the move only (flows.steps.move)

@@ -11,6 +11,7 @@ from ckptflow.policies.cadence import CostModel
 from ckptflow.render import render
 from ckptflow.tasks.common import open_fleet
 from ckptflow.tasks.fleet import find_template
+from ckptflow.tasks.move import need_shared_tier
 
 
 @flow(name="scale-up", log_prints=True, persist_result=True)
@@ -22,6 +23,7 @@ def scale_up(fleet_file: str, workload: str, target_node: str, via_deployments: 
     """
     fleet = open_fleet(fleet_file)
     w = fleet.workload(workload)
+    need_shared_tier(fleet.scope())  # the template goes through it, even to the same node
     ckpt = find_template(fleet.scope(), workload) or run_step(w.node, "take_template", fleet_file, workload, None,
                                                               via_deployments)["checkpoint"]
     res = run_step(target_node, "scale_up_in", fleet_file, workload, ckpt, via_deployments)

@@ -157,8 +157,8 @@ def wait_ready(run_id: str, timeout_s: float = READY_TIMEOUT_S) -> None:
     fr = _wait(run_id, lambda s: s.is_final(), timeout_s, "the target's step never got ready: nothing was "
                "checkpointed", ready=lambda fr: bool((fr.labels or {}).get(READY_LABEL)))
     if not (fr.labels or {}).get(READY_LABEL):
-        raise StepFailed(f"the target's step (flow run {run_id}) ended {fr.state.name} before it was ready: "
-                         "nothing was checkpointed, the worker still runs here")
+        raise StepFailed(f"the target's step (flow run {run_id}) ended {fr.state.name} before it was ready"
+                         f"{_why(fr.state)}: nothing was checkpointed, the worker still runs here")
 
 
 def publish_checkpoint(checkpoint: str) -> None:
@@ -195,8 +195,21 @@ def checkpoint_of(key: str, timeout_s: float = STEP_TIMEOUT_S) -> str:
             time.sleep(CHECKPOINT_POLL_S)
     fr = runs[0]
     if not fr.state.is_completed():
-        raise StepFailed(f"the checkpoint step (flow run {fr.id}) ended {fr.state.name}: nothing to restore")
+        raise StepFailed(f"the checkpoint step (flow run {fr.id}) ended {fr.state.name}{_why(fr.state)}: "
+                         "nothing to restore")
     return fr.state.result()["checkpoint"]
+
+
+def _why(state) -> str:
+    """`` (<the step's own error line>)`` from a step's final state message, or "".
+
+    A paired step's error stays on its node (its result storage may be that node's disk); the
+    server keeps its state message, whose first line is the error itself. Without it the fleet
+    flow said only "ended Failed" and the cause was in the other node's worker log.
+    """
+    line = ((state.message or "").splitlines() or [""])[0] if state is not None else ""
+    line = line.removeprefix("Flow run encountered an exception:").strip()
+    return f" ({line})" if line else ""
 
 
 def step_result(fr: FlowRun, action: str, workload: str, node: str) -> dict:

@@ -22,18 +22,29 @@ from ckptflow.fleet import FleetScope
 from ckptflow.models import CheckpointKind, Workload
 from ckptflow.poll import PollTimeout, poll
 from ckptflow.runners import process
+from ckptflow.store import has_shared_tier
 from ckptflow.tasks.common import node_runner, node_slot
 from ckptflow.tasks.common import tier as fleet_tier
 
 
-def _tier(scope: FleetScope):
-    tier = fleet_tier(scope)
-    if tier is None:
+def need_shared_tier(scope: FleetScope) -> None:
+    """Refuse a move between nodes (migrate, drain, scale-up) on a fleet without a shared tier.
+    The fleet flows call it before any node step runs: from inside a step the error stayed in
+    the target node's worker log, and the fleet flow said only that the step failed.
+
+    Raises:
+        ConfigError: ``storage.kind`` has no shared tier (``local``), or is not registered.
+    """
+    if not has_shared_tier(scope.storage):
         raise ConfigError(f"fleet {scope.fleet}: moving workloads between nodes needs a shared tier, and "
                           f"storage.kind {scope.storage.kind.value} has none",
                           fix="set storage: {kind: s3, bucket: ..., endpoint_url: ...} (or another registered "
                               "kind) in the fleet file")
-    return tier
+
+
+def _tier(scope: FleetScope):
+    need_shared_tier(scope)
+    return fleet_tier(scope)
 
 
 @task(name="migrate-out")
