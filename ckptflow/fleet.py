@@ -25,6 +25,8 @@ expected; every problem of the file in one report. A misspelt policy parameter, 
 
 from __future__ import annotations
 
+import os
+
 from datetime import datetime
 from enum import Enum, StrEnum
 from pathlib import Path
@@ -463,7 +465,9 @@ def _shared_worker_problems(workloads: list[tuple[int, dict]]) -> list[tuple[tup
             if not isinstance(v, str) or not v:
                 continue
             key: tuple = (path, v)
-            if path[0] == "find":
+            if path == ("find", "pid_file"):   # ./x.pid, a/../x.pid and the absolute path are one file
+                key = (path, w.get("node"), os.path.abspath(v))
+            elif path[0] == "find":
                 key = (path, w.get("node"), v)
             else:
                 try:

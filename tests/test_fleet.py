@@ -97,6 +97,9 @@ MISTAKES = [
     ("two workloads, one pid file", lambda d: d["workloads"].append(
         {"name": "w2", "node": "n1", "find": {"pid_file": "/run/w1.pid"}}),
      "workloads[1].find.pid_file", "'/run/w1.pid' is also the find.pid_file of workloads[0] ('w1')"),
+    ("one pid file spelt another way", lambda d: d["workloads"].append(
+        {"name": "w2", "node": "n1", "find": {"pid_file": "/run/./x/../w1.pid"}}),
+     "workloads[1].find.pid_file", "'/run/./x/../w1.pid' is also the find.pid_file of workloads[0] ('w1')"),
     ("misspelt storage placeholder", lambda d: d.update(storage={"path": "/var/lib/ckptflow/{nod}"}),
      "storage.path", "unknown placeholder {nod} in '/var/lib/ckptflow/{nod}' (known: {node})"),
     ("two tiers for llama.cpp", lambda d: d["workloads"][0].update(engine="llamacpp", checkpoint="template-sessions"),
