@@ -60,6 +60,11 @@ class NotDrained(CkptflowError):
     marked drained: maintenance must not start on it."""
 
 
+class NotRecovered(CkptflowError):
+    """A recover-node brought not every workload of the lost node back: the run fails so that a
+    green recovery always means every workload serves again."""
+
+
 # --- runners ------------------------------------------------------------------------------
 class RunnerUnavailable(CkptflowError):
     """A node mechanism (CRIU, CUDA driver) is missing or unusable on this machine."""

@@ -127,3 +127,26 @@ def test_deploy_warns_once_for_several_nodes_without_a_shared_tier(tmp_path, cap
     f.write_text(yaml.safe_dump(one))
     render_prefect_yaml(f, ROOT)
     assert capsys.readouterr().err == ""
+
+
+def test_a_recover_node_that_left_a_workload_behind_ends_failed_with_the_report(tmp_path, prefect_harness):
+    """No node of the lost node's GPU class is left: the workload cannot come back. The run ends
+    Failed naming it and why (a green recover-node means every workload serves again), and the
+    report still has its row."""
+    from prefect.artifacts import Artifact
+
+    from ckptflow.errors import NotRecovered
+    from ckptflow.flows.recover import recover_node
+
+    ghost = _ghost(tmp_path, "chat")
+    f = Path(_fleet(tmp_path, [ghost]))
+    data = yaml.safe_load(f.read_text())
+    data["nodes"][1]["gpu_class"] = "H200-141GB"          # no other node of node-a's class
+    f.write_text(yaml.safe_dump(data))
+    state = recover_node(str(f), "node-a", return_state=True)
+    assert state.is_failed()
+    with pytest.raises(NotRecovered) as e:
+        state.result()
+    assert "chat (" in e.value.message and "1 of 1" in e.value.message and e.value.fix
+    art = Artifact.get("recover-node-node-a")
+    assert art is not None and "chat" in art.data and "NOT RECOVERED" in art.data

@@ -3,11 +3,12 @@ recover-node: do that for every workload of a node that is gone, on other nodes.
 
 from __future__ import annotations
 
-from prefect import flow, get_run_logger
+from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from ckptflow.alerts import failure
-from ckptflow.errors import CheckpointNotFound, ChecksumMismatch, IncompatibleCheckpoint, WorkloadRunning
+from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, IncompatibleCheckpoint, NotRecovered,
+                             WorkloadRunning)
 from ckptflow.flows.steps import run_step, spreader_off
 from ckptflow.render import render
 from ckptflow.tasks.common import open_fleet
@@ -93,6 +94,9 @@ def recover_node(fleet_file: str, node: str, via_deployments: bool = False) -> l
 
     Example:
         >>> recover_node("deployments/example-h200-fleet.yaml", "h200-07")   # doctest: +SKIP
+
+    Raises:
+        NotRecovered: a workload did not come back (after the report, which has every row).
     """
     fleet = open_fleet(fleet_file)
     targets = spreader_off(fleet, node)
@@ -112,8 +116,11 @@ def recover_node(fleet_file: str, node: str, via_deployments: bool = False) -> l
                      "action": "cold started" if r["cold_start"] else f"restored {r['checkpoint']}",
                      "reason": p.reason})
     bad = [r for r in rows if r["action"] in ("FAILED", "NOT RECOVERED")]
-    if bad:
-        get_run_logger().error("%d of %d workloads of %s did not come back", len(bad), len(rows), node)
     create_markdown_artifact(key=f"recover-node-{node}", markdown=render("drain_report.md.j2", node=node, rows=rows,
                                                                          title=f"Recovery of lost node {node}"))
+    if bad:  # the report has every row; the run itself must not look green
+        raise NotRecovered(f"recover-node {node}: {len(bad)} of {len(rows)} workload(s) did not come back: "
+                           + "; ".join(f"{r['workload']} ({r['reason']})" for r in bad),
+                           fix="resolve each cause (free a node of the same GPU class, or the error named) and "
+                               "recover each of those workloads (the recover flow)")
     return rows
