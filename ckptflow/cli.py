@@ -65,7 +65,9 @@ class _Cli(typer.Typer):
 
 app = _Cli(add_completion=False, no_args_is_help=True, help=__doc__.splitlines()[0],
            pretty_exceptions_show_locals=False)
-console = Console()
+# Piped, from cron or over ssh without a TTY, rich would assume 80 columns and cut the state
+# column ("comp…"): a log or a grep wants whole words. COLUMNS still wins when set.
+console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200)
 
 
 def _print_error(message: str, fix: str | None) -> None:

@@ -226,3 +226,16 @@ def test_ls_and_status_say_when_the_bucket_cannot_be_read(tmp_path):
         assert out.stderr.count("could not be read") == 1 and "fix:" in out.stderr, out.stderr
         assert "127.0.0.1:9" in out.stderr or "ckptflow-h200" in out.stderr
         assert "the bucket could not be read" in " ".join(out.stdout.split())   # the title, however wrapped
+
+
+def test_piped_output_without_columns_is_not_cut_at_80():
+    """From cron, a pipe or ssh without a TTY: no 80-column default that cuts words (the trial saw
+    states as 'comp…'); COLUMNS, when set, still decides (the 80-column test above)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    out = subprocess.run([str(CKPTFLOW), "ls", str(LOCAL)], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr
+    assert any("checkpoints of fleet local (every node's store and the bucket)" in line
+               for line in out.stdout.splitlines()), out.stdout
