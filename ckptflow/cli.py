@@ -434,8 +434,19 @@ def recover(fleet_file: Path = FLEET_ARG, workload: str = typer.Argument(..., he
 @app.command()
 def prune(fleet_file: Path = FLEET_ARG) -> None:
     """Apply retention in the fleet's S3 bucket and delete chunks no manifest references."""
-    _fleet(fleet_file)
-    console.print(_flow("ckptflow.flows.prune", "prune")(str(fleet_file)))
+    from ckptflow.store import has_shared_tier
+
+    fleet = _fleet(fleet_file)
+    if not has_shared_tier(fleet.storage):  # said before a Prefect server is started for nothing
+        typer.echo(f"prune: nothing to do: storage.kind {fleet.storage.kind.value} has no shared tier "
+                   "(the invalidate flow applies retention in each node's store)")
+        return
+    res = _flow("ckptflow.flows.prune", "prune")(str(fleet_file))
+    if "skipped" in res:
+        typer.echo(f"prune skipped: {res['skipped']}")
+        return
+    typer.echo(f"pruned {fleet.storage.kind.value} tier: {len(res['manifests_deleted'])} manifest(s) past retention, "
+               f"{res['chunks_deleted']} chunk(s) nothing names, {res['bytes_freed'] / 2**20:.1f} MiB freed")
 
 
 @app.command("recover-node")

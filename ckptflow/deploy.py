@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -263,7 +264,8 @@ def check_api_url(fleet, api_url: str | None, given: bool, all_nodes_here: bool 
         raise ConfigError(f"{where} {api_url} is a loopback address: on node {remote[0]}"
                           + (f" (and {len(remote) - 1} more)" if len(remote) > 1 else "")
                           + " it would name that node itself, not the Prefect server",
-                          fix="pass --api-url http://<the Prefect server, as the nodes reach it>:4200/api (or "
+                          fix=f"pass --api-url http://<the Prefect server, as the nodes reach it>:"
+                              f"{urlsplit(api_url).port or 4200}{urlsplit(api_url).path or '/api'} (or "
                               "--all-nodes-here when every node of the fleet runs on this machine)")
 
 

@@ -239,3 +239,10 @@ def test_piped_output_without_columns_is_not_cut_at_80():
     assert out.returncode == 0, out.stderr
     assert any("checkpoints of fleet local (every node's store and the bucket)" in line
                for line in out.stdout.splitlines()), out.stdout
+
+
+def test_prune_of_a_fleet_without_a_shared_tier_says_so_without_a_prefect_server(tmp_path):
+    out = _cli(tmp_path, "prune", str(LOCAL))
+    assert out.returncode == 0, out.stderr
+    assert "prune: nothing to do: storage.kind local has no shared tier" in out.stdout
+    assert "temporary server" not in out.stderr + out.stdout and "{" not in out.stdout

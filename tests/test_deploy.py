@@ -257,6 +257,10 @@ def test_a_loopback_api_url_is_refused_for_nodes_on_other_machines(example):
     assert not (example.parent / "example-h200.workers").exists()
     # Every node on this machine (a one-box fleet, said so): loopback is right there.
     render_node_workers(example, ROOT, api_url=LOOPBACK, all_nodes_here=True)
+    # The fix keeps the port and path the operator used (the trial's server ran on 4299).
+    with pytest.raises(ConfigError) as e:
+        render_node_workers(example, ROOT, api_url="http://127.0.0.1:4299/api")
+    assert "as the nodes reach it>:4299/api" in e.value.fix
 
 
 def test_cli_refuses_the_shells_loopback_url_for_remote_nodes_before_writing_anything(tmp_path, example):
