@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 from prefect import get_run_logger, task
 from prefect.runtime import flow_run
 
@@ -61,6 +63,7 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
             if force:  # the row says what was done; the policy's view stays in the reason
                 row["decision"] = "forced"
                 row["reason"] = forced(d).reason
+            began = datetime.now(timezone.utc).replace(microsecond=0)   # manifests keep whole seconds
             try:
                 with node_slot(node.name):
                     m = mode_runner(runner, w).checkpoint(w, None if force else export_context(facts, d))
@@ -72,12 +75,18 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
             log.info("checkpoint %s (%s) of %s: %.1f MiB%s, pause %.2f s", m.id, m.kind, name, size / 2**20,
                      f" ({m.probe.export.moved_bytes / 2**20:.1f} MiB written)" if m.probe.export else "",
                      m.timings.get("pause", 0.0))
+            if m.probe.template:  # a template taken by this heartbeat is most of its bytes: say so
+                tmpl = next((t for t in runner.store.manifests(m.probe.template.workload)
+                             if t.id == m.probe.template.id and t.created >= began), None)
+                if tmpl is not None:
+                    log.info("  with a new template %s of %s: %.1f MiB", tmpl.id, tmpl.workload,
+                             checkpoint_bytes(tmpl) / 2**20)
             pushed = {}
             if tier is not None:
                 try:  # a session checkpoint goes up with its template (once) and the chunks it names
                     pushed = manifest_runner(runner, w, m).push(m, tier)
                 except CkptflowError as e:  # the local copy stands; the next heartbeat pushes again
-                    log.error("upload of %s to S3 failed: %s", m.id, e)
+                    log.error("upload of %s to the shared tier failed: %s", m.id, e)
                     pushed = {"upload_error": str(e).splitlines()[0]}
             out.append({**row, "ok": True, "checkpoint": m.id, "bytes": size, **pushed,
                         **{f"{k}_s": v for k, v in m.timings.items()}})
