@@ -247,7 +247,7 @@ def status(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET) -> Non
     wide = console.width >= 120
     table = Table(title=f"fleet {fleet.fleet}", pad_edge=False)
     cols = ["workload", "node"] + (["traffic"] if wide else []) + ["newest", "state", "valid age", "verified",
-                                                                  "MiB", "restores"]
+                                                                  "all MiB", "restores"]
     for col in cols:
         table.add_column(col, no_wrap=col in ("workload", "node", "newest"))
     for r in rows:
