@@ -10,8 +10,11 @@ runs QUOTED says the docs quote (a small code-path check run does not replace th
 So each FIGURES row picks its own run: a field that is null, or a helper that raises KeyError
 (``_ab``: rows A and B both there; ``_standby``: the standby rows, timed from the kill or not),
 passes over a run that does not hold what the text quotes, and two rows of one table may quote
-two runs (the docs say which). A claim beside a figure (``holds``, ``same``, ``absent``) that the
-chosen run contradicts fails the test instead.
+two runs (the docs say which). A field ``every(keep, fn)`` is a figure of several runs, not one:
+``fn`` gets the list of every run QUOTED allows that ``keep`` accepts, oldest first (e.g. each
+PostgreSQL move of bench/migrate_downtime.py), so a new run that ``keep`` accepts moves it too; an
+empty list does not resolve. A claim beside a figure (``holds``, ``same``, ``absent``) that the
+chosen run, or the runs, contradict fails the test instead.
 CONFIG: figures that are settings, not measurements, checked against the line that sets them.
 OTHERS: figures other work re-measures now (fleet tick, policy simulator); a test of their own
 holds them (tests/test_bench_results.py for the fleet tick).
@@ -60,6 +63,13 @@ def span(values, spec: str) -> str:
     return lo if lo == hi else f"{lo}–{hi}"
 
 
+class every:
+    """A field computed from every quoted run that ``keep`` accepts (oldest first): ``fn(runs)``."""
+
+    def __init__(self, keep, fn):
+        self.keep, self.fn = keep, fn
+
+
 def _rows(run, **match):
     return [r for r in run["rows"] if all(str(r.get(k)) == v for k, v in match.items())]
 
@@ -88,6 +98,40 @@ def _tp8(run):
 
 def _cores(machine: str) -> int:
     return int(re.search(r"(\d+) cores", machine).group(1))
+
+
+def _moves(db):
+    """Moves of bench/migrate_downtime.py with the Prefect server on ``db`` ("postgres", "sqlite"; None:
+    the runs from before the field, SQLite with older code); a failed attempt has no downtime."""
+    return lambda run: run.get("db") == db and run.get("downtime_s") is not None
+
+
+_PHASES = ("dump_s", "upload_s", "download_s", "restore_s", "handoff_s")
+
+
+def _met(runs):
+    return [r for r in runs if r["downtime_s"] <= r["target_s"]]
+
+
+def _missed(runs):
+    """The moves over the target, slowest first."""
+    return sorted((r for r in runs if r["downtime_s"] > r["target_s"]), key=lambda r: -r["downtime_s"])
+
+
+def _largest_is(runs, phase):
+    """How many moves ``phase`` was the largest phase of; the doc names it, so it must be most of them."""
+    n = sum(max(_PHASES, key=r.__getitem__) == phase for r in runs)
+    return holds(2 * n > len(runs), n)
+
+
+def _slower_steps(runs):
+    """The second-slowest move over the target: each step (dump, upload, download, restore) slower than
+    in any move that met it, and the hand-off shorter than its upload, download and restore."""
+    slow, met = _missed(runs)[1], _met(runs)
+    steps = _PHASES[:-1]
+    return holds(all(slow[k] > max(r[k] for r in met) for k in steps)
+                 and slow["handoff_s"] < min(slow[k] for k in steps[1:]),
+                 span([slow[k] for k in steps], ".2f"))
 
 
 # Which runs of a results file the docs quote (default: every run).
@@ -258,6 +302,35 @@ FIGURES = [
      ("d",) * 7 + (".1f", "d")),
     (R, "a 10-cycle soak of random kills (`tests/test_soak.py`; {} cycles under \"Benchmarks\")", "soak",
      "summary.cycles", "d"),
+    # --- a manual migrate's downtime (bench/migrate_downtime.py): every move of a kind, not one run ---
+    (R, "With the Prefect server on PostgreSQL {} of {} moves took ≤ {} s, {} s, the upload to S3 the largest "
+        "phase in {} ({} s; the Prefect hand-off {} s)", "migrate_downtime",
+     (every(_moves("postgres"), lambda rs: len(_met(rs))), every(_moves("postgres"), len),
+      every(_moves("postgres"), lambda rs: same(*(r["target_s"] for r in rs))),
+      every(_moves("postgres"), lambda rs: span([r["downtime_s"] for r in rs], ".2f")),
+      every(_moves("postgres"), lambda rs: _largest_is(rs, "upload_s")),
+      every(_moves("postgres"), lambda rs: span([r["upload_s"] for r in rs], ".2f")),
+      every(_moves("postgres"), lambda rs: span([r["handoff_s"] for r in rs], ".2f"))),
+     ("d", "d", "g", "s", "d", "s", "s")),
+    (R, "On SQLite {} of {} did ({} s); of the others, one took {} s, {} s of it between the push and the "
+        "checkpoint's label written on the server, and one {} s, its dump, upload, download and restore each "
+        "slower than in any of the {} ({} s; hand-off {} s)", "migrate_downtime",
+     (every(_moves("sqlite"), lambda rs: len(_met(rs))), every(_moves("sqlite"), len),
+      every(_moves("sqlite"), lambda rs: span([r["downtime_s"] for r in _met(rs)], ".2f")),
+      every(_moves("sqlite"), lambda rs: holds(len(_missed(rs)) == 2, _missed(rs)[0]["downtime_s"])),
+      every(_moves("sqlite"), lambda rs: holds(max(_PHASES, key=_missed(rs)[0].__getitem__) == "handoff_s",
+                                               _missed(rs)[0]["published_s"] - _missed(rs)[0]["pushed_s"])),
+      every(_moves("sqlite"), lambda rs: _missed(rs)[1]["downtime_s"]),
+      every(_moves("sqlite"), lambda rs: ["none", "one", "two", "three", "four", "five", "six"][len(_met(rs))]),
+      every(_moves("sqlite"), _slower_steps),
+      every(_moves("sqlite"), lambda rs: _missed(rs)[1]["handoff_s"])),
+     ("d", "d", "s", ".2f", ".2f", ".2f", "s", "s", ".2f")),
+    (R, "Older code on SQLite (runs without `db`) took {} s; its {} failed attempts (`criu dump failed`, then "
+        "tried again) are kept in the JSON too", "migrate_downtime",
+     (every(_moves(None), lambda rs: span([r["downtime_s"] for r in rs], ".2f")),
+      every(lambda r: "failed" in r,
+            lambda rs: holds(all(r.get("db") is None and "criu dump failed" in r["failed"] for r in rs), len(rs)))),
+     ("s", "d")),
     # --- the driver and a copy in another PID namespace (bench/gpu_pidns_probe.py, gpu_pidns_born.py) ---
     (R, "on the H200 (driver {}) the driver does not know a copy under another PID", "gpu_pidns",
      lambda r: re.search(r"(\d+)\.\d+\.\d+", r["versions"]["driver"]).group(1), "s"),
@@ -276,6 +349,7 @@ CONFIG = [
     (D, "content-addressed 64 MiB chunks", "ckptflow/demo/llm_worker.py", r"SLOT = 64 << 20\b"),
     (D, "pinned 8 MiB slots", "ckptflow/demo/llm_worker.py", r"PIECE, RING = 8 << 20\b"),
     (R, "`worker_query_seconds`, default 1 s", "ckptflow/fleet.py", r"\nWORKER_QUERY_S = 1\.0\b"),
+    (R, "polls its `/health` every 50 ms", "bench/migrate_downtime.py", r"\nPOLL_S = 0\.05\b"),
 ]
 
 # Re-measured by other work now: their own tests hold them; this one skips the text from the
@@ -302,8 +376,15 @@ def _get(run: dict, path: str):
     return v
 
 
-def _value(run: dict, field):
-    v = field(run) if callable(field) else _get(run, field)
+def _value(run: dict, field, runs: list[dict]):
+    if isinstance(field, every):
+        kept = [r for r in runs if field.keep(r)]
+        if not kept:
+            raise KeyError(field)
+        assert all(r.get("date") or r.get("note") for r in kept), "a run quoted has no date"
+        v = field.fn(kept)
+    else:
+        v = field(run) if callable(field) else _get(run, field)
     if v is None:
         raise KeyError(field)
     return v
@@ -318,13 +399,14 @@ def _fmt(value, spec: str) -> str:
 
 
 def expected(text: str, name: str, fields, fmts) -> str:
-    """``text`` with its figures formatted from the newest run of ``name`` that has them all."""
+    """``text`` with its figures formatted from the newest run of ``name`` that has them all (an
+    ``every`` field: from all the runs it keeps, whichever run the others pick)."""
     fields = fields if isinstance(fields, tuple) else (fields,)
     runs = [r for r in runs_of(name) if QUOTED.get(name, lambda r: True)(r)]
     assert runs, f"bench/results/{name}.json has no run the docs quote"
     for run in reversed(runs):
         try:
-            values = [_value(run, f) for f in fields]
+            values = [_value(run, f, runs) for f in fields]
         except (KeyError, IndexError, StopIteration, TypeError):
             continue
         # A run from before runs were kept has no date; its note says so (and where it came from).
