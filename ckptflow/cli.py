@@ -35,7 +35,7 @@ import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from ckptflow.errors import CkptflowError, ConfigError  # noqa: E402
+from ckptflow.errors import CkptflowError, ConfigError, NotRecovered  # noqa: E402
 
 if TYPE_CHECKING:
     from ckptflow.fleet import Fleet
@@ -223,8 +223,8 @@ def ls(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET,
 
 def _say_unreachable(unreachable: list[str]) -> None:
     if unreachable:
-        typer.echo(f"warning: the shared tier {unreachable[0]}: only the nodes' own copies are shown\n"
-                   "  fix: check storage.endpoint_url, the credentials and the network, then run again", err=True)
+        typer.echo(f"warning: the shared tier {unreachable[0]}: only the nodes' own copies are shown", err=True)
+        typer.echo("fix: check storage.endpoint_url, the credentials and the network, then run again", err=True)
 
 
 def _age(s: float) -> str:
@@ -453,9 +453,16 @@ def prune(fleet_file: Path = FLEET_ARG) -> None:
 def recover_node(fleet_file: Path = FLEET_ARG, node: str = typer.Argument(..., help="The lost node.")) -> None:
     """Bring every workload of a lost node back on other nodes (from S3, or a cold start)."""
     _fleet(fleet_file, nodes=[node])
-    rows = _flow("ckptflow.flows.recover", "recover_node")(str(fleet_file), node)
+    # The flow fails (NotRecovered) when a workload did not come back; the table of every row
+    # is still worth printing, so the flow's return value is taken from its state.
+    state = _flow("ckptflow.flows.recover", "recover_node")(str(fleet_file), node, return_state=True)
+    try:
+        rows, failed = state.result(), None
+    except NotRecovered as e:
+        rows, failed = getattr(e, "rows", []), e
     _table(f"recovery of {node}", rows, ("workload", "action", "target", "reason"))
-    if any(r["action"] in ("FAILED", "NOT RECOVERED") for r in rows):
+    if failed is not None:
+        _print_error(failed.message, failed.fix)
         raise typer.Exit(1)
 
 

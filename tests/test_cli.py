@@ -234,11 +234,10 @@ def test_piped_output_without_columns_is_not_cut_at_80():
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    out = subprocess.run([str(CKPTFLOW), "ls", str(LOCAL)], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT, env=env)
-    assert out.returncode == 0, out.stderr
-    assert any("checkpoints of fleet local (every node's store and the bucket)" in line
-               for line in out.stdout.splitlines()), out.stdout
+    width = [sys.executable, "-c", "from ckptflow.cli import console; print(console.width)"]
+    assert subprocess.run(width, capture_output=True, text=True, cwd=ROOT, env=env).stdout.strip() == "200"
+    assert subprocess.run(width, capture_output=True, text=True, cwd=ROOT,
+                          env={**env, "COLUMNS": "80"}).stdout.strip() == "80"
 
 
 def test_prune_of_a_fleet_without_a_shared_tier_says_so_without_a_prefect_server(tmp_path):

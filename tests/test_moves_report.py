@@ -110,7 +110,8 @@ def test_a_drain_that_left_a_workload_behind_fails_and_does_not_mark_the_node(tm
             key=ArtifactFilterKey(any_=["drain-node-a"]),
             flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
     assert "| chat | FAILED | node-b | workload chat: pid file " in art.data
-    assert "| api | stopped (short requests) | - |" in art.data
+    # The node stays in service, so its short-request worker was not stopped for nothing.
+    assert "| api | kept (drain incomplete) | - |" in art.data
 
 
 def test_deploy_warns_once_for_several_nodes_without_a_shared_tier(tmp_path, capsys):
@@ -150,3 +151,21 @@ def test_a_recover_node_that_left_a_workload_behind_ends_failed_with_the_report(
     assert "chat (" in e.value.message and "1 of 1" in e.value.message and e.value.fix
     art = Artifact.get("recover-node-node-a")
     assert art is not None and "chat" in art.data and "NOT RECOVERED" in art.data
+
+
+def test_the_recover_node_command_prints_every_row_then_the_error_and_exits_1(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    f = Path(_fleet(tmp_path, [_ghost(tmp_path, "chat")]))
+    data = yaml.safe_load(f.read_text())
+    data["nodes"][1]["gpu_class"] = "H200-141GB"          # no other node of node-a's class
+    f.write_text(yaml.safe_dump(data))
+    out = subprocess.run([str(Path(sys.executable).with_name("ckptflow")), "recover-node", str(f), "node-a"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "COLUMNS": "200", "PREFECT_HOME": str(tmp_path / "prefect")})
+    assert out.returncode == 1, (out.stdout[-2000:], out.stderr[-2000:])
+    assert "chat" in out.stdout and "NOT RECOVERED" in out.stdout                  # the table, every row
+    assert "error: recover-node node-a: 1 of 1 workload(s) did not come back: chat (" in out.stderr
+    assert "\nfix: " in out.stderr and "Traceback" not in out.stderr

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ckptflow.demo.gpuhash import KeyedChunkHash, state_sha256
+from ckptflow.demo.gpuhash import SCHEME, KeyedChunkHash, gpu_checkable, state_sha256
 from ckptflow.demo.model import encode
 from ckptflow.demo.protocol import EngineSide, ExportRequest, ImportRequest, PrepareRequest, ResumeRequest
 from ckptflow.demo.worker import Metrics, base_args, completion_response, parse_completion, serve
@@ -507,7 +507,8 @@ class LlmEngine(EngineSide):
             res[sid] = {"tokens": sn["tokens"], "last": sn["last"], "digest": sn["digest"], "blocks": sn["blocks"],
                         "tensors": [{"name": "blocks", "dtype": "uint8", "shape": [len(sn["blocks"]), self.block_bytes],
                                      "nbytes": len(sn["blocks"]) * self.block_bytes, "chunks": sn["shas"],
-                                     "fingerprints": sn["fps"], "fingerprint_key": self.fp_seed}],
+                                     "fingerprints": sn["fps"], "fingerprint_key": self.fp_seed,
+                                     "fingerprint_scheme": SCHEME}],
                         "written_bytes": written[sid], "total_bytes": len(sn["blocks"]) * self.block_bytes}
         return {"sessions": res, "held_s": round(held, 4)}
 
@@ -518,7 +519,7 @@ class LlmEngine(EngineSide):
         with self.export_lock, self.lock:
             items, taken = [], set()
             for sid, rec in recs.items():
-                gpu_checked = "fingerprint_key" in rec["tensors"][0]   # older records: sha256 on the way in
+                gpu_checked = gpu_checkable(rec["tensors"][0])   # other records: sha256 on the way in
                 for b, d in zip(rec["blocks"], rec["tensors"][0]["chunks"]):
                     items.append((chunk_path(root, d), 0, b * self.block_bytes, self.block_bytes,
                                   None if gpu_checked else d))
@@ -527,7 +528,7 @@ class LlmEngine(EngineSide):
             got = {sid: self._fingerprints(rec["blocks"]) for sid, rec in recs.items()}
             for sid, rec in recs.items():  # every block checked before any session exists
                 t = rec["tensors"][0]
-                if "fingerprint_key" in t:
+                if gpu_checkable(t):
                     mine = t["fingerprint_key"] == self.fp_seed
                     self._check(f"session {sid}", t["fingerprints"],
                                 got[sid] if mine else self._fingerprints(rec["blocks"], t["fingerprint_key"]), t["chunks"])
@@ -600,7 +601,7 @@ class LlmEngine(EngineSide):
                 stats = {"gpu_used_gib": round((total - free) / 2**30, 3),
                          "torch_reserved_gib": round(torch.cuda.memory_reserved() / 2**30, 3), "rss_gib": round(_rss_gib(), 3)}
         rec = {"name": "weights", "dtype": "uint8", "shape": [self.weights_bytes], "nbytes": self.weights_bytes,
-               "chunks": chunks, "fingerprints": wfps, "fingerprint_key": self.fp_seed}
+               "chunks": chunks, "fingerprints": wfps, "fingerprint_key": self.fp_seed, "fingerprint_scheme": SCHEME}
         if release:
             self.park(out_dir, [rec])
         return {"tensors": [rec], "written_bytes": written[0], "total_bytes": self.weights_bytes,
@@ -637,13 +638,13 @@ class LlmEngine(EngineSide):
             for rec in req.tensors:
                 for d in rec["chunks"]:
                     n = min(SLOT, rec["nbytes"] - off)
-                    items.append((chunk_path(root, d), 0, off, n, None if "fingerprint_key" in rec else d))
+                    items.append((chunk_path(root, d), 0, off, n, None if gpu_checkable(rec) else d))
                     off += n
             loaded = stream_in(items, self.wflat, self.slots)
             ph["weights"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             for rec in req.tensors:
-                if "fingerprint_key" in rec:
+                if gpu_checkable(rec):
                     self._check("weights", rec["fingerprints"], self._weight_fingerprints(rec["fingerprint_key"]),
                                 rec["chunks"])
             ph["checked"] = time.perf_counter() - t0

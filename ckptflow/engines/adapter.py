@@ -31,6 +31,20 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from ckptflow.errors import ConfigError, EngineProtocolError
 
+# A chunk record whose bytes the engine checks on the GPU after the copy carries fingerprints of
+# this scheme, one per chunk, and their key's seed (demo/gpuhash.py computes them). A record
+# without it, or of another scheme (the key was once drawn from torch's host generator: same
+# seed, other words), is checked by sha256: by the runner before a promotion, by the engine as
+# the bytes come in.
+GPU_FINGERPRINT_SCHEME = "nh128-splitmix64-v1"
+
+
+def gpu_checkable(rec: dict) -> bool:
+    """Whether a chunk record's bytes are checked on the GPU after the copy (see above)."""
+    fps, chunks = rec.get("fingerprints"), rec.get("chunks") or []
+    return (rec.get("fingerprint_scheme") == GPU_FINGERPRINT_SCHEME and "fingerprint_key" in rec
+            and isinstance(fps, list) and len(fps) == len(chunks) and len(chunks) > 0)
+
 if TYPE_CHECKING:
     from ckptflow.models import GoldenRequest, Workload
     from ckptflow.policies.load import Metric, WorkloadLoad

@@ -19,7 +19,8 @@ from ckptflow.tasks.move import need_shared_tier
 @flow(name="drain", log_prints=True, persist_result=True)
 def drain(fleet_file: str, node: str, via_deployments: bool = True) -> list[dict]:
     """Ahead of maintenance: move long-session workloads off ``node`` (placement picks the
-    target), stop short-request ones once drained, report what went where, mark the node.
+    target), then, only when every one moved, stop the short-request ones; report what went
+    where and mark the node.
 
     Raises:
         ConfigError: a workload would move and the fleet has no shared tier (nothing was done).
@@ -31,11 +32,7 @@ def drain(fleet_file: str, node: str, via_deployments: bool = True) -> list[dict
     if any(x.traffic != TrafficClass.short_requests for x in here):
         need_shared_tier(fleet.scope())  # before a short-request worker is stopped for nothing
     rows = []
-    for w in here:
-        if w.traffic == TrafficClass.short_requests:
-            r = run_step(node, "stop", fleet_file, w.name, None, via_deployments)
-            rows.append({"workload": w.name, "action": "stopped (short requests)", "target": "-", **r})
-            continue
+    for w in (x for x in here if x.traffic != TrafficClass.short_requests):
         p = targets.place(w.gpu_footprint_gib or 0)
         if p.node is None:
             rows.append({"workload": w.name, "action": "NOT MOVED", "target": "-", "reason": p.reason})
@@ -46,6 +43,13 @@ def drain(fleet_file: str, node: str, via_deployments: bool = True) -> list[dict
             rows.append({"workload": w.name, "action": "migrated", "target": p.node, "checkpoint": res["checkpoint"]})
         except Exception as e:
             rows.append({"workload": w.name, "action": "FAILED", "target": p.node, "reason": str(e).splitlines()[0]})
+    moved_all = not any(r["action"] in ("FAILED", "NOT MOVED") for r in rows)
+    for w in (x for x in here if x.traffic == TrafficClass.short_requests):
+        if not moved_all:  # the node stays in service: its short-request workers keep serving
+            rows.append({"workload": w.name, "action": "kept (drain incomplete)", "target": "-"})
+            continue
+        r = run_step(node, "stop", fleet_file, w.name, None, via_deployments)
+        rows.append({"workload": w.name, "action": "stopped (short requests)", "target": "-", **r})
     create_markdown_artifact(key=f"drain-{node}", markdown=render("drain_report.md.j2", node=node, rows=rows))
     left = [r for r in rows if r["action"] in ("FAILED", "NOT MOVED")]
     if left:  # a green drain is the go for maintenance: never with a worker still on the node

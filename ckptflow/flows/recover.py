@@ -119,8 +119,10 @@ def recover_node(fleet_file: str, node: str, via_deployments: bool = False) -> l
     create_markdown_artifact(key=f"recover-node-{node}", markdown=render("drain_report.md.j2", node=node, rows=rows,
                                                                          title=f"Recovery of lost node {node}"))
     if bad:  # the report has every row; the run itself must not look green
-        raise NotRecovered(f"recover-node {node}: {len(bad)} of {len(rows)} workload(s) did not come back: "
+        err = NotRecovered(f"recover-node {node}: {len(bad)} of {len(rows)} workload(s) did not come back: "
                            + "; ".join(f"{r['workload']} ({r['reason']})" for r in bad),
                            fix="resolve each cause (free a node of the same GPU class, or the error named) and "
                                "recover each of those workloads (the recover flow)")
+        err.rows = rows  # the CLI prints them (in-process; the artifact holds them for the UI)
+        raise err
     return rows

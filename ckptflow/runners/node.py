@@ -264,11 +264,13 @@ class NodeRunner:
                 + (" (`ckptflow run-isolated`)" if gpu.restores_isolated_copy else
                    f" on a backend that supports it ({gpu.name} does not)"))
 
-    def restore_copy(self, w: Workload, m: Manifest, netns: str, timings: dict[str, float] | None = None) -> SandboxCopy:
+    def restore_copy(self, w: Workload, m: Manifest, netns: str, timings: dict[str, float] | None = None,
+                     gate: bool = True) -> SandboxCopy:
         """A copy of ``m`` beside the running original, in its own PID namespace and in network
         namespace ``netns``; its device state, if any, restored and unlocked by the copy's own
         host PIDs (an isolated image keeps each process's PID inside its namespace, which maps
         the original's GPU PIDs to the copy's). Stopping it is the caller's (``copy.stop()``).
+        ``gate``: check device memory for a second footprint first (False: the caller did).
 
         Raises:
             UnsupportedWorkload: see ``copy_unsupported`` (nothing restored).
@@ -282,7 +284,7 @@ class NodeRunner:
         t = timings if timings is not None else {}
         gpu = self.gpu_for(w)
         device = bool(m.gpu_pids) and not gpu.restores_beside
-        if device:
+        if device and gate:
             self.gate_gpu_memory(w, m)
         images = self.store.images_dir(m)
         t0 = time.perf_counter()

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from pathlib import Path
 
+from ckptflow.engines.adapter import gpu_checkable
 from ckptflow.errors import (CheckpointNotFound, CkptflowError, EngineProtocolError, IncompatibleCheckpoint,
                              RestoreFailed, StorageUnavailable, UnsupportedWorkload)
 from ckptflow.models import (CheckpointKind, CheckpointState, EngineProbe, Manifest, ManifestProbe, SessionExport,
@@ -470,7 +471,7 @@ class TemplateSessionsRunner:
         t: dict[str, float] = {}
         t0 = time.perf_counter()
         recs = self._records(m)["sessions"]
-        gpu_checked = all("fingerprint_key" in r["tensors"][0] for r in recs.values() if r.get("tensors"))
+        gpu_checked = all(r.get("tensors") and all(gpu_checkable(t) for t in r["tensors"]) for r in recs.values())
         recs, weights = self._checked_records(m, sb.template, hash_sessions=not gpu_checked)
         t["chunks_checked"] = time.perf_counter() - t0
         got = self._load(w, weights, recs, t, base=sb.base, netns=sb.netns)

@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ckptflow.errors import CkptflowError, CriuError, NotEnoughGpuMemory, RunnerUnavailable
+from ckptflow.errors import CkptflowError, CriuError, GpuCheckpointError, NotEnoughGpuMemory
 from ckptflow.models import EngineProbe, Manifest, VerifyOutcome, Workload
 from ckptflow.runners.digests import SessionMatch, compare_sessions
 from ckptflow.runners.engine import golden_digest
@@ -117,19 +117,27 @@ def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: flo
     if why:
         return VerifyResult(VerifyOutcome.skipped, GPU_SANDBOX + (" (or start the worker with `ckptflow run-isolated`, "
                             "whose copies can be verified beside it)" if node.gpu_for(w).restores_isolated_copy else ""), t)
+    if m.gpu_pids and not node.gpu_for(w).restores_beside:
+        try:  # the copy needs the footprint free once more, beside the original's
+            node.gate_gpu_memory(w, m)
+        except CkptflowError as e:
+            return VerifyResult(VerifyOutcome.skipped, f"no room for a GPU copy beside the original: "
+                                f"{str(e).splitlines()[0]}", t)
     ns = new_netns("ckv")
     copy = None
     try:
         try:
-            copy = node.restore_copy(w, m, ns, t)
-        except (NotEnoughGpuMemory, RunnerUnavailable) as e:   # the copy needs the footprint free once more
-            return VerifyResult(VerifyOutcome.skipped, f"no room for a GPU copy beside the original: "
-                                f"{str(e).splitlines()[0]}", t)
+            copy = node.restore_copy(w, m, ns, t, gate=False)
         except CriuError as e:
             return VerifyResult(VerifyOutcome.verify_failed, f"sandbox restore failed: {str(e).splitlines()[0]}", t, e.log_tail)
-        except CkptflowError as e:   # the device restore: restore_copy stopped the copy
+        except NotEnoughGpuMemory as e:   # the device restore's own gate: nothing was restored on the device
+            return VerifyResult(VerifyOutcome.skipped, f"no room for a GPU copy beside the original: "
+                                f"{str(e).splitlines()[0]}", t)
+        except GpuCheckpointError as e:   # the device restore: restore_copy stopped the copy
             return VerifyResult(VerifyOutcome.verify_failed, f"sandbox device restore failed: "
                                 f"{str(e).splitlines()[0]}", t)
+        # Anything else (a node that cannot sandbox: no criu-ns, an isolated image with /dev/shm
+        # files) is raised, as the docstring says: it says nothing about the checkpoint.
         t0 = time.perf_counter()
         got = probe_in_netns(ns, w, timeout_s)
         t["probe"] = round(time.perf_counter() - t0, 4)
