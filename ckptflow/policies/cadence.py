@@ -93,7 +93,8 @@ class CostModel(BaseModel):
     The first five fields are the whole-process path (``checkpoint: process``); the ``session_*``,
     ``template_restore_s``, ``stream_gib_s`` and ``kv_bytes_per_token`` fields are the two-tier
     path (``checkpoint: template-sessions``), measured on the vLLM-shaped engine of bench/gpu_two_tier.py
-    (bench/results/gpu_two_tier.json, row B: 124 GiB reserved, pool at 90 %). A workload's
+    (bench/results/gpu_two_tier.json, row B of its first run, 2026-11-29: 124 GiB reserved, pool at
+    90 %; the re-run of 2026-12-01 gave 2.76 s and 20.5 GiB/s, within the model's margins). A workload's
     ``WorkloadFacts.checkpoint_mode`` picks which apply.
     """
 
