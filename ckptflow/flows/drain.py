@@ -43,15 +43,14 @@ def drain(fleet_file: str, node: str, via_deployments: bool = True) -> list[dict
             rows.append({"workload": w.name, "action": "migrated", "target": p.node, "checkpoint": res["checkpoint"]})
         except Exception as e:
             rows.append({"workload": w.name, "action": "FAILED", "target": p.node, "reason": str(e).splitlines()[0]})
-    moved_all = not any(r["action"] in ("FAILED", "NOT MOVED") for r in rows)
+    left = [r for r in rows if r["action"] in ("FAILED", "NOT MOVED")]
     for w in (x for x in here if x.traffic == TrafficClass.short_requests):
-        if not moved_all:  # the node stays in service: its short-request workers keep serving
+        if left:  # the node stays in service: its short-request workers keep serving
             rows.append({"workload": w.name, "action": "kept (drain incomplete)", "target": "-"})
             continue
         r = run_step(node, "stop", fleet_file, w.name, None, via_deployments)
         rows.append({"workload": w.name, "action": "stopped (short requests)", "target": "-", **r})
     create_markdown_artifact(key=f"drain-{node}", markdown=render("drain_report.md.j2", node=node, rows=rows))
-    left = [r for r in rows if r["action"] in ("FAILED", "NOT MOVED")]
     if left:  # a green drain is the go for maintenance: never with a worker still on the node
         raise NotDrained(f"drain of {node}: {len(left)} workload(s) did not move off it, so it is not marked "
                          "drained: " + "; ".join(f"{r['workload']} ({r['reason']})" for r in left),

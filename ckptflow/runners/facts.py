@@ -17,7 +17,7 @@ from ckptflow.policies.cadence import WorkloadFacts
 from ckptflow.policies.multigpu import tp_problems
 from ckptflow.runners import process
 from ckptflow.runners.engine import read_load
-from ckptflow.runners.gpu import NO_GPU, GpuBackend, backend_for, get_backend
+from ckptflow.runners.gpu import GpuBackend, backend_for, get_backend, holds_device_state
 from ckptflow.store.local import LocalStore
 
 
@@ -93,9 +93,8 @@ def collect_facts(w: Workload, store: LocalStore, *, mtbf_s: float | None = None
         live_tokens=live, growth_tokens_s=growth, tokens_since_ckpt=since_tokens, seconds_since_ckpt=since_s,
         newest_invalidated=bool(newest) and newest[0].state == CheckpointState.invalidated,
         mean_request_s=load.mean_request_s if load else None, now=now, maintenance=list(maintenance),
-        # The workload's backend, not the node's: every node has a GPU backend object, GPU or not.
-        unsupported=tp_unsupported(w, gpu=gpu), gone=gone,
-        device="cpu" if backend_for(w, gpu or get_backend()) is NO_GPU else "gpu",
+        # The workload's own, not the node's: every node has a GPU backend object, GPU or not.
+        unsupported=tp_unsupported(w, gpu=gpu), gone=gone, device="gpu" if holds_device_state(w) else "cpu",
         **({"mtbf_s": mtbf_s} if mtbf_s else {}))
 
 

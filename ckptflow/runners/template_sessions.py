@@ -470,20 +470,21 @@ class TemplateSessionsRunner:
         self.node.gate(w, now)
         t: dict[str, float] = {}
         t0 = time.perf_counter()
-        recs = self._records(m)["sessions"]
-        gpu_checked = all(r.get("tensors") and all(gpu_checkable(t) for t in r["tensors"]) for r in recs.values())
-        recs, weights = self._checked_records(m, sb.template, hash_sessions=not gpu_checked)
+        recs, weights = self._checked_records(m, sb.template, hash_sessions=None)
         t["chunks_checked"] = time.perf_counter() - t0
         got = self._load(w, weights, recs, t, base=sb.base, netns=sb.netns)
         _check_sessions(w, recs, got, f"a standby of template {sb.template.id} given sessions {m.id}")
         return TemplateSessionsResult(manifest=m, template=sb.template, pid=sb.copy.pid,
                                       timings={k: round(v, 4) for k, v in t.items()})
 
-    def _checked_records(self, m: Manifest, tmpl: Manifest, hash_sessions: bool = True) -> tuple[dict, list[dict]]:
+    def _checked_records(self, m: Manifest, tmpl: Manifest, hash_sessions: bool | None = True
+                         ) -> tuple[dict, list[dict]]:
         """(session records of ``m``, weight records of ``tmpl``), every chunk they name here.
         Session chunks are hashed now, in parallel (one thread took 4.5 s for 5 GiB on the
         H200); the weights (GiBs) only checked for presence and size: the engine checks their
         bytes as it loads them (hashing them here too cost 7.8 s of 12.8 s for 8 GiB on the H200).
+        ``hash_sessions=None``: hash the session chunks unless every record is one the engine
+        checks on the GPU as it imports it (``engines.adapter.gpu_checkable``).
 
         Raises:
             ChecksumMismatch: a chunk is missing, or a session chunk is torn.
@@ -493,6 +494,9 @@ class TemplateSessionsRunner:
         for r in weights:
             self.chunks.present(r["chunks"], r.get("nbytes"))
         digests = [d for ds in _digests(recs).values() for d in ds]
+        if hash_sessions is None:
+            hash_sessions = not all(r.get("tensors") and all(gpu_checkable(t) for t in r["tensors"])
+                                    for r in recs.values())
         if hash_sessions:
             self.chunks.verify(digests)
         else:  # the engine hashes them on the GPU as they land

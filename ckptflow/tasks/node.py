@@ -76,9 +76,11 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
                      f" ({m.probe.export.moved_bytes / 2**20:.1f} MiB written)" if m.probe.export else "",
                      m.timings.get("pause", 0.0))
             if m.probe.template:  # a template taken by this heartbeat is most of its bytes: say so
-                tmpl = next((t for t in runner.store.manifests(m.probe.template.workload)
-                             if t.id == m.probe.template.id and t.created >= began), None)
-                if tmpl is not None:
+                try:
+                    tmpl = runner.store.get(m.probe.template.workload, m.probe.template.id)
+                except CkptflowError:  # only a log line: the checkpoint itself stands
+                    tmpl = None
+                if tmpl is not None and tmpl.created >= began:
                     log.info("  with a new template %s of %s: %.1f MiB", tmpl.id, tmpl.workload,
                              checkpoint_bytes(tmpl) / 2**20)
             pushed = {}

@@ -294,9 +294,14 @@ def get_backend(name: str | None = None, **kwargs: Any) -> GpuBackend:
     return cls(**kwargs)
 
 
+def holds_device_state(w: "Workload") -> bool:
+    """Whether ``w`` holds device memory (the one place that reads ``Workload.gpu``)."""
+    return w.gpu
+
+
 def backend_for(w: "Workload", node_backend: GpuBackend) -> GpuBackend:
     """The backend that handles ``w``'s device state: the node's for a GPU workload, else NO_GPU."""
-    return node_backend if w.gpu else NO_GPU
+    return node_backend if holds_device_state(w) else NO_GPU
 
 
 # --- what every backend shares: which memory a restore needs where --------------------------------
