@@ -146,11 +146,14 @@ LEGACY_FLEET = typer.Option(None, "--fleet", hidden=True, help="Deprecated: pass
 
 
 @app.command()
-def demo() -> None:
+def demo(port: int = typer.Option(
+        18001, min=1, max=65534, help="Port of the demo worker; its uninterrupted reference twin takes the next "
+        "one. deployments/local.yaml names 18001: on another port the demo runs on a copy of it under "
+        ".ckptflow/run.")) -> None:
     """Run the end-to-end demo on this machine; exit 0 only if the continuation matched."""
     from ckptflow.demo.main import run_demo
 
-    raise typer.Exit(0 if run_demo(console) else 1)
+    raise typer.Exit(0 if run_demo(console, port=port) else 1)
 
 
 @app.command()

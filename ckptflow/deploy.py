@@ -220,22 +220,76 @@ def worker_files(fleet_file: Path, fleet, out_dir: Path | None = None) -> dict[s
             "kubernetes": [d / "kubernetes" / "daemonset.yaml"]}
 
 
-_LOOPBACK_HOSTS = ("localhost", "0.0.0.0", "::1", "::")
+# A name's lookup that takes longer is a resolver not answering (getaddrinfo itself would wait
+# resolv.conf's timeout times its attempts, 10 s and more): the name then counts as not loopback.
+_RESOLVE_TIMEOUT_S = 2.0
 # Paths every image has: a workload's command naming them needs no mount of the node's.
 _IMAGE_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/proc", "/sys", "/dev", "/tmp")
 
 
 def is_loopback(url: str) -> bool:
-    """Whether ``url`` points at the machine it is used on (127.0.0.0/8, ::1, localhost, 0.0.0.0).
+    """Whether ``url`` points at the machine it is used on: 127.0.0.0/8, ::1, 0.0.0.0, ::,
+    ``localhost``, or a name all of whose addresses are those (say a host's own name in
+    /etc/hosts). A name that does not resolve, or not within 2 s, is not loopback.
 
     Example:
-        >>> is_loopback("http://127.0.0.1:4200/api"), is_loopback("http://prefect.internal:4200/api")
+        >>> is_loopback("http://localhost:4200/api"), is_loopback("http://10.0.0.5:4200/api")
         (True, False)
     """
-    from urllib.parse import urlsplit
+    return loopback_addresses(url) is not None
+
+
+def loopback_addresses(url: str) -> list[str] | None:
+    """None when ``url``'s host is not loopback; else the addresses its name resolved to, [] for
+    an address or ``localhost`` (nothing to explain).
+
+    Example:
+        >>> loopback_addresses("http://127.0.0.1:4200/api"), loopback_addresses("http://10.0.0.5/api")
+        ([], None)
+    """
+    import ipaddress
 
     host = (urlsplit(url).hostname or "").lower()
-    return host in _LOOPBACK_HOSTS or host.startswith("127.")
+    if not host:
+        return None
+    if host.rstrip(".") == "localhost":  # RFC 6761: loopback whatever the resolver says
+        return []
+    try:
+        return [] if _is_here(ipaddress.ip_address(host)) else None
+    except ValueError:
+        pass
+    addrs = _resolve(host)
+    if addrs and all(_is_here(ipaddress.ip_address(a.split("%")[0])) for a in addrs):
+        return addrs
+    return None
+
+
+def _is_here(ip) -> bool:
+    """Loopback or unspecified (0.0.0.0, ::): wherever the URL is used, that machine itself."""
+    ip = getattr(ip, "ipv4_mapped", None) or ip  # ::ffff:127.0.0.1 is 127.0.0.1
+    return ip.is_loopback or ip.is_unspecified
+
+
+def _resolve(host: str) -> list[str]:
+    """The addresses ``host`` resolves to; [] when it does not, or not within _RESOLVE_TIMEOUT_S."""
+    import socket
+    import threading
+
+    got: list[str] = []
+
+    def lookup() -> None:
+        try:
+            infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        except (OSError, UnicodeError):  # gaierror; a label idna refuses
+            return
+        got.extend(sorted({info[4][0] for info in infos}))
+
+    # getaddrinfo takes no timeout: wait for it on a daemon thread, which a resolver that never
+    # answers cannot keep alive past the command's exit.
+    t = threading.Thread(target=lookup, name=f"resolve {host}", daemon=True)
+    t.start()
+    t.join(_RESOLVE_TIMEOUT_S)
+    return [] if t.is_alive() else got
 
 
 def remote_nodes(fleet) -> list[str]:
@@ -259,9 +313,12 @@ def check_api_url(fleet, api_url: str | None, given: bool, all_nodes_here: bool 
             --api-url (else from this shell's PREFECT_API_URL, which the message says).
     """
     remote = [] if all_nodes_here else remote_nodes(fleet)
-    if api_url and is_loopback(api_url) and remote:
+    addrs = loopback_addresses(api_url) if api_url and remote else None
+    if addrs is not None:
         where = "--api-url" if given else "this shell's PREFECT_API_URL"
-        raise ConfigError(f"{where} {api_url} is a loopback address: on node {remote[0]}"
+        # A name is not visibly loopback: say what it resolved to here.
+        why = f" ({urlsplit(api_url).hostname} resolves to {', '.join(addrs)} here)" if addrs else ""
+        raise ConfigError(f"{where} {api_url} is a loopback address{why}: on node {remote[0]}"
                           + (f" (and {len(remote) - 1} more)" if len(remote) > 1 else "")
                           + " it would name that node itself, not the Prefect server",
                           fix=f"pass --api-url http://<the Prefect server, as the nodes reach it>:"

@@ -173,14 +173,20 @@ def test_demo_on_a_busy_port_says_the_port_is_taken(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).parent.parent
+    # A port of the kernel's choosing, not the demo's default 18001: a demo worker left running
+    # on this machine would hold that one and make this test pass without the check.
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 18001))
+        s.bind(("127.0.0.1", 0))
         s.listen()
-        p = subprocess.run([str(root / ".venv" / "bin" / "ckptflow"), "demo"], capture_output=True, text=True,
-                           timeout=120, cwd=root)
-    assert p.returncode == 2
-    assert "error: port 18001 on 127.0.0.1 is taken by another process" in p.stderr
+        port = s.getsockname()[1]
+        p = subprocess.run([str(root / ".venv" / "bin" / "ckptflow"), "demo", "--port", str(port)],
+                           capture_output=True, text=True, timeout=120, cwd=root)
+    assert p.returncode == 2, p.stderr
+    assert f"error: port {port} on 127.0.0.1 is taken by another process" in p.stderr.splitlines()
     assert "fix:" in p.stderr and "Traceback" not in p.stderr + p.stdout
+    bad = subprocess.run([str(root / ".venv" / "bin" / "ckptflow"), "demo", "--port", "0"],
+                         capture_output=True, text=True, timeout=120, cwd=root)
+    assert bad.returncode == 2 and "--port" in bad.stderr
 
 
 def test_status_reads_at_80_columns_without_cutting_names():

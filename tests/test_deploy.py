@@ -279,6 +279,73 @@ def test_cli_refuses_the_shells_loopback_url_for_remote_nodes_before_writing_any
     assert f"note: the node workers reach Prefect at {API} (this shell's PREFECT_API_URL" in out.stderr
 
 
+def _names_resolving_to_loopback() -> list[str]:
+    """Names a real lookup maps to loopback here, no DNS involved: glibc reads a bare number as
+    an IPv4 address (2130706433 is 127.0.0.1) on any Linux; this machine's own name where
+    /etc/hosts maps it to 127.0.0.1 or 127.0.1.1 (the trial's `--api-url http://vm:4200/api`)."""
+    import ipaddress
+    import socket
+
+    names = ["2130706433"]
+    host = socket.gethostname()
+    try:
+        addrs = {a[4][0] for a in socket.getaddrinfo(host, None)}
+    except OSError:
+        addrs = set()
+    if addrs and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        names.append(host)
+    return names
+
+
+@pytest.mark.parametrize("name", _names_resolving_to_loopback())
+def test_a_name_that_resolves_to_loopback_is_refused_for_remote_nodes(example, name):
+    from ckptflow.deploy import is_loopback
+
+    url = f"http://{name}:4200/api"
+    assert is_loopback(url)
+    out = _ckptflow(ROOT, "deploy", example, "--render-only", "--api-url", url)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 2, out.stderr
+    assert lines[0].startswith(f"error: --api-url {url} is a loopback address ({name} resolves to 127.0.")
+    assert lines[0].endswith(" here): on node h200-01 (and 7 more) it would name that node itself, "
+                             "not the Prefect server")
+    assert lines[1].startswith("fix: pass --api-url http://<the Prefect server, as the nodes reach it>:4200/api")
+    assert not (example.parent / "example-h200.workers").exists()
+
+
+def test_is_loopback_without_dns_in_its_examples_and_a_name_that_does_not_resolve_is_not():
+    import doctest
+
+    from ckptflow import deploy
+
+    for fn in (deploy.is_loopback, deploy.loopback_addresses):
+        runner = doctest.DocTestRunner()
+        for t in doctest.DocTestFinder().find(fn):
+            runner.run(t)
+        assert runner.summarize(verbose=False).failed == 0
+    assert deploy.is_loopback("http://localhost.:4200/api") and deploy.is_loopback("http://[::1]:4200/api")
+    assert not deploy.is_loopback("http://ckptflow-no-such-host.invalid:4200/api")
+    assert not deploy.is_loopback(API)
+
+
+def test_a_resolver_that_never_answers_costs_the_timeout_not_a_hang(monkeypatch):
+    import socket
+    import threading
+    import time
+
+    from ckptflow import deploy
+
+    release = threading.Event()
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: release.wait(30) and [])
+    monkeypatch.setattr(deploy, "_RESOLVE_TIMEOUT_S", 0.2)
+    t0 = time.monotonic()
+    try:
+        assert not deploy.is_loopback("http://prefect.example:4200/api")
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 2
+
+
 def test_a_one_box_fleet_keeps_its_loopback_url(tmp_path):
     f = tmp_path / "local.yaml"
     f.write_text((ROOT / "deployments" / "local.yaml").read_text())

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 FLEET_FILE = "deployments/local.yaml"
-PORT, REF_PORT = 18001, 18002
+PORT = 18001  # demo-chat's port in FLEET_FILE; the reference twin listens on the next one
 LONG_PROMPT = ("You are an agent working through a long task. Keep notes of every step. " * 40)[:1900]
 N_CONT = 64
 
@@ -32,9 +32,24 @@ def _prefect_env(home: Path) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
-def run_demo(console: Console | None = None) -> bool:
-    """Run the demo; return True when the restored continuation matched the reference."""
+def _fleet_file(port: int, run_dir: Path) -> str:
+    """FLEET_FILE with demo-chat's URLs on ``port`` (heartbeat and recover find the worker
+    through them), written under ``run_dir``; FLEET_FILE itself for the port it names.
+
+    Example: _fleet_file(18101, Path(".ckptflow/run")) == ".ckptflow/run/local-18101.yaml"
+    """
+    if port == PORT:
+        return FLEET_FILE
+    out = run_dir / f"local-{port}.yaml"
+    out.write_text(Path(FLEET_FILE).read_text().replace(f"127.0.0.1:{PORT}/", f"127.0.0.1:{port}/"))
+    return str(out)
+
+
+def run_demo(console: Console | None = None, port: int = PORT) -> bool:
+    """Run the demo with its worker on ``port``; return True when the restored continuation
+    matched the reference. Example: run_demo(port=18101) (the reference twin on 18102)."""
     console = console or Console()
+    ref_port = port + 1
     state = Path(".ckptflow")
     (state / "run").mkdir(parents=True, exist_ok=True)
     _prefect_env(state / "prefect")
@@ -51,9 +66,10 @@ def run_demo(console: Console | None = None) -> bool:
     from ckptflow.runners.criu import CriuRunner
 
     CriuRunner().check()  # fail before starting anything, with the fix
-    for port in (PORT, REF_PORT):
-        launch.require_free_port(port)
-    fleet = load_fleet(FLEET_FILE)
+    launch.require_free_port(port)
+    launch.require_free_port(ref_port)
+    fleet_file = _fleet_file(port, state / "run")
+    fleet = load_fleet(fleet_file)
     w = fleet.workload("demo-chat")
     pid_file = Path(w.find.pid_file)
     procs = []
@@ -69,13 +85,13 @@ def run_demo(console: Console | None = None) -> bool:
             console.print(f"[bold cyan]•[/] {name}" + (f"  [dim]{seconds:.2f} s[/]" if seconds is not None else ""))
 
         t0 = time.perf_counter()
-        procs.append(launch.start_worker(PORT, pid_file))
-        procs.append(launch.start_worker(REF_PORT, state / "run" / "reference.pid"))
+        procs.append(launch.start_worker(port, pid_file))
+        procs.append(launch.start_worker(ref_port, state / "run" / "reference.pid"))
         step("start demo worker + uninterrupted reference twin", time.perf_counter() - t0)
 
         def both(prompt: str, n: int, sid: str | None) -> list[int]:
-            a = launch.complete(PORT, prompt, n, sid)
-            b = launch.complete(REF_PORT, prompt, n, sid)
+            a = launch.complete(port, prompt, n, sid)
+            b = launch.complete(ref_port, prompt, n, sid)
             assert a == b, "worker and reference diverged before any checkpoint"
             return a
 
@@ -85,7 +101,7 @@ def run_demo(console: Console | None = None) -> bool:
             both(f"short request {i}", 8, None)
         step("long session turn 1 (~1,900 prompt tokens) + 3 short requests", time.perf_counter() - t0)
 
-        r1 = heartbeat(FLEET_FILE)[0]  # no checkpoint yet: the policy says checkpoint_now
+        r1 = heartbeat(fleet_file)[0]  # no checkpoint yet: the policy says checkpoint_now
         step(f"heartbeat 1 ({r1['decision']}) → checkpoint {r1['checkpoint']}", r1["dump_s"], r1["bytes"])
         console.print(f"  [dim]policy: {r1['reason']}[/]")
 
@@ -93,20 +109,20 @@ def run_demo(console: Console | None = None) -> bool:
         both("Step 2: summarise the notes so far and plan the next step.", 48, "agent-1")
         step("long session turn 2", time.perf_counter() - t0)
 
-        r2 = heartbeat(FLEET_FILE, force=True)[0]  # seconds later the policy would skip: force
+        r2 = heartbeat(fleet_file, force=True)[0]  # seconds later the policy would skip: force
         step(f"heartbeat 2 (manual) → checkpoint {r2['checkpoint']}", r2["dump_s"], r2["bytes"])
         console.print(f"  [dim]{r2['reason']}[/]")
-        tokens = launch.http_json(f"http://127.0.0.1:{PORT}/v1/sessions")["sessions"]["agent-1"]
+        tokens = launch.http_json(f"http://127.0.0.1:{port}/v1/sessions")["sessions"]["agent-1"]
 
         # A turn after the last checkpoint: the node dies with it, the client retries it.
         lost_turn = "Step 3: call the search tool."
-        launch.complete(PORT, lost_turn, 16, "agent-1")
+        launch.complete(port, lost_turn, 16, "agent-1")
         pid = int(pid_file.read_text())
         os.kill(pid, signal.SIGKILL)
         step(f"SIGKILL worker PID {pid} (node failure; turn 3 was in flight)")
 
         t0 = time.perf_counter()
-        res = recover(FLEET_FILE, "demo-chat")
+        res = recover(fleet_file, "demo-chat")
         step(f"recover → restored PID {res['pid']} from {res['checkpoint']}", time.perf_counter() - t0,
              res["bytes"])
         for phase, s in res["timings"].items():
@@ -115,8 +131,8 @@ def run_demo(console: Console | None = None) -> bool:
             rows.append({"step": f"  restore phase: {phase}", "seconds": s, "bytes": None})
 
         digest_ok = res["checkpoint"] == r2["checkpoint"]
-        got = launch.complete(PORT, lost_turn, N_CONT, "agent-1")
-        want = launch.complete(REF_PORT, lost_turn, N_CONT, "agent-1")
+        got = launch.complete(port, lost_turn, N_CONT, "agent-1")
+        want = launch.complete(ref_port, lost_turn, N_CONT, "agent-1")
         matched = digest_ok and got == want
         create_markdown_artifact(key="ckptflow-demo", markdown=render(
             "demo_report.md.j2", matched=matched, session_tokens=tokens, checkpoint_id=res["checkpoint"],
