@@ -40,7 +40,8 @@ import numpy as np
 
 from ckptflow.models import Action
 from ckptflow.policies.cadence import CostBasedParams, CostModel, WorkloadFacts, decide, get_policy, young_interval
-from ckptflow.policies.sessions import ExportContext, SessionFacts, decide_sessions, export_context
+from ckptflow.policies.sessions import (ExportContext, SessionFacts, decide_sessions, export_context,
+                                        turns_between_exports)
 
 DAY = 86400.0
 HOUR = 3600.0
@@ -81,6 +82,9 @@ class TraceConfig:
     # Two-tier only: a drain stops admitting turns and exports each session once its turn in
     # flight ends, at most the longest request (request_s) before the window.
     turn_s: float = 30.0
+    # Two-tier only: where ckptflow weighs each session's export, at each of its turn ends (every
+    # turn_s) or at the cadence policy's heartbeats.
+    session_exports: str = "turn"
 
     @property
     def template_sessions(self) -> bool:
@@ -427,9 +431,107 @@ def session_schedule_cost(tr: Trace, w: Workload, exports: list[list[float]], he
             "restart_gpu_s": restart, "reprefill_gpu_s": reprefill, "kv_kept_gpu_s": kept}
 
 
-def ckptflow_cost(tr: Trace, w: Workload, params: Mapping[str, Any] | CostBasedParams) -> dict:
-    """ckptflow's totals for one worker: whole-process heartbeats, or in two tiers heartbeats
-    that weigh each session."""
+def turn_exports_cost(tr: Trace, w: Workload, tick_s: float = 300, decide_every: int = 12) -> dict:
+    """Two tiers, sessions protected at their turn boundaries: a session's turns end every
+    ``turn_s``; at each turn end ckptflow exports its new KV or lets it wait, by
+    ``policies.sessions.decide_export`` with ``at_turn_end`` (the export holds that session only and
+    costs ``CostModel.turn_export_s``), in the context of the newest decision tick (the node's MTBF
+    estimate, as ``ckptflow_heartbeats``). A new session is exported at its first turn end; the
+    drain exports every changed session at its last turn end before an announced window.
+
+    Vectorised: within one context a growing session is exported every m-th turn end
+    (``turns_between_exports``); once its context is capped, at the first turn end where its last
+    change has been at risk long enough. tests/test_session_policy.py holds it to a turn-by-turn
+    replay of ``decide_sessions``."""
+    cfg, cost = tr.cfg, tr.cfg.cost
+    T, d = cfg.turn_s, cfg.context_growth_tokens_s * cfg.turn_s
+    c0, cap = cfg.context_start_tokens, cfg.context_cap_tokens
+    k_cap = math.ceil((cap - c0) / d)           # the first turn end whose context is capped
+    s, e = w.start, w.end
+    n = len(s)
+    last_k = np.full(n, -1, dtype=np.int64)     # turn index of each session's last export (-1: none)
+    n_exp = np.zeros(n, dtype=np.int64)
+    declared, fails = tr.node_mtbf_s[w.node], tr.failures[w.node]
+    ws, _ = tr.windows[w.node]
+    drain_t = ws - T
+    every = tick_s * decide_every
+    T_end = cfg.days * DAY
+    marks = sorted({float(t) for t in np.arange(0.0, T_end, every)} | {float(t) for t in fails}
+                   | {drain_t, ws, T_end})
+
+    def tokens(k: np.ndarray) -> np.ndarray:
+        return np.minimum(c0 + d * k, cap)
+
+    lost = restart = reprefill = kept = 0.0
+    ctx = None
+    for a, b in zip(marks[:-1], marks[1:]):
+        if a % every == 0:
+            seen = int(np.searchsorted(fails, a))
+            ctx = ExportContext(mtbf_s=(declared + a) / (1 + seen), kv_bytes_per_token=cfg.kv_bytes_per_token,
+                                cost=cost, at_turn_end=True)
+            m = turns_between_exports(ctx, d, T)
+            young = 2 * cost.turn_export_fixed_s * ctx.mtbf_s * cost.prefill_tokens_s   # token-seconds
+        lo = np.searchsorted(s, a - cfg.session_max_s, "left")
+        hi = np.searchsorted(s, b, "left")
+        j = lo + np.nonzero(e[lo:hi] > a)[0]
+        if len(j):
+            ss, ee = s[j], e[j]
+            k_lo = np.maximum(np.floor((a - ss) / T).astype(np.int64) + 1, 1)
+            k_hi = np.minimum(np.floor((b - ss) / T).astype(np.int64), np.ceil((ee - ss) / T).astype(np.int64) - 1)
+            has = k_lo <= k_hi
+            lk, ne = last_k[j], n_exp[j]
+            new = has & (lk < 0)                # a new session: exported at its first turn end
+            lk = np.where(new, k_lo, lk)
+            ne = ne + new
+            if m is not None:
+                top = np.minimum(k_hi, k_cap - 1)   # turn ends before the cap: the change grows d a turn
+                first = np.maximum(lk + m, k_lo)       # overdue (m shrank with the MTBF): at the first turn end
+                grow = has & (lk >= 0) & (first <= top)
+                cnt = np.where(grow, (top - first) // m + 1, 0)
+                lk = np.where(grow, first + (cnt - 1) * m, lk)
+                ne = ne + cnt
+                # capped: the change stops growing, the time it has been at risk does not
+                rest = cap - tokens(np.maximum(lk, 0))
+                wait = np.ceil(young / np.maximum(rest, 1e-9) / T).astype(np.int64)
+                ke = np.maximum(np.maximum(k_cap, k_lo), lk + np.maximum(wait, 1))
+                edge = has & (lk >= 0) & (lk < k_cap) & (rest > 0) & (ke <= k_hi)
+                lk = np.where(edge, ke, lk)
+                ne = ne + edge
+            last_k[j], n_exp[j] = lk, ne
+        if b == drain_t:                        # the drain: every changed session, at its last turn end
+            j2 = np.nonzero((s < b) & (e > b))[0]
+            kd = np.minimum(np.floor((b - s[j2]) / T).astype(np.int64), k_cap)
+            moved = (kd >= 1) & ((last_k[j2] < 0) | (tokens(kd) > tokens(np.maximum(last_k[j2], 0))))
+            last_k[j2] = np.where(moved, kd, last_k[j2])
+            n_exp[j2] += moved
+        if b in (ws,) or (len(fails) and b in set(fails.tolist())):
+            j3 = np.nonzero((s < b) & (e > b))[0]
+            live = float(_ctx(cfg, s[j3], b).sum())
+            lk = last_k[j3]
+            done = float(np.where(lk >= 0, tokens(np.maximum(lk, 0)), 0.0).sum())
+            risk = live - done
+            r = restore_of(cfg, w, done)
+            lost += r + risk / cost.prefill_tokens_s
+            restart += r
+            reprefill += risk / cost.prefill_tokens_s
+            kept += done / cost.prefill_tokens_s
+    ok = last_k >= 0
+    moved = float(tokens(last_k[ok]).sum())     # monotone contexts: each session's moves telescope
+    exports = int(n_exp.sum())
+    pause = exports * cost.turn_export_fixed_s + cost.turn_export_s_per_gib * cost.kv_gib(moved, cfg.kv_bytes_per_token)
+    return {"lost_gpu_s": lost, "pause_gpu_s": pause, "bytes": moved * cfg.kv_bytes_per_token,
+            "checkpoints": exports, "cost": lost + pause,
+            "restart_gpu_s": restart, "reprefill_gpu_s": reprefill, "kv_kept_gpu_s": kept}
+
+
+def ckptflow_cost(tr: Trace, w: Workload, params: Mapping[str, Any] | CostBasedParams,
+                  session_exports_at: str | None = None) -> dict:
+    """ckptflow's totals for one worker: whole-process heartbeats, or in two tiers sessions weighed
+    one by one, at their turn boundaries (``TraceConfig.session_exports`` "turn") or at the
+    cadence's heartbeats ("heartbeat")."""
+    at = session_exports_at or tr.cfg.session_exports
+    if tr.cfg.template_sessions and not w.short and at == "turn":
+        return turn_exports_cost(tr, w)
     hb = ckptflow_heartbeats(tr, w, params)
     if not tr.cfg.template_sessions or w.short:
         return schedule_cost(tr, w, np.array([t for t, _ in hb]), drains_short=True)
@@ -494,6 +596,11 @@ def simulate(seed: int = 0, cfg: TraceConfig | None = None,
         row["with_checkpoints"] += int(part["checkpoints"] > 0)
         _add(row, {k: part[k] for k in ("checkpoints", "pause_gpu_s", "reprefill_gpu_s", "kv_kept_gpu_s")})
     pol["ckptflow"] = tot
+    if cfg.template_sessions:  # the same sessions weighed at the cadence's heartbeats instead
+        hb_tot: dict = {}
+        for w in tr.workloads:
+            _add(hb_tot, ckptflow_cost(tr, w, params, session_exports_at="heartbeat"))
+        pol["ckptflow-heartbeat"] = hb_tot
 
     out = {"seed": seed, "failure_dist": cfg.failure_dist, "checkpoint_mode": cfg.checkpoint_mode,
            "kv_bytes_per_token": cfg.kv_bytes_per_token if cfg.template_sessions else None,

@@ -2,13 +2,15 @@
 (policies/sessions.py) that the simulator replays and the live heartbeat calls, fed the same
 facts; its rule; and the simulator's per-session costs against the whole-worker ones."""
 
+import math
+
 import numpy as np
 import pytest
 
 from ckptflow.models import Action, Decision
 from ckptflow.policies.cadence import CostModel, WorkloadFacts
 from ckptflow.policies.sessions import (ExportContext, SessionFacts, decide_export, decide_sessions,
-                                        export_context)
+                                        export_context, session_facts, turns_between_exports)
 from ckptflow.sim import (TraceConfig, Workload, ckptflow_heartbeats, make_trace, profile_config,
                           schedule_cost, session_exports, session_schedule_cost)
 
@@ -148,3 +150,93 @@ def test_two_tier_maintenance_is_exported_by_the_drain_at_the_last_turn_boundary
     proc = make_trace(0, TraceConfig(days=4, nodes=4))
     w = next(w for w in proc.workloads if not w.short and proc.node_mtbf_s[w.node] == cfg.mtbf_h * H)
     assert all(not c.interruption_ahead for _, c in ckptflow_heartbeats(proc, w, params))
+
+
+# --- sessions weighed at their turn ends (the simulator's two-tier default) ------------------------
+def _replay_turn_by_turn(tr, w, tick_s=300, decide_every=12):
+    """Every turn end of every session in time order, each decided by ``decide_sessions`` on the
+    facts the live turn-end export builds (tokens now, tokens and time of its last export)."""
+    from ckptflow.sim import _ctx, restore_of
+
+    cfg, cost = tr.cfg, tr.cfg.cost
+    T, every = cfg.turn_s, tick_s * decide_every
+    fails, declared = tr.failures[w.node], tr.node_mtbf_s[w.node]
+    ws = tr.windows[w.node][0]
+
+    def tok(k):
+        return int(min(cfg.context_start_tokens + cfg.context_growth_tokens_s * T * k, cfg.context_cap_tokens))
+
+    items = []  # (time, order, session or event): turn ends first, then the drain, then an interruption
+    for j, (s, e) in enumerate(zip(w.start, w.end)):
+        k = 1
+        while s + k * T < min(e, cfg.days * 86400):      # the trace ends at its last day
+            if s + k * T > 0:
+                items.append((s + k * T, 0, j, k))
+            k += 1
+    items.append((ws - T, 1, None, None))
+    items += [(t, 2, maint, None) for t, maint in tr.events(w)]
+    rec: dict[int, tuple[int, float]] = {}
+    exports = 0
+    lost = 0.0
+    for t, order, j, k in sorted(items, key=lambda x: (x[0], x[1])):
+        if order == 0:
+            tick = math.ceil(t / every - 1) * every      # the newest decision tick before this turn end
+            ctx = ExportContext(mtbf_s=(declared + tick) / (1 + int(np.searchsorted(fails, tick))),
+                                kv_bytes_per_token=cfg.kv_bytes_per_token, cost=cost, at_turn_end=True)
+            had = rec.get(j)
+            records = {str(j): {"tokens": had[0], "exported_at": had[1]}} if had else {}
+            d = decide_sessions(session_facts({str(j): tok(k)}, records, t), context=ctx)[0]
+            if d.export:
+                rec[j], exports = (tok(k), t), exports + 1
+        elif order == 1:
+            for jj, (s, e) in enumerate(zip(w.start, w.end)):
+                kd = math.floor((t - s) / T)
+                if s < t < e and kd >= 1 and (jj not in rec or tok(kd) > rec[jj][0]):
+                    rec[jj], exports = (tok(kd), s + kd * T), exports + 1   # its KV as of that turn end
+        else:
+            alive = [jj for jj, (s, e) in enumerate(zip(w.start, w.end)) if s < t < e]
+            live = float(_ctx(cfg, w.start[alive], t).sum()) if alive else 0.0
+            done = float(sum(rec[jj][0] for jj in alive if jj in rec))
+            lost += restore_of(cfg, w, done) + (live - done) / cost.prefill_tokens_s
+    moved = sum(n for n, _ in rec.values())
+    pause = exports * cost.turn_export_fixed_s + cost.turn_export_s_per_gib * cost.kv_gib(moved, cfg.kv_bytes_per_token)
+    return {"checkpoints": exports, "lost_gpu_s": lost, "pause_gpu_s": pause}
+
+
+@pytest.mark.parametrize("fixed_s,cap", [(None, 128_000.0), (0.05, 60_000.0), (0.0005, 9_000.0)])
+def test_the_simulator_exports_at_turn_ends_what_the_live_rule_decides_turn_by_turn(fixed_s, cap):
+    from ckptflow.sim import turn_exports_cost
+
+    cost = CostModel() if fixed_s is None else CostModel(turn_export_fixed_s=fixed_s)
+    cfg = profile_config("two-tier-h200", days=4, nodes=4, preemptible_nodes=2, flaky_fraction=0.25,
+                         context_cap_tokens=cap, cost=cost)
+    tr = make_trace(3, cfg)
+    long = sorted((w for w in tr.workloads if not w.short), key=lambda w: tr.node_mtbf_s[w.node])
+    classes = {tr.node_mtbf_s[w.node] for w in long}
+    assert len(classes) >= 2
+    checked = 0
+    for w in long[:3] + long[-2:]:   # preemptible and healthy nodes
+        want = _replay_turn_by_turn(tr, w)
+        got = turn_exports_cost(tr, w)
+        assert got["checkpoints"] == want["checkpoints"]
+        assert got["lost_gpu_s"] == pytest.approx(want["lost_gpu_s"], rel=1e-9)
+        assert got["pause_gpu_s"] == pytest.approx(want["pause_gpu_s"], rel=1e-9)
+        checked += want["checkpoints"] > len(w.start)   # grown sessions moved again, not only new ones
+    assert checked
+
+
+def test_turn_end_rule_young_interval_and_never():
+    c = ExportContext(mtbf_s=24 * H, kv_bytes_per_token=KV, at_turn_end=True,
+                      cost=CostModel(turn_export_fixed_s=0.001, turn_export_s_per_gib=0.002))
+    # 2 x 0.001 s x 24 h = 172.8 s.GPU-s: 1200 tokens a 30 s turn = 0.12 s, so 0.12 m x 30 m >= 172.8: m = 7.
+    assert turns_between_exports(c, 1200, 30) == 7
+    assert not decide_export(6 * 1200, None, c, since_s=6 * 30)[0]
+    ok, why = decide_export(7 * 1200, None, c, since_s=7 * 30)
+    assert ok and why.startswith("export at turn end: 0.84 s re-prefill at risk x 210 s since its export >=")
+    # A healthy node: a token's share of the pause is above its chance-weighted re-prefill: never.
+    h = c.model_copy(update={"mtbf_s": 6000 * H})
+    assert turns_between_exports(h, 1200, 30) is None
+    assert decide_export(1e6, None, h, since_s=1e6)[1].startswith("waits: 1000000 new tokens never pay")
+    # Announced: every turn end; without a since_s the one-shot rule (a heartbeat's) applies.
+    assert turns_between_exports(c.model_copy(update={"interruption_ahead": True}), 1200, 30) == 1
+    assert decide_export(1e5, None, c)[1].startswith("export: 100000 new tokens pause")

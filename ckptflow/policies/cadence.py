@@ -110,6 +110,13 @@ class CostModel(BaseModel):
         0.036, ge=0, description="Two-tier heartbeat: fixed part of the pause (lock, fingerprints of the live "
         "blocks, sync). The one measurement cannot be split, so the whole measured pause is charged here too: "
         "the model overstates it (0.072 s for 1 GiB changed, measured 0.036 s).")
+    turn_export_fixed_s: float = Field(
+        0.002, ge=0, description="Two-tier export of one session at its turn boundary (it is between turns: the "
+        "export holds that session only, the engine serves on): fixed GPU-seconds lost per export. "
+        "Placeholder until bench/gpu_turn_export.py measures it.")
+    turn_export_s_per_gib: float = Field(
+        0.01, ge=0, description="Two-tier export at a turn boundary: GPU-seconds the engine's other sessions lose "
+        "per GiB copied out beside them. Placeholder until bench/gpu_turn_export.py measures it.")
     template_restore_s: float = Field(
         2.85, ge=0, description="Two-tier restore, fixed part: CRIU + CUDA restore of the template image "
         "(2.18 GiB; 2.40 s) and the chunk check (0.45 s), row B.")
@@ -141,6 +148,10 @@ class CostModel(BaseModel):
     def session_pause_s(self, changed_tokens: float, bytes_per_token: float | None = None) -> float:
         """Pause of one two-tier heartbeat that moves ``changed_tokens`` tokens of KV."""
         return self.session_pause_fixed_s + self.session_pause_s_per_gib * self.kv_gib(changed_tokens, bytes_per_token)
+
+    def turn_export_s(self, changed_tokens: float, bytes_per_token: float | None = None) -> float:
+        """GPU-seconds one turn-boundary export of ``changed_tokens`` tokens of a session costs."""
+        return self.turn_export_fixed_s + self.turn_export_s_per_gib * self.kv_gib(changed_tokens, bytes_per_token)
 
     def template_sessions_restore_s(self, weights_gib: float, kv_tokens: float,
                                     bytes_per_token: float | None = None) -> float:

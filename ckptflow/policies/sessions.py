@@ -42,6 +42,8 @@ preemptible one or before maintenance:
 
 from __future__ import annotations
 
+import math
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from ckptflow.models import Action, Decision
@@ -64,6 +66,8 @@ class SessionFacts(BaseModel):
     tokens: int = Field(..., ge=0, description="Tokens the session holds now (its KV length).")
     tokens_at_ckpt: int | None = Field(None, ge=0, description="Tokens its last checkpoint holds "
                                        "(None: never checkpointed).")
+    since_s: float | None = Field(None, ge=0, description="Seconds since its last export, where known (at a "
+                                  "turn end: how long its new KV has been at risk).")
     age_s: float | None = Field(None, ge=0, description="Seconds since the session started, where known "
                                 "(None: its expected remaining life is ExportContext.session_mean_s).")
 
@@ -82,6 +86,9 @@ class ExportContext(BaseModel):
                                   "unknown or small age (seconds).")
     cost: CostModel = Field(default_factory=CostModel, description="Pause per GiB moved and re-prefill rate.")
     device: str = Field("gpu", description="'cpu' for a CPU-only worker: its KV re-prefills at the CPU rate.")
+    at_turn_end: bool = Field(False, description="The session is between turns: its export holds that session "
+                              "only while the engine serves on, and pays CostModel.turn_export_s (its own fixed "
+                              "part included); else it goes into a heartbeat that holds the engine.")
 
 
 def export_context(f: WorkloadFacts, d: Decision, cost: CostModel | None = None) -> ExportContext:
@@ -103,22 +110,92 @@ def _hours(s: float) -> str:
     return f"{s / 3600:.0f} h" if s >= 36_000 else f"{s / 3600:.1f} h"
 
 
-def decide_export(changed_tokens: float, age_s: float | None, ctx: ExportContext) -> tuple[bool, str]:
-    """Export a session's ``changed_tokens`` now, or wait (see the module's rule); plain floats in,
-    as the simulator asks this for every session at every heartbeat it replays."""
-    cost = ctx.cost
-    pause = cost.session_pause_s_per_gib * cost.kv_gib(changed_tokens, ctx.kv_bytes_per_token)
-    saved = changed_tokens / cost.prefill_rate(ctx.device)
+def _hit(age_s: float | None, ctx: ExportContext) -> tuple[float, str]:
+    """Chance an interruption comes while the session lives, and why."""
     if ctx.interruption_ahead:
-        hit, why = 1.0, "interruption announced"
-    else:
-        remaining = max(age_s or 0.0, ctx.session_mean_s)
-        hit = min(1.0, remaining / ctx.mtbf_s)
-        why = f"remaining ~{_hours(remaining)}, M={_hours(ctx.mtbf_s)}"
+        return 1.0, "interruption announced"
+    remaining = max(age_s or 0.0, ctx.session_mean_s)
+    return min(1.0, remaining / ctx.mtbf_s), f"remaining ~{_hours(remaining)}, M={_hours(ctx.mtbf_s)}"
+
+
+def _pause(changed_tokens: float, ctx: ExportContext) -> float:
+    cost = ctx.cost
+    if ctx.at_turn_end:
+        return cost.turn_export_s(changed_tokens, ctx.kv_bytes_per_token)
+    return cost.session_pause_s_per_gib * cost.kv_gib(changed_tokens, ctx.kv_bytes_per_token)
+
+
+def decide_export(changed_tokens: float, age_s: float | None, ctx: ExportContext,
+                  since_s: float | None = None) -> tuple[bool, str]:
+    """Export a session's ``changed_tokens`` now, or wait (see the module's rule); plain floats in,
+    as the simulator asks this for every session at every heartbeat or turn end it replays.
+
+    At a turn end (``ctx.at_turn_end``) the session comes back a turn later with another chance,
+    so waiting risks its new KV only until then, not for its whole life: it pays to export at all
+    when a token's share of the pause is below its expected re-prefill (hit / prefill rate), and
+    then when the re-prefill at risk x the seconds since its last export (``since_s``) reach
+    2 x the export's fixed part x M, Young's interval for the session (``since_s`` None: the
+    one-shot rule above)."""
+    pause = _pause(changed_tokens, ctx)
+    saved = changed_tokens / ctx.cost.prefill_rate(ctx.device)
+    hit, why = _hit(age_s, ctx)
     numbers = f"{saved:.1f} s re-prefill x {hit:.2%} chance an interruption hits it ({why})"
+    if ctx.at_turn_end and since_s is not None and not ctx.interruption_ahead:
+        per_token = _pause(1.0, ctx) - _pause(0.0, ctx)
+        if hit / ctx.cost.prefill_rate(ctx.device) <= per_token:
+            return False, f"waits: {changed_tokens:.0f} new tokens never pay their pause ({numbers})"
+        young = 2 * _pause(0.0, ctx) * ctx.mtbf_s
+        turn = (f"{saved:.2f} s re-prefill at risk x {since_s:.0f} s since its export "
+                f"{'>=' if saved * since_s >= young else '<'} 2 x {_pause(0.0, ctx):.4f} s x M={_hours(ctx.mtbf_s)}")
+        return (True, f"export at turn end: {turn}") if saved * since_s >= young else (False, f"waits a turn: {turn}")
     if saved * hit > pause:
         return True, f"export: {changed_tokens:.0f} new tokens pause {pause:.3f} s < {numbers}"
     return False, f"waits: {changed_tokens:.0f} new tokens would pause {pause:.3f} s > {numbers}"
+
+
+def turns_between_exports(ctx: ExportContext, tokens_per_turn: float, turn_s: float) -> int | None:
+    """Every how many turn ends ``decide_export`` exports a session that gains ``tokens_per_turn``
+    a turn (``ctx.at_turn_end``): the smallest m with m x tokens_per_turn / prefill rate x m x
+    turn_s >= 2 x fixed x M, at least 1; None: never. The simulator replays millions of turn ends
+    with it; tests/test_session_policy.py holds it to ``decide_export``.
+
+        >>> ctx = ExportContext(mtbf_s=24 * 3600, kv_bytes_per_token=65536, at_turn_end=True)
+        >>> m = turns_between_exports(ctx, 1200, 30)
+        >>> [decide_export(k * 1200, None, ctx, since_s=k * 30)[0] for k in (m - 1, m)]
+        [False, True]
+    """
+    per_token = _pause(1.0, ctx) - _pause(0.0, ctx)
+    hit, _ = _hit(None, ctx)
+    rate = ctx.cost.prefill_rate(ctx.device)
+    if not ctx.interruption_ahead and hit / rate <= per_token:
+        return None
+    if ctx.interruption_ahead:
+        return 1 if tokens_per_turn / rate > _pause(tokens_per_turn, ctx) else None
+    young = 2 * _pause(0.0, ctx) * ctx.mtbf_s
+    m = max(1, math.ceil(math.sqrt(young * rate / (tokens_per_turn * turn_s))))
+    while m > 1 and (m - 1) * tokens_per_turn / rate * (m - 1) * turn_s >= young:   # float edges
+        m -= 1
+    while m * tokens_per_turn / rate * m * turn_s < young:
+        m += 1
+    return m
+
+
+def session_facts(held: dict[str, int], records: dict[str, dict], now: float) -> list[SessionFacts]:
+    """The facts of each session the engine holds (``held``: id -> tokens), against the records of
+    the workload's newest session checkpoint (``records``: id -> its record; ``tokens`` and, where
+    recorded, ``exported_at``, the unix time its exported state was current). The live heartbeat
+    and turn-end export build them here; the simulator's turn-by-turn replay does the same.
+
+        >>> [f.since_s for f in session_facts({"a": 90, "b": 5}, {"a": {"tokens": 60, "exported_at": 100.0}}, 130.0)]
+        [30.0, None]
+    """
+    out = []
+    for sid, n in held.items():
+        r = records.get(sid) or {}
+        at = r.get("exported_at")
+        out.append(SessionFacts(id=sid, tokens=n, tokens_at_ckpt=r.get("tokens"),
+                                since_s=max(now - at, 0.0) if at is not None else None))
+    return out
 
 
 def decide_sessions(sessions: list[SessionFacts], *, min_tokens: int = MIN_TOKENS,
@@ -145,7 +222,7 @@ def decide_sessions(sessions: list[SessionFacts], *, min_tokens: int = MIN_TOKEN
                                            reason=f"grew by {s.tokens - s.tokens_at_ckpt} tokens since its last "
                                                   f"checkpoint ({s.tokens} held)"))
             else:
-                export, why = decide_export(s.tokens - s.tokens_at_ckpt, s.age_s, context)
+                export, why = decide_export(s.tokens - s.tokens_at_ckpt, s.age_s, context, s.since_s)
                 out.append(SessionDecision(id=s.id, protect=True, export=export, reason=why))
         else:
             out.append(SessionDecision(id=s.id, protect=True, export=True,
