@@ -310,6 +310,19 @@ class LocalStore:
             write_json_atomic(self.root / m.workload / m.id / MANIFEST, new.model_dump_json(indent=2))
         return new
 
+    # --- the newest heartbeat's export context, for the turn-end export beside it -----------
+    def put_export_context(self, workload: str, context_json: str) -> None:
+        """Keep the context the newest heartbeat weighed ``workload``'s sessions in (its MTBF
+        estimate, an announced interruption): the node-local turn-end export (runners/turns.py)
+        weighs sessions between heartbeats in it."""
+        d = self.root / ".export-context"
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_json_atomic(d / f"{_check_name(workload)}.json", context_json)
+
+    def export_context(self, workload: str) -> str | None:
+        p = self.root / ".export-context" / f"{_check_name(workload)}.json"
+        return p.read_text() if p.exists() else None
+
     # --- replicas scale_up started on this node (so a later scale_down finds them) -----
     def put_replica(self, workload: str, replica: dict) -> None:
         _check_name(workload)

@@ -53,6 +53,8 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
                 out.append({**row, "ok": False, "checkpoint": None, "error": facts.gone,
                             "error_type": "WorkloadNotFound"})
                 continue
+            if facts.template_sessions:  # the turn-end export weighs sessions in it until the next tick
+                runner.store.put_export_context(name, export_context(facts, d).model_dump_json())
             if name in gone_alerts:  # restarted by someone else: the worker-gone alert is over
                 alerts.resolve(name, kinds={AlertKind.worker_gone}, node=node.name, how="seen running again",
                                flow_run_id=flow_run.get_id())

@@ -1,0 +1,99 @@
+"""Sessions exported at their turn ends (runners/turns.py, #25 item 3) on the CPU demo worker:
+a session is exported once its turn is over and only where the rule the simulator replays says
+so; the checkpoint it commits restores token for token like a heartbeat's."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from ckptflow.policies.sessions import ExportContext, decide_sessions, session_facts
+from ckptflow.runners.node import NodeRunner
+from ckptflow.runners.template_sessions import SESSIONS_FILE, TemplateSessionsRunner
+from ckptflow.runners.turns import TurnWatch
+from ckptflow.store.local import LocalStore
+
+pytestmark = pytest.mark.criu
+H = 3600.0
+
+
+@pytest.fixture
+def tt(tmp_path):
+    with NodeRunner(LocalStore(tmp_path / "store")) as node:
+        yield TemplateSessionsRunner(node)
+
+
+def _records(tt, m):
+    return json.loads((tt.store.images_dir(m) / SESSIONS_FILE).read_text())["sessions"]
+
+
+def test_a_session_is_exported_at_its_turn_end_where_it_pays_and_restores_token_for_token(demo_worker, tt):
+    live, ref = demo_worker("live", 8), demo_worker("ref", 8)
+    for w in (live, ref):
+        w.complete("You are a careful agent. " * 8, 12, "a")
+        w.complete("Summarise the log: " + "ok " * 30, 12, "b")
+    m1 = tt.heartbeat(live.workload)                     # the template and every session
+    # The heartbeat's context: a CPU worker on a node failing about every minute.
+    ctx = ExportContext(mtbf_s=60, device="cpu")
+    tt.store.put_export_context(live.workload.name, ctx.model_dump_json())
+    watch = TurnWatch(tt, live.workload, every_s=0.1)
+    assert watch.poll() is None                           # first look: no turn seen to end yet
+    for w in (live, ref):
+        w.complete("next step, with the tool's output: " + "x " * 40, 12, "a")
+    time.sleep(1.5)                                       # its change has been at risk a while
+    assert watch.poll() is None                           # "a" moved since the last look: in a turn
+    before = _records(tt, m1)
+    held = {"a": None, "b": None}
+    m2 = watch.poll()                                     # unchanged since: its turn is over
+    assert m2 is not None and m2.parent == m1.id and m2.probe.export.changed == ["a"]
+    recs = _records(tt, m2)
+    assert recs["b"] == before["b"] and recs["a"]["tokens"] > before["a"]["tokens"]
+    assert recs["a"]["exported_at"] > before["a"]["exported_at"]
+    # The decision is the rule's on the live facts (what the simulator's turn-by-turn replay builds).
+    held = {"a": recs["a"]["tokens"], "b": recs["b"]["tokens"]}
+    want = decide_sessions(session_facts(held, before, recs["a"]["exported_at"]),
+                           context=ctx.model_copy(update={"at_turn_end": True}))
+    assert m2.probe.export.decisions["a"].startswith("export at turn end:")
+    assert [d.export for d in want] == [True, False]
+    assert m2.probe.export.decisions["b"] == want[1].reason
+    assert m2.timings.get("turn") in (None, 1.0)          # the engine says whether it held only "a"
+    # Restored from the turn-end checkpoint: both sessions continue as the uninterrupted worker's.
+    os.kill(live.pid, signal.SIGKILL)
+    live.proc.wait()
+    r = tt.restore(live.workload)
+    assert r.manifest.id == m2.id
+    assert live.digests() == ref.digests()
+    for sid in ("a", "b"):
+        assert live.complete("and then?", 16, sid) == ref.complete("and then?", 16, sid)
+
+
+def test_on_a_healthy_node_a_grown_session_waits_and_nothing_is_committed(demo_worker, tt):
+    live = demo_worker("live", 8)
+    live.complete("You are a careful agent. " * 8, 12, "a")
+    tt.heartbeat(live.workload)
+    n = len(tt.store.list(live.workload.name))
+    tt.store.put_export_context(live.workload.name, ExportContext(mtbf_s=6000 * H).model_dump_json())
+    watch = TurnWatch(tt, live.workload, every_s=0.1)
+    watch.poll()
+    live.complete("more", 12, "a")
+    watch.poll()
+    assert watch.poll() is None                           # at its turn end, and it waits
+    assert len(tt.store.list(live.workload.name)) == n
+    # A new session is exported at its first turn end, whatever the node: no session unprotected.
+    live.complete("hello", 12, "c")
+    watch.poll()
+    m = watch.poll()
+    assert m is not None and m.probe.export.decisions["c"].startswith("new session")
+    assert "c" in _records(tt, m) and m.probe.export.decisions["a"].startswith("waits: ")
+
+
+def test_the_loop_runs_until_stopped_and_counts_its_checkpoints(demo_worker, tt):
+    live = demo_worker("live", 8)
+    live.complete("hi", 4, "a")
+    tt.heartbeat(live.workload)
+    live.complete("a new one", 4, "z")
+    got = []
+    assert TurnWatch(tt, live.workload, every_s=0.05).run(duration_s=1.0, on_checkpoint=got.append) == 1
+    assert got[0].probe.export.changed == ["z"]
