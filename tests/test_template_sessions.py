@@ -93,7 +93,8 @@ def test_kill_then_template_plus_sessions_continue_token_for_token(pair, tt):
     live.proc.wait()
     r = tt.restore(live.workload)
     assert r.pid == r.template.pid and r.manifest.id == m.id
-    assert {"weights", "sessions", "restore"} <= set(r.timings)
+    assert {"load", "restore"} <= set(r.timings)          # weights and sessions in one call
+    assert not {"weights", "sessions"} & set(r.timings)
     [took] = tt.store.get(live.workload.name, m.id).probe.restores.seconds   # counted, as status and the exporter read it
     assert took == pytest.approx(sum(r.timings.values()), abs=0.01)
     assert live.digests() == ref.digests()
@@ -299,6 +300,105 @@ def test_a_standby_of_a_replaced_template_is_refused_and_a_torn_session_chunk_fa
     finally:
         sb.copy.stop()
         del_netns(ns)
+
+
+def _calls(monkeypatch, strip_sessions_from_resume=False):
+    """The protocol calls the runner makes (path, body keys), optionally as an engine that
+    predates sessions on ``template/resume`` sees them: the field dropped on the way."""
+    from ckptflow.runners import engine
+
+    seen, real = [], engine.call
+
+    def call(w, path, body=None, *a, **k):
+        seen.append((path.rsplit("/v1/ckptflow/", 1)[-1], sorted(body or {})))
+        if strip_sessions_from_resume and path.endswith("/template/resume"):
+            body = {k2: v for k2, v in body.items() if k2 != "sessions"}
+        return real(w, path, body, *a, **k)
+
+    monkeypatch.setattr(engine, "call", call)
+    return seen
+
+
+def test_a_standby_is_given_weights_and_sessions_in_one_call_and_a_torn_session_chunk_fails_it_named(
+        pair, tt, monkeypatch):
+    """promote sends the sessions with ``template/resume``: the engine brings weights and
+    sessions back in one pass (no ``sessions/import``) and continues exactly. A torn session
+    chunk that reaches the engine (records it checks itself skip the runner's hash) fails that
+    one call, naming the chunk, and the standby stays parked with no session."""
+    from ckptflow.errors import EngineProtocolError
+    from ckptflow.runners import engine
+    from ckptflow.runners.verify import del_netns, new_netns
+
+    live, ref = pair
+    tt.heartbeat(live.workload)
+    ns = new_netns("ckts")
+    sb = tt.standby(live.workload, ns)
+    try:
+        _talk(live, ref, turns=(("a", "a turn after the standby was taken"),))
+        m = tt.heartbeat(live.workload)
+        os.kill(live.pid, signal.SIGKILL)
+        live.proc.wait()
+        digest = json.loads((tt.store.images_dir(m) / SESSIONS_FILE).read_text())["sessions"]["b"]["tensors"][0]["chunks"][0]
+        p = tt.chunks.path(digest)
+        p.chmod(0o600)
+        raw = p.read_bytes()
+        p.write_bytes(raw[:10] + bytes([raw[10] ^ 1]) + raw[11:])
+        monkeypatch.setattr(tt.chunks, "verify", tt.chunks.present)   # as for GPU-checked records
+        seen = _calls(monkeypatch)
+        with pytest.raises(EngineProtocolError, match=digest[:12]):
+            tt.promote(live.workload, sb)
+        assert [c for c, _ in seen] == ["template/resume"] and "sessions" in seen[0][1]
+        info = engine.call(live.workload, "/v1/ckptflow/engine", base=sb.base, netns=ns)
+        assert info["parked"] and info["sessions"] == {}                 # all or nothing
+        p.write_bytes(raw)                                               # repaired: the same standby takes it
+        seen.clear()
+        r = tt.promote(live.workload, sb)
+        assert [c for c, _ in seen if c != "engine"] == ["template/resume"]
+        assert "load" in r.timings and "sessions" not in r.timings
+        for sid in ("a", "b"):
+            got = engine.call(live.workload, "/v1/completions", {"prompt": "and then?", "max_tokens": 16,
+                                                                 "session_id": sid}, base=sb.base, netns=ns)
+            assert got["choices"][0]["tokens"] == ref.complete("and then?", 16, sid)
+    finally:
+        sb.copy.stop()
+        del_netns(ns)
+
+
+def test_an_engine_that_ignores_sessions_on_resume_gets_them_by_sessions_import(pair, tt, monkeypatch):
+    """An engine that predates sessions on ``template/resume`` answers without ``imported``: the
+    runner falls back to ``sessions/import`` and the restore continues exactly."""
+    live, ref = pair
+    tt.heartbeat(live.workload)
+    _talk(live, ref, turns=(("a", "next step"),))
+    tt.heartbeat(live.workload)
+    live.stop()
+    seen = _calls(monkeypatch, strip_sessions_from_resume=True)
+    r = tt.restore(live.workload)
+    assert [c for c, _ in seen if c in ("template/resume", "sessions/import")] == ["template/resume", "sessions/import"]
+    assert {"weights", "sessions"} <= set(r.timings) and "load" not in r.timings
+    assert live.digests() == ref.digests()
+    for sid in ("a", "b"):
+        assert live.complete("and then?", 16, sid) == ref.complete("and then?", 16, sid)
+
+
+def test_a_turn_heartbeat_asks_the_engine_for_a_turn_export_and_restores_exactly(pair, tt, monkeypatch):
+    """``heartbeat(turn=True)`` passes ``"turn": true`` to ``sessions/export`` (the CPU worker
+    holds itself as for any export: its answer does not say ``turn``), and only then."""
+    live, ref = pair
+    tt.heartbeat(live.workload)
+    _talk(live, ref, turns=(("a", "one more"),))
+    seen = _calls(monkeypatch)
+    m = tt.heartbeat(live.workload, turn=True)
+    assert [k for c, k in seen if c == "sessions/export"] == [["dir", "known", "sessions", "turn"]]
+    assert m.probe.export.changed == ["a"] and "turn" not in m.timings
+    _talk(live, ref, turns=(("b", "and one more"),))
+    seen.clear()
+    tt.heartbeat(live.workload)
+    assert [k for c, k in seen if c == "sessions/export"] == [["dir", "known", "sessions"]]
+    live.stop()
+    tt.restore(live.workload)
+    for sid in ("a", "b"):
+        assert live.complete("and then?", 16, sid) == ref.complete("and then?", 16, sid)
 
 
 _RUNNER = """

@@ -15,9 +15,22 @@ template releases both and maps them back at the same addresses, so the captured
 
 Fast paths, all in this file: file -> GPU through reused pinned slots, one CUDA stream per
 thread, every chunk's sha256 checked on the way (cold start reads the safetensors file the same
-way, so the cold-start baseline is not a straw man); a session export copies only blocks whose
-on-GPU keyed hash (demo/gpuhash.py) changed into pinned memory while holding the model (the pause), then hashes
-and writes them while serving on (threaded server, one model lock).
+way, so the cold-start baseline is not a straw man); a template resume given the sessions too
+streams weights and session blocks in one pass (one work list), then checks both on the GPU; a
+session export copies only blocks whose on-GPU keyed hash (demo/gpuhash.py) changed into pinned
+memory while holding the model (the pause), then hashes and writes them while serving on
+(threaded server, one model lock). A turn-boundary export (``"turn": true``) holds only the
+sessions it names (each session's lock, which a completion holds for its whole turn) and copies
+on a side CUDA stream while the other sessions decode.
+
+Locks: a completion (and peek) takes its session's turn lock, then ``lock`` (the model: one
+completion at a time); an export, import, resume or prepare takes ``export_lock`` (the pinned
+staging: one at a time), then ``lock``, or for a turn export the named sessions' turn locks (in
+sorted order) instead. Nothing that holds a turn lock or ``lock`` waits for ``export_lock``, so
+the two orders cannot deadlock. ``meta_lock`` is innermost and held for microseconds: the
+``sessions``, ``turn_done``, ``turn_locks`` and ``hashers`` dicts. ``fp_cache`` is touched only
+under ``export_lock``, ``free_blocks`` only under ``lock``; a turn export touches neither lock's
+state but its own sessions' blocks, which their turn locks keep still.
 """
 
 from __future__ import annotations
@@ -28,7 +41,9 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -44,6 +59,12 @@ SLOT = 64 << 20                   # the weights' chunk size
 PIECE, RING = 8 << 20, 3          # pinned slots per thread: pinning costs ~1 s/GiB here, so few and small
 THREADS = max(4, min(14, (os.cpu_count() or 8) - 2))
 GRAPH_BATCHES = (1, 2, 4)   # each graph's scratch stays in the template image: 8 added 0.5 GiB
+RUN_BLOCKS = 512            # consecutive KV blocks fingerprinted in one launch, in place (5.5 GiB at 43 layers)
+# The one-pass resume's work list: "weights-first" (the 64 MiB weight chunks, then the ~11 MiB
+# session blocks: largest first, and the pool's mapping and zeroing, done beside the stream, is
+# long over when the first block is reached) or "interleave" (one session block after every few
+# weight chunks). A knob for the bench (bench/gpu_two_tier.py --stream-order), read at each resume.
+STREAM_ORDER_ENV = "CKPTFLOW_STREAM_ORDER"
 
 
 def _tensor_names(layers: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -111,11 +132,15 @@ class HostBuf:
             self.ptr, self.n = 0, 0
 
 
-def stream_in(items: list[tuple[object, int, int, int, str | None]], dst: torch.Tensor, slots: HostBuf) -> int:
-    """Copy ``items`` = (source, source offset, destination offset, length, sha256 or None) into
-    the flat GPU tensor ``dst``: THREADS workers, each with RING pinned PIECE-size slots and its
-    own stream; an item's digest is checked as its pieces pass (a torn one fails the call).
-    ``source``: a Path, or an open fd read at the offset.
+def stream_in(items: list[tuple], dst: torch.Tensor, slots: HostBuf,
+              ready: dict[int, Callable[[], torch.cuda.Event]] | None = None) -> int:
+    """Copy ``items`` = (source, source offset, destination offset, length, sha256 or None[,
+    destination]) into the flat GPU tensor ``dst`` (or the item's own destination tensor):
+    THREADS workers, each with RING pinned PIECE-size slots and its own stream, taking items in
+    list order; an item's digest is checked as its pieces pass (a torn one fails the call).
+    ``source``: a Path, or an open fd read at the offset. ``ready``: per destination tensor (by
+    ``id``), what returns the event its copies must follow (memory still being mapped and zeroed
+    beside the stream): asked once per worker, at its first item into that tensor.
 
     Raises:
         ValueError: an item is short or torn (names the digest).
@@ -124,11 +149,13 @@ def stream_in(items: list[tuple[object, int, int, int, str | None]], dst: torch.
     lock = threading.Lock()
     todo = iter(items)
     moved = [0] * THREADS
+    ready = ready or {}
 
     def worker(i: int) -> None:
         stream = torch.cuda.Stream()
         ring = [buf[(RING * i + k) * PIECE:(RING * i + k + 1) * PIECE] for k in range(RING)]
         events: list[torch.cuda.Event | None] = [None] * RING
+        waited: set[int] = set()
         k = 0
         with torch.cuda.stream(stream):
             while True:
@@ -136,7 +163,11 @@ def stream_in(items: list[tuple[object, int, int, int, str | None]], dst: torch.
                     item = next(todo, None)
                 if item is None:
                     break
-                src, src_off, dst_off, n, digest = item
+                src, src_off, dst_off, n, digest = item[:5]
+                into = item[5] if len(item) > 5 else dst
+                if id(into) in ready and id(into) not in waited:
+                    stream.wait_event(ready[id(into)]())
+                    waited.add(id(into))
                 h = hashlib.sha256() if digest is not None else None
                 fd = src if isinstance(src, int) else os.open(src, os.O_RDONLY)
                 try:
@@ -149,7 +180,7 @@ def stream_in(items: list[tuple[object, int, int, int, str | None]], dst: torch.
                             raise ValueError(f"chunk {str(digest)[:12]}…: short read")
                         if h is not None:
                             h.update(view)
-                        dst[dst_off + p:dst_off + p + m].copy_(ring[k][:m], non_blocking=True)
+                        into[dst_off + p:dst_off + p + m].copy_(ring[k][:m], non_blocking=True)
                         ev = torch.cuda.Event()
                         ev.record(stream)
                         events[k] = ev
@@ -192,6 +223,9 @@ class LlmEngine(EngineSide):
         torch.cuda.init()
         self.lock = threading.RLock()            # model state: one request at a time touches it
         self.export_lock = threading.Lock()      # the pinned staging: one export/import at a time
+        self.meta_lock = threading.Lock()        # the sessions/turn_done/hashers dicts (see the module docstring)
+        self.turn_locks: dict[str, threading.Lock] = {}   # session -> held for a turn, or a turn export
+        self.turn_done: dict[str, torch.cuda.Event] = {}  # session -> recorded after its last turn's kernels
         self.slots, self.staging = HostBuf(), HostBuf()
         self.model_name, self.seed, self.weights_path = model_name, seed, weights
         header, data_off = read_header(weights)
@@ -229,6 +263,7 @@ class LlmEngine(EngineSide):
         self.fp_seed = (seed ^ 0x5EED) & (2**62 - 1)
         self.hashers: dict[int, KeyedChunkHash] = {}   # key seed -> hash (its key is dropped when parked)
         self.metrics = Metrics(model_name)
+        self.side = torch.cuda.Stream()          # turn exports fingerprint and copy here
         t1 = time.perf_counter()
         self._capture_graphs()
         self.graph_s = time.perf_counter() - t1
@@ -330,10 +365,19 @@ class LlmEngine(EngineSide):
         return out
 
     # --- serving ------------------------------------------------------------------------------
+    def _turn_lock(self, sid: str) -> threading.Lock:
+        with self.meta_lock:
+            return self.turn_locks.setdefault(sid, threading.Lock())
+
+    def _turn(self, sid: str | None):
+        """Session ``sid``'s turn lock (a no-op for a request without a session): a completion
+        holds it for its whole turn, a turn export while it fingerprints and copies the session."""
+        return nullcontext() if sid is None else self._turn_lock(sid)
+
     def complete(self, body: dict) -> dict:
         prompt, max_tokens, sid = parse_completion(body)
         toks_in = encode(prompt)
-        with self.lock:
+        with self._turn(sid), self.lock:
             if self.parked:
                 raise ValueError("engine is parked for a template checkpoint (weights released); retry shortly")
             t0 = time.perf_counter()
@@ -344,11 +388,21 @@ class LlmEngine(EngineSide):
                 finally:
                     self.free_blocks += s["blocks"]
             else:
-                s = self.sessions.setdefault(sid, {"len": 0, "last": None, "blocks": []})
+                with self.meta_lock:
+                    s = self.sessions.setdefault(sid, {"len": 0, "last": None, "blocks": []})
                 if s["len"] + len(toks_in) + max_tokens + 1 > MAX_LEN:
                     raise ValueError(f"session {sid} would exceed {MAX_LEN} tokens")
-                toks = self._generate(s, toks_in, max_tokens)
-            held = sum(s["len"] for s in self.sessions.values())
+                try:
+                    toks = self._generate(s, toks_in, max_tokens)
+                finally:
+                    # The turn's last kernels (the last token's K/V) may still run when the turn
+                    # lock is let go: a turn export on its side stream waits for this event.
+                    done = torch.cuda.Event()
+                    done.record()
+                    with self.meta_lock:
+                        self.turn_done[sid] = done
+            with self.meta_lock:
+                held = sum(s["len"] for s in self.sessions.values())
             self.metrics.observe(len(toks_in), len(toks), time.perf_counter() - t0, held,
                                  (self.nblocks - 1) * BLOCK, len(self.sessions))
         return completion_response(self.model_name, sid, toks, len(toks_in))
@@ -356,7 +410,7 @@ class LlmEngine(EngineSide):
     def peek(self, body: dict) -> dict:
         """The tokens the next completion would give, state unchanged (the reference)."""
         prompt, max_tokens, sid = parse_completion(body)
-        with self.lock:
+        with self._turn(sid), self.lock:
             s = self.sessions.get(sid)
             if s is None:
                 raise ValueError(f"no session {sid}")
@@ -380,17 +434,46 @@ class LlmEngine(EngineSide):
 
     def _hasher(self, key: int | None = None) -> KeyedChunkHash:
         key = self.fp_seed if key is None else int(key)
-        if key not in self.hashers:
-            self.hashers[key] = KeyedChunkHash(key, max(self.block_bytes, SLOT), self.dev)
-        return self.hashers[key]
+        with self.meta_lock:
+            h = self.hashers.get(key)
+        if h is None:
+            # Built on the default stream and finished before any stream uses its key.
+            with torch.cuda.stream(torch.cuda.default_stream(self.dev)):
+                h = KeyedChunkHash(key, max(self.block_bytes, SLOT), self.dev)
+                torch.cuda.default_stream(self.dev).synchronize()
+            with self.meta_lock:
+                h = self.hashers.setdefault(key, h)
+        return h
 
     def _fingerprints(self, blocks: list[int], key: int | None = None) -> list[str]:
-        """A keyed 128-bit hash per block, on the GPU (telling changed blocks apart in ms)."""
-        out, h = [], self._hasher(key)
-        for i in range(0, len(blocks), 8):   # 8 blocks: ~0.5 GiB of int64 temporaries
-            idx = torch.tensor(blocks[i:i + 8], device=self.dev)
-            out += h.rows(self.pool_u8.view(self.nblocks, self.block_bytes).index_select(0, idx))
-        return out
+        """A keyed 128-bit hash per block, on the GPU (telling changed blocks apart in ms), on the
+        current stream. Runs of consecutive blocks (what a session's allocation mostly is) are
+        hashed in place, one launch per run; scattered blocks are gathered 8 at a time."""
+        h = self._hasher(key)
+        pool = self.pool_u8.view(self.nblocks, self.block_bytes)
+        if h.impl != "fused":   # the reference makes int64 temporaries: 8 blocks ~0.5 GiB of them
+            out = []
+            for i in range(0, len(blocks), 8):
+                out += h.rows(pool.index_select(0, torch.tensor(blocks[i:i + 8], device=self.dev)))
+            return out
+        out: list[str | None] = [None] * len(blocks)
+        scattered: list[int] = []
+        i = 0
+        while i < len(blocks):
+            j = i + 1
+            while j < len(blocks) and blocks[j] == blocks[j - 1] + 1 and j - i < RUN_BLOCKS:
+                j += 1
+            if j - i == 1:
+                scattered.append(i)
+            else:
+                out[i:j] = h.rows(pool[blocks[i]:blocks[i] + (j - i)])
+            i = j
+        for g in range(0, len(scattered), 8):
+            at = scattered[g:g + 8]
+            got = h.rows(pool.index_select(0, torch.tensor([blocks[x] for x in at], device=self.dev)))
+            for x, v in zip(at, got):
+                out[x] = v
+        return out  # type: ignore[return-value]
 
     def _weight_fingerprints(self, key: int | None = None) -> list[str]:
         """The same per 64 MiB chunk of the weights (the chunks of the weights' export)."""
@@ -410,7 +493,8 @@ class LlmEngine(EngineSide):
         return hashlib.sha256(json.dumps([fps, s["len"], s["last"]]).encode()).hexdigest()
 
     def session_lengths(self) -> dict[str, int]:
-        return {k: s["len"] for k, s in self.sessions.items()}
+        with self.meta_lock:
+            return {k: s["len"] for k, s in self.sessions.items()}
 
     def session_digests(self) -> dict[str, str]:
         with self.lock:
@@ -445,11 +529,12 @@ class LlmEngine(EngineSide):
 
     def _plan(self, only, known: dict[str, set[str]]) -> tuple[list, dict]:
         """Per session: its blocks' fingerprints; the blocks to copy are those whose fingerprint
-        changed since this engine exported them, or whose chunk the runner does not hold."""
+        changed since this engine exported them, or whose chunk the runner does not hold. The
+        caller holds the sessions (the model lock, or their turn locks) and ``export_lock``."""
         plan, snap = [], {}
-        for sid, s in self.sessions.items():
-            if only is not None and sid not in only:
-                continue
+        with self.meta_lock:   # a completion may add a session meanwhile (turn exports)
+            chosen = [(sid, s) for sid, s in self.sessions.items() if only is None or sid in only]
+        for sid, s in chosen:
             fps = self._fingerprints(s["blocks"])
             cache = self.fp_cache.get(sid, {})
             shas: list[str | None] = []
@@ -464,25 +549,74 @@ class LlmEngine(EngineSide):
                          "shas": shas, "digest": self._digest(s, fps)}
         return plan, snap
 
+    @contextmanager
+    def _hold(self, req: ExportRequest):
+        """What an export holds while it fingerprints and copies, and the stream it does it on:
+        the model (every session stops) on the current stream; or, for a turn export, only the
+        named sessions' turn locks (their turns in flight end first, new ones wait) on the side
+        stream, after their last turns' kernels."""
+        if not req.turn:
+            with self.lock:
+                yield torch.cuda.current_stream()
+            return
+        with ExitStack() as st:
+            for sid in sorted(req.only or ()):
+                st.enter_context(self._turn_lock(sid))
+            with self.meta_lock:
+                done = [self.turn_done[sid] for sid in req.only or () if sid in self.turn_done]
+            for ev in done:
+                self.side.wait_event(ev)
+            with torch.cuda.stream(self.side):
+                yield self.side
+
+    def _copy_out(self, plan: list, buf: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """The planned blocks into pinned ``buf`` in plan order, a run of consecutive blocks in
+        one copy, on ``stream``; returns once they are there."""
+        bb, pool = self.block_bytes, self.pool_u8
+        j = 0
+        with torch.cuda.stream(stream):
+            while j < len(plan):
+                k = j + 1
+                while k < len(plan) and plan[k][2] == plan[k - 1][2] + 1:
+                    k += 1
+                b = plan[j][2]
+                buf[j * bb:k * bb].copy_(pool[b * bb:(b + k - j) * bb], non_blocking=True)
+                j = k
+        stream.synchronize()
+
     def export_sessions(self, req: ExportRequest) -> dict:
+        """Changed blocks out as chunks. Held while fingerprinting and copying to pinned memory:
+        the model, or (``req.turn``) only the named sessions; hashing and writing come after,
+        serving on. The answer's ``held_s`` is that hold (for a turn export: of those sessions
+        alone, the others decoding meanwhile), ``phases`` the engine's own split: ``wait`` (for
+        the hold: a turn in flight, or the model), ``plan`` (fingerprints), ``copy``, ``pin``
+        (staging grown outside the hold), ``write`` (sha256 and files)."""
         out_dir, known, only = req.dir, req.known, req.only
+        t_all = time.perf_counter()
         held = 0.0
+        ph = dict.fromkeys(("wait", "plan", "copy", "pin", "write"), 0.0)
         with self.export_lock:
             while True:
                 t0 = time.perf_counter()
-                with self.lock:  # the hold: fingerprints, then only the changed blocks to pinned memory
+                with self._hold(req) as stream:  # the hold: fingerprints, then only the changed blocks to pinned memory
+                    t1 = time.perf_counter()
+                    ph["wait"] += t1 - t0
                     plan, snap = self._plan(only, known)
+                    t2 = time.perf_counter()
+                    ph["plan"] += t2 - t1
                     need = len(plan) * self.block_bytes
                     if self.staging.n >= need:
                         buf = self.staging.t
-                        pool = self.pool_u8.view(self.nblocks, self.block_bytes)
-                        for j, (_, _, b, _) in enumerate(plan):
-                            buf[j * self.block_bytes:(j + 1) * self.block_bytes].copy_(pool[b], non_blocking=True)
-                        torch.cuda.synchronize()
-                        held += time.perf_counter() - t0
+                        if plan:
+                            self._copy_out(plan, buf, stream)
+                        t3 = time.perf_counter()
+                        ph["copy"] += t3 - t2
+                        held += t3 - t1
                         break
-                held += time.perf_counter() - t0
+                    held += time.perf_counter() - t1
+                t0 = time.perf_counter()
                 self.staging.ensure(need + need // 4)  # pinning is slow: outside the hold, then plan again
+                ph["pin"] += time.perf_counter() - t0
 
             def write(j: int) -> tuple[int, str, int]:  # serving goes on meanwhile
                 view = memoryview(buf[j * self.block_bytes:(j + 1) * self.block_bytes].numpy())
@@ -495,6 +629,7 @@ class LlmEngine(EngineSide):
                 os.replace(tmp, out_dir / d)
                 return j, d, len(view)
 
+            t0 = time.perf_counter()
             written = {sid: 0 for sid in snap}
             with ThreadPoolExecutor(THREADS) as ex:
                 for j, d, n in ex.map(write, range(len(plan))):
@@ -502,6 +637,7 @@ class LlmEngine(EngineSide):
                     snap[sid]["shas"][i] = d
                     self.fp_cache.setdefault(sid, {})[i] = (fp, d)
                     written[sid] += n
+            ph["write"] = time.perf_counter() - t0
         res = {}
         for sid, sn in snap.items():
             res[sid] = {"tokens": sn["tokens"], "last": sn["last"], "digest": sn["digest"], "blocks": sn["blocks"],
@@ -510,36 +646,60 @@ class LlmEngine(EngineSide):
                                      "fingerprints": sn["fps"], "fingerprint_key": self.fp_seed,
                                      "fingerprint_scheme": SCHEME}],
                         "written_bytes": written[sid], "total_bytes": len(sn["blocks"]) * self.block_bytes}
-        return {"sessions": res, "held_s": round(held, 4)}
+        return {"sessions": res, "held_s": round(held, 4), **({"turn": True} if req.turn else {}),
+                "copied_bytes": len(plan) * self.block_bytes,
+                "phases": {k: round(v, 4) for k, v in ph.items()}, "seconds": round(time.perf_counter() - t_all, 4)}
 
-    def import_sessions(self, req: ImportRequest) -> dict:
-        root, recs = req.dir, req.sessions
+    def _session_items(self, root: Path, recs: dict[str, dict]) -> tuple[list, set[int]]:
+        """Stream items of every session block (into the pool), and the blocks they take."""
         from ckptflow.demo.chunkfiles import chunk_path
 
+        items, taken = [], set()
+        for rec in recs.values():
+            gpu_checked = gpu_checkable(rec["tensors"][0])   # other records: sha256 on the way in
+            for b, d in zip(rec["blocks"], rec["tensors"][0]["chunks"]):
+                items.append((chunk_path(root, d), 0, b * self.block_bytes, self.block_bytes,
+                              None if gpu_checked else d, self.pool_u8))
+                taken.add(b)
+        return items, taken
+
+    def _check_sessions(self, recs: dict[str, dict]) -> dict[str, list[str]]:
+        """Every imported block's fingerprint against its record's (all sessions, before any
+        exists); the fingerprints under this engine's key, per session.
+
+        Raises:
+            ValueError: a torn block, naming the session and its chunk.
+        """
+        got = {sid: self._fingerprints(rec["blocks"]) for sid, rec in recs.items()}
+        for sid, rec in recs.items():
+            t = rec["tensors"][0]
+            if gpu_checkable(t):
+                mine = t["fingerprint_key"] == self.fp_seed
+                self._check(f"session {sid}", t["fingerprints"],
+                            got[sid] if mine else self._fingerprints(rec["blocks"], t["fingerprint_key"]), t["chunks"])
+        return got
+
+    def _adopt_sessions(self, recs: dict[str, dict], taken: set[int], got: dict[str, list[str]]) -> dict[str, str]:
+        """The checked sessions become the engine's; their digests."""
+        self.free_blocks = [b for b in self.free_blocks if b not in taken]
+        digests = {}
+        for sid, rec in recs.items():
+            s = {"len": rec["tokens"], "last": rec["last"], "blocks": list(rec["blocks"])}
+            with self.meta_lock:
+                self.sessions[sid] = s
+                self.turn_done.pop(sid, None)
+            fps = got[sid]
+            self.fp_cache[sid] = {i: (fp, d) for i, (fp, d) in enumerate(zip(fps, rec["tensors"][0]["chunks"]))}
+            digests[sid] = self._digest(s, fps)
+        return digests
+
+    def import_sessions(self, req: ImportRequest) -> dict:
         with self.export_lock, self.lock:
-            items, taken = [], set()
-            for sid, rec in recs.items():
-                gpu_checked = gpu_checkable(rec["tensors"][0])   # other records: sha256 on the way in
-                for b, d in zip(rec["blocks"], rec["tensors"][0]["chunks"]):
-                    items.append((chunk_path(root, d), 0, b * self.block_bytes, self.block_bytes,
-                                  None if gpu_checked else d))
-                    taken.add(b)
+            items, taken = self._session_items(req.dir, req.sessions)
             stream_in(items, self.pool_u8, self.slots)
-            got = {sid: self._fingerprints(rec["blocks"]) for sid, rec in recs.items()}
-            for sid, rec in recs.items():  # every block checked before any session exists
-                t = rec["tensors"][0]
-                if gpu_checkable(t):
-                    mine = t["fingerprint_key"] == self.fp_seed
-                    self._check(f"session {sid}", t["fingerprints"],
-                                got[sid] if mine else self._fingerprints(rec["blocks"], t["fingerprint_key"]), t["chunks"])
-            self.free_blocks = [b for b in self.free_blocks if b not in taken]
-            digests = {}
-            for sid, rec in recs.items():
-                s = self.sessions[sid] = {"len": rec["tokens"], "last": rec["last"], "blocks": list(rec["blocks"])}
-                fps = got[sid]
-                self.fp_cache[sid] = {i: (fp, d) for i, (fp, d) in enumerate(zip(fps, rec["tensors"][0]["chunks"]))}
-                digests[sid] = self._digest(s, fps)
-        return {"imported": sorted(recs), "digests": digests}
+            got = self._check_sessions(req.sessions)   # every block checked before any session exists
+            digests = self._adopt_sessions(req.sessions, taken, got)
+        return {"imported": sorted(req.sessions), "digests": digests}
 
     def prepare_template(self, req: PrepareRequest) -> dict:
         """Weights out as 64 MiB chunks (those the runner lacks), then weights, KV pool, sessions
@@ -587,7 +747,9 @@ class LlmEngine(EngineSide):
             wfps = self._weight_fingerprints()
             if release:
                 self.parked = True
-                self.sessions.clear()
+                with self.meta_lock:
+                    self.sessions.clear()
+                    self.turn_done.clear()
                 self.fp_cache.clear()
                 self.hashers.clear()     # the keys are rebuilt from their seed after resume
                 self.free_blocks = list(range(self.nblocks - 1, 0, -1))
@@ -616,40 +778,113 @@ class LlmEngine(EngineSide):
             self.slots.ensure(THREADS * RING * PIECE)
         return {"pinned_bytes": THREADS * RING * PIECE, "seconds": round(time.perf_counter() - t0, 4)}
 
+    def _map_pool(self) -> tuple[torch.cuda.Event, float]:
+        """The pool's range backed again and zeroed (block 0 pads every table; fresh memory may
+        hold NaN patterns that a masked attention weight of 0 would still multiply), on a stream
+        of its own: the event the pool's copies and kernels must follow, and the host seconds."""
+        t0 = time.perf_counter()
+        self.pregion.map()
+        zs = torch.cuda.Stream()
+        with torch.cuda.stream(zs):
+            self.pool_u8.zero_()
+            ev = torch.cuda.Event()
+            ev.record(zs)
+        return ev, time.perf_counter() - t0
+
     def resume_template(self, req: ResumeRequest) -> dict:
-        """Map the ranges back at their addresses, zero the pool, stream the weights in (checked)."""
+        """Map the ranges back at their addresses, zero the pool, stream the weights in (checked).
+
+        With ``req.sessions``: one pass. The weights' chunks and every session block go through
+        one ``stream_in`` work list (weights first, see STREAM_ORDER_ENV) while the pool is
+        mapped and zeroed on another thread (the blocks' copies wait for it); then the weights
+        and every block are checked on the GPU, then the sessions exist. A torn chunk fails the
+        call, named, before any session exists, and the engine stays parked (a retry may come).
+        Phases: ``map`` (weights' range), ``pinned``, ``stream`` (the one pass), ``pool`` (the
+        pool's map and zero, beside it), ``weights_checked``, ``sessions_checked``, ``sessions``.
+
+        Raises:
+            ValueError: a chunk is short or torn (named).
+        """
         from ckptflow.demo.chunkfiles import chunk_path
 
-        root = req.dir
+        root, recs = req.dir, req.sessions
         ph = {}
         with self.export_lock, self.lock:
             t0 = time.perf_counter()
-            self.wregion.map()
-            self.pregion.map()
-            ph["map"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            self.pool_u8.zero_()
-            ph["zero_pool"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            self.slots.ensure(THREADS * RING * PIECE)
-            ph["pinned"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            items, off = [], 0
-            for rec in req.tensors:
-                for d in rec["chunks"]:
-                    n = min(SLOT, rec["nbytes"] - off)
-                    items.append((chunk_path(root, d), 0, off, n, None if gpu_checkable(rec) else d))
-                    off += n
-            loaded = stream_in(items, self.wflat, self.slots)
-            ph["weights"] = time.perf_counter() - t0
+            if recs is None:
+                self.wregion.map()
+                self.pregion.map()
+                ph["map"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                self.pool_u8.zero_()
+                ph["zero_pool"] = time.perf_counter() - t0
+            else:
+                self.wregion.map()
+                ph["map"] = time.perf_counter() - t0
+                side = ThreadPoolExecutor(1)
+                pool = side.submit(self._map_pool)
+            try:
+                t0 = time.perf_counter()
+                self.slots.ensure(THREADS * RING * PIECE)
+                ph["pinned"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                items, off = [], 0
+                for rec in req.tensors:
+                    for d in rec["chunks"]:
+                        n = min(SLOT, rec["nbytes"] - off)
+                        items.append((chunk_path(root, d), 0, off, n, None if gpu_checkable(rec) else d))
+                        off += n
+                if recs is None:
+                    loaded = stream_in(items, self.wflat, self.slots)
+                    ph["weights"] = time.perf_counter() - t0
+                else:
+                    blocks, taken = self._session_items(root, recs)
+                    items = _order(items, blocks, os.environ.get(STREAM_ORDER_ENV, "weights-first"))
+                    loaded = stream_in(items, self.wflat, self.slots,
+                                       ready={id(self.pool_u8): lambda: pool.result()[0]})
+                    ph["stream"] = time.perf_counter() - t0
+            finally:
+                if recs is not None:
+                    zeroed, ph["pool"] = pool.result()   # never leave with the pool half mapped
+                    side.shutdown()
+                    torch.cuda.current_stream().wait_event(zeroed)
             t0 = time.perf_counter()
             for rec in req.tensors:
                 if gpu_checkable(rec):
                     self._check("weights", rec["fingerprints"], self._weight_fingerprints(rec["fingerprint_key"]),
                                 rec["chunks"])
-            ph["checked"] = time.perf_counter() - t0
+            ph["checked" if recs is None else "weights_checked"] = time.perf_counter() - t0
+            out = {}
+            if recs is not None:
+                t0 = time.perf_counter()
+                got = self._check_sessions(recs)   # every block checked before any session exists
+                ph["sessions_checked"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                out = {"imported": sorted(recs), "digests": self._adopt_sessions(recs, taken, got)}
+                ph["sessions"] = time.perf_counter() - t0
             self.parked = False
-        return {"loaded_bytes": loaded, "phases": {k: round(v, 4) for k, v in ph.items()}}
+        return {"loaded_bytes": loaded, **out, "phases": {k: round(v, 4) for k, v in ph.items()}}
+
+
+def _order(weights: list[tuple], blocks: list[tuple], how: str) -> list[tuple]:
+    """The one-pass work list (STREAM_ORDER_ENV): weights first, or blocks spread among them.
+
+    Raises:
+        ValueError: an unknown order.
+    """
+    if how == "weights-first":
+        return weights + blocks
+    if how != "interleave":
+        raise ValueError(f"{STREAM_ORDER_ENV}={how!r}: weights-first or interleave")
+    out, every = [], max(1, len(weights) // max(1, len(blocks)))
+    per = max(1, -(-len(blocks) // max(1, len(weights))))
+    bi = 0
+    for i, w in enumerate(weights):
+        out.append(w)
+        if (i + 1) % every == 0:
+            out += blocks[bi:bi + per]
+            bi += per
+    return out + blocks[bi:]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -38,19 +38,30 @@ PROTOCOL_POST = {"/v1/ckptflow/sessions/export": "sessions_export",
 
 @dataclass(frozen=True)
 class ExportRequest:
-    """``sessions/export``: where to write, which chunks the runner holds per session, which sessions."""
+    """``sessions/export``: where to write, which chunks the runner holds per session, which
+    sessions. ``turn``: the named sessions are between two turns; an engine that can holds only
+    them while it copies their state out, and serves the others on (an engine that cannot holds
+    itself as for any export, and its answer does not say ``"turn": true``).
+
+    Raises:
+        ValueError: ``turn`` without ``sessions`` (a turn boundary is one session's, not the engine's).
+    """
 
     dir: Path
     known: dict[str, set[str]]
     only: frozenset[str] | None
     chunk_bytes: int
+    turn: bool = False
 
     @classmethod
     def parse(cls, body: dict, default_chunk: int) -> ExportRequest:
         only = body.get("sessions")
+        turn = bool(body.get("turn", False))
+        if turn and only is None:
+            raise ValueError('a turn-boundary export names its sessions ("sessions": [ids])')
         return cls(dir=Path(body["dir"]), known={sid: set(ds) for sid, ds in (body.get("known") or {}).items()},
                    only=None if only is None else frozenset(only),
-                   chunk_bytes=int(body.get("chunk_bytes", default_chunk)))
+                   chunk_bytes=int(body.get("chunk_bytes", default_chunk)), turn=turn)
 
     def wants(self, sid: str) -> bool:
         return self.only is None or sid in self.only
@@ -85,14 +96,20 @@ class PrepareRequest:
 
 @dataclass(frozen=True)
 class ResumeRequest:
-    """``template/resume``: the weights' records a prepare answered, chunks under ``dir``."""
+    """``template/resume``: the weights' records a prepare answered, chunks under ``dir``; and
+    optionally ``sessions``, the records ``sessions/import`` takes, brought in by the same call
+    (the engine answers ``imported`` and ``digests`` as the import does; an engine that answers
+    without them did not take them, and the runner imports them with ``sessions/import``)."""
 
     dir: Path
     tensors: list[dict]
+    sessions: dict[str, dict] | None = None
 
     @classmethod
     def parse(cls, body: dict) -> ResumeRequest:
-        return cls(dir=Path(body["dir"]), tensors=list(body["tensors"]))
+        recs = body.get("sessions")
+        return cls(dir=Path(body["dir"]), tensors=list(body["tensors"]),
+                   sessions=None if recs is None else dict(recs))
 
 
 # One session's state for the shared export: the record's own fields (tokens, digest, and what the
@@ -218,13 +235,22 @@ class EngineSide:
         return {"tensors": tensors, "written_bytes": written, "total_bytes": sum(t["nbytes"] for t in tensors)}
 
     def resume_template(self, req: ResumeRequest) -> dict:
+        """Weights back, and ``req.sessions`` with them when given: every chunk of both is checked
+        before anything changes (a torn one fails the call, named, and the engine stays parked)."""
         from ckptflow.demo.chunkfiles import import_tensor
 
         t0 = time.perf_counter()
         ws = {r["name"]: import_tensor(r, req.dir, threads=self.IO_THREADS) for r in req.tensors}
+        staged = None if req.sessions is None else \
+            {sid: ({r["name"]: import_tensor(r, req.dir, threads=self.IO_THREADS) for r in rec["tensors"]}, rec)
+             for sid, rec in req.sessions.items()}
         self.adopt_weights(ws)
         self.parked_with = None
-        return {"loaded_bytes": sum(a.nbytes for a in ws.values()), "seconds": round(time.perf_counter() - t0, 4)}
+        out = {"loaded_bytes": sum(a.nbytes for a in ws.values())}
+        if staged is not None:
+            out |= {"imported": sorted(staged), "digests": self.adopt_sessions(staged)}
+            out["loaded_bytes"] += sum(a.nbytes for arrays, _ in staged.values() for a in arrays.values())
+        return out | {"seconds": round(time.perf_counter() - t0, 4)}
 
 
 def routes(w: object) -> tuple[dict[str, Callable], dict[str, Callable]]:

@@ -113,9 +113,13 @@ class TemplateSessionsRunner:
         return json.loads((self.store.images_dir(m) / SESSIONS_FILE).read_text())
 
     # --- session tier -----------------------------------------------------------------------
-    def heartbeat(self, w: Workload, context: ExportContext | None = None) -> Manifest:
+    def heartbeat(self, w: Workload, context: ExportContext | None = None, turn: bool = False) -> Manifest:
         """A session checkpoint of ``w``; captures the template first when none is valid.
         ``context``: weigh each grown session's export (policies/sessions.py); None exports all.
+        ``turn``: the sessions to export are between two turns (the caller knows: it saw their
+        turns end); the engine is asked for a turn-boundary export, holding only those sessions
+        while it copies them out and serving the others on (an engine that cannot holds itself,
+        as for any export). Ignored when the template is captured (that holds the engine anyway).
 
         Raises:
             EngineProtocolError: the engine refused (nothing written, the worker serves on).
@@ -137,13 +141,18 @@ class TemplateSessionsRunner:
                     tmpl = None
             if tmpl is None:  # the capture exported every session: its checkpoint is this heartbeat's
                 return self._capture_template(w, name)
-            return self._checkpoint_sessions(w, tmpl, held=info["sessions"], context=context)
+            return self._checkpoint_sessions(w, tmpl, held=info["sessions"], context=context, turn=turn)
 
     def _checkpoint_sessions(self, w: Workload, tmpl: Manifest, recs: dict | None = None,
                              moved: int | None = None, export_s: float | None = None,
-                             held: dict[str, int] | None = None, context: ExportContext | None = None) -> Manifest:
+                             held: dict[str, int] | None = None, context: ExportContext | None = None,
+                             turn: bool = False) -> Manifest:
         """The session checkpoint of ``w`` over ``tmpl``: ``held`` (session -> tokens, as the
-        engine reported them) decides what to export, or ``recs`` were exported already."""
+        engine reported them) decides what to export, or ``recs`` were exported already.
+        ``turn``: ask for a turn-boundary export (``"turn": true``, see ``heartbeat``). Timings:
+        ``export`` (the call), ``held`` (what the engine says it held: the whole worker, or for
+        a turn export the exported sessions alone, ``turn`` = 1 then), ``adopt``, ``pause``
+        (``held`` when the engine said, else the whole call)."""
         prev = next((m for m in self._sessions_of(w)
                      if m.state.restorable and _bound_to(m) == tmpl.id), None)
         old = self._records(prev)["sessions"] if prev else {}
@@ -161,12 +170,16 @@ class TemplateSessionsRunner:
             if export:
                 with self.chunks.staging() as stage:
                     t0 = time.perf_counter()
-                    answer = engine.call(w, "/v1/ckptflow/sessions/export",
-                                         {"dir": str(stage), "sessions": export,
-                                          "known": {k: v for k, v in _digests(old).items() if k in export}})
+                    body = {"dir": str(stage), "sessions": export,
+                            "known": {k: v for k, v in _digests(old).items() if k in export}}
+                    if turn:  # only when asked: an engine that predates the field never sees it
+                        body["turn"] = True
+                    answer = engine.call(w, "/v1/ckptflow/sessions/export", body)
                     recs = answer["sessions"]
                     if "held_s" in answer:  # the engine says how long it held the worker (copy out)
                         t["held"] = float(answer["held_s"])
+                    if answer.get("turn"):  # ... and that it held only the exported sessions
+                        t["turn"] = 1.0
                     t["export"] = time.perf_counter() - t0
                     t0 = time.perf_counter()
                     _, moved = self.chunks.adopt(stage)
@@ -392,8 +405,8 @@ class TemplateSessionsRunner:
                 template_source: str | None = None) -> "Standby":
         """``w``'s template restored ahead of need and parked: a copy in its own PID namespace and
         network namespace ``netns`` (another node's, in a fleet), its CUDA context and graphs back,
-        no weights and no sessions on it. A failover is then only ``promote``: the weights' stream
-        and the session import, no CRIU and no device restore. Stopping it is the caller's.
+        no weights and no sessions on it. A failover is then only ``promote``: weights and sessions
+        streamed in (one call, ``_load``), no CRIU and no device restore. Stopping it is the caller's.
 
         Example:
             >>> sb = tt.standby(workload, new_netns("standby"))     # doctest: +SKIP
@@ -504,13 +517,30 @@ class TemplateSessionsRunner:
         return recs, weights
 
     def _load(self, w: Workload, weights: list[dict], recs: dict, t: dict, **where) -> dict[str, str]:
-        """Weights, then sessions, into a restored template; the digests the engine imported."""
+        """Weights and sessions into a restored template; the digests the engine imported.
+
+        One call: ``template/resume`` carries the sessions too, and an engine that takes them
+        streams weights and session chunks in one pass and answers ``imported`` and ``digests``
+        (timings ``load``, and the engine's phases as ``load_*``). An engine that answers without
+        them (one that predates the field ignores it) gets the sessions by ``sessions/import``
+        after (timings ``weights``, ``weights_*``, ``sessions``). Either way a torn chunk fails the
+        call that carried it, named by the engine.
+
+        Raises:
+            EngineProtocolError: the engine refused either call (its reason names the chunk).
+        """
         root = str(self.chunks.root)
         t0 = time.perf_counter()
-        done = engine.call(w, "/v1/ckptflow/template/resume", {"dir": root, "tensors": weights}, **where)
-        t["weights"] = time.perf_counter() - t0
+        done = engine.call(w, "/v1/ckptflow/template/resume", {"dir": root, "tensors": weights, "sessions": recs},
+                           **where)
+        took = time.perf_counter() - t0
+        one_pass = "imported" in done and "digests" in done
+        part = "load" if one_pass else "weights"
+        t[part] = took
         for k, v in (done.get("phases") or {}).items():  # the engine's own split (map, stream, ...)
-            t[f"weights_{k}"] = v
+            t[f"{part}_{k}"] = v
+        if one_pass:
+            return done["digests"]
         t0 = time.perf_counter()
         got = engine.call(w, "/v1/ckptflow/sessions/import", {"dir": root, "sessions": recs}, **where)
         t["sessions"] = time.perf_counter() - t0
