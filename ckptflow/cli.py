@@ -314,6 +314,40 @@ def verify(fleet_file: Path = FLEET_ARG, workload: list[str] = typer.Option(None
 
 
 @app.command()
+def turns(fleet_file: Path = FLEET_ARG, workload: str = typer.Argument(..., help="A template-sessions workload."),
+          every: float = typer.Option(2.0, min=0.05, help="Seconds between looks at the engine's sessions "
+                                      "(shorter than the gap between a session's turns)."),
+          duration: float = typer.Option(None, "--for", min=0.0, help="Stop after this many seconds "
+                                         "(default: until interrupted).")) -> None:
+    """Export a two-tier workload's sessions at their turn ends, on its node, beside the heartbeat."""
+    from ckptflow.errors import ConfigError
+    from ckptflow.runners.facts import node_mtbf_s
+    from ckptflow.runners.modes import mode_runner
+    from ckptflow.runners.template_sessions import TemplateSessionsMode
+    from ckptflow.runners.turns import TurnWatch
+    from ckptflow.tasks.common import node_runner
+
+    fleet = _fleet(fleet_file, [workload])
+    w = fleet.workload(workload)
+    node = node_runner(fleet, w.node)
+    mode = mode_runner(node, w)
+    if not isinstance(mode, TemplateSessionsMode):
+        raise ConfigError(f"workload {workload} is checkpointed as '{w.checkpoint}': only template-sessions "
+                          "workloads export sessions", fix=f"declare 'checkpoint: template-sessions' on {workload}")
+    spec = fleet.node(w.node)
+    watch = TurnWatch(mode._runner(), w, every_s=every, mtbf_s=node_mtbf_s(spec.mtbf_hours, spec.failures))
+
+    def said(m) -> None:
+        e = m.probe.export
+        console.print(f"{m.id}: exported {', '.join(e.changed) or 'nothing new'} at turn end "
+                      f"({e.moved_bytes / 2**20:.1f} MiB written)")
+
+    with node:
+        n = watch.run(duration_s=duration, on_checkpoint=said)
+    console.print(f"{n} turn-end checkpoint(s) of {workload}")
+
+
+@app.command()
 def invalidate(fleet_file: Path = FLEET_ARG, node: str = typer.Option(None, help="This node's name.")) -> None:
     """Run the invalidate flow once: report this node's fingerprint, retire stale checkpoints."""
     _fleet(fleet_file, nodes=[node])

@@ -36,7 +36,7 @@ from ckptflow.errors import (CheckpointNotFound, CkptflowError, EngineProtocolEr
                              RestoreFailed, StorageUnavailable, UnsupportedWorkload)
 from ckptflow.models import (CheckpointKind, CheckpointState, EngineProbe, Manifest, ManifestProbe, SessionExport,
                              TemplateBinding, TemplateSource, WeightChunks, Workload)
-from ckptflow.policies.sessions import MIN_TOKENS, ExportContext, SessionFacts, decide_sessions
+from ckptflow.policies.sessions import MIN_TOKENS, ExportContext, SessionDecision, decide_sessions, session_facts
 from ckptflow.poll import NotYet, PollTimeout, poll
 from ckptflow.runners import engine, process
 from ckptflow.runners.digests import compare_sessions
@@ -143,27 +143,55 @@ class TemplateSessionsRunner:
                 return self._capture_template(w, name)
             return self._checkpoint_sessions(w, tmpl, held=info["sessions"], context=context, turn=turn)
 
+    def turn_end_checkpoint(self, w: Workload, held: dict[str, int], at_turn_end: set[str],
+                            context: ExportContext) -> Manifest | None:
+        """A session checkpoint of the sessions in ``at_turn_end`` that the turn-end rule exports
+        (``context.at_turn_end``), in the engine's turn mode; the rest kept as last checkpointed.
+        None: none exported, or no template yet (the heartbeat takes it; runners/turns.py).
+
+        Raises:
+            EngineProtocolError: the engine refused (nothing written, the worker serves on).
+        """
+        with self.store.lock(w.name):
+            info = engine.engine_info(w)
+            if info.get("parked"):
+                return None
+            tmpl = self.template_for(self.template_name(w, info), source=w.name)
+            if tmpl is None:
+                return None
+            return self._checkpoint_sessions(w, tmpl, held=held, context=context, turn=True, at_turn_end=at_turn_end)
+
     def _checkpoint_sessions(self, w: Workload, tmpl: Manifest, recs: dict | None = None,
                              moved: int | None = None, export_s: float | None = None,
                              held: dict[str, int] | None = None, context: ExportContext | None = None,
-                             turn: bool = False) -> Manifest:
+                             turn: bool = False, at_turn_end: set[str] | None = None) -> Manifest | None:
         """The session checkpoint of ``w`` over ``tmpl``: ``held`` (session -> tokens, as the
         engine reported them) decides what to export, or ``recs`` were exported already.
         ``turn``: ask for a turn-boundary export (``"turn": true``, see ``heartbeat``). Timings:
         ``export`` (the call), ``held`` (what the engine says it held: the whole worker, or for
         a turn export the exported sessions alone, ``turn`` = 1 then), ``adopt``, ``pause``
-        (``held`` when the engine said, else the whole call)."""
+        (``held`` when the engine said, else the whole call). ``at_turn_end``: only these sessions
+        are between turns (``turn_end_checkpoint``); the others are kept as last checkpointed, and
+        nothing is committed (None) when none of these is exported. Each exported record keeps
+        ``exported_at``, the time its state was taken (the turn-end rule's ``since_s``)."""
         prev = next((m for m in self._sessions_of(w)
                      if m.state.restorable and _bound_to(m) == tmpl.id), None)
         old = self._records(prev)["sessions"] if prev else {}
         t: dict[str, float] = {}
         if recs is not None:
             held = {k: r["tokens"] for k, r in recs.items()}
-        decisions = decide_sessions([SessionFacts(id=sid, tokens=n, tokens_at_ckpt=old.get(sid, {}).get("tokens"))
-                                     for sid, n in held.items()], min_tokens=self.min_session_tokens,
+        taken_at = time.time()
+        facts = session_facts(held, old, taken_at)
+        busy = [] if at_turn_end is None else [f for f in facts if f.id not in at_turn_end]
+        decisions = decide_sessions([f for f in facts if f not in busy], min_tokens=self.min_session_tokens,
                                     context=context)
+        decisions += [SessionDecision(id=f.id, protect=f.id in old, export=False,
+                                      reason="in a turn: kept as last checkpointed" if f.id in old else
+                                      "in its first turn: exported at its end") for f in busy]
         keep = {d.id: old[d.id] for d in decisions if d.protect and not d.export}
         export = [d.id for d in decisions if d.export]
+        if at_turn_end is not None and not export:
+            return None
         self.chunks.touch([d for ds in _digests(old).values() for d in ds])  # relied on: young for GC
         if recs is None:
             recs = {}
@@ -189,6 +217,8 @@ class TemplateSessionsRunner:
         else:
             t["export"] = export_s or 0.0
             recs = {k: r for k, r in recs.items() if k in export}
+        for r in recs.values():
+            r.setdefault("exported_at", taken_at)
         recs = keep | recs
         # Each session's digest is in its record; no golden request or probe here (a restore
         # compares what the engine imports with the records).
