@@ -398,6 +398,9 @@ def deploy(fleet_file: Path = FLEET_ARG,
     typer.echo(f"{'rendered' if render_only else 'deployed'} {out}")
     units, (ds,) = workers["systemd"], workers["kubernetes"]
     typer.echo(f"rendered {units[0].parent}/ckptflow-prefect-worker-<node>.service ({len(units)} systemd units)")
+    if workers.get("turns"):
+        typer.echo(f"rendered {units[0].parent}/ckptflow-turns-<workload>.service "
+                   f"({len(workers['turns'])} turn-end exporters of two-tier workloads)")
     typer.echo(f"rendered {ds} ({len({n.work_pool for n in fleet.nodes})} DaemonSets, one per node pool)")
     for p in workers.get("pods", []):  # pod workloads: rbac.yaml, restore/<workload>.yaml (docs/kubernetes.md)
         typer.echo(f"rendered {p}")

@@ -217,8 +217,15 @@ def worker_files(fleet_file: Path, fleet, out_dir: Path | None = None) -> dict[s
     """Where render_node_workers writes: {"systemd": [a unit per node], "kubernetes": [daemonset.yaml]}."""
     d = Path(out_dir) if out_dir else fleet_file.with_name(f"{fleet.fleet}.workers")
     return {"systemd": [d / "systemd" / f"ckptflow-prefect-worker-{n.name}.service" for n in fleet.nodes],
-            "kubernetes": [d / "kubernetes" / "daemonset.yaml"]}
+            "kubernetes": [d / "kubernetes" / "daemonset.yaml"],
+            # a turn-end exporter beside each two-tier workload (ckptflow turns, runners/turns.py)
+            "turns": [d / "systemd" / f"ckptflow-turns-{w.name}.service" for w in fleet.workloads
+                      if w.checkpoint == "template-sessions"]}
 
+
+# How often a turn-end exporter looks at its engine's sessions: below an agent's gap between
+# turns (seconds), far above the cost of one look (a local HTTP GET).
+TURN_POLL_S = 2
 
 # A name's lookup that takes longer is a resolver not answering (getaddrinfo itself would wait
 # resolv.conf's timeout times its attempts, 10 s and more): the name then counts as not loopback.
@@ -422,6 +429,12 @@ def render_node_workers(fleet_file: Path, workdir: Path | str | None = None, api
     for n, unit in zip(fleet.nodes, units):
         unit.write_text(env().get_template("systemd/prefect-worker.service.j2").render(
             node=n, unit_name=unit.name, **ctx))
+    turns = list(zip([w for w in fleet.workloads if w.checkpoint == "template-sessions"], files["turns"]))
+    for stale in set(units[0].parent.glob("ckptflow-turns-*.service")) - {u for _, u in turns}:
+        stale.unlink()  # a workload gone, or no longer two-tier
+    for w, unit in turns:
+        unit.write_text(env().get_template("systemd/turns.service.j2").render(
+            workload=w, unit_name=unit.name, every=TURN_POLL_S, **ctx))
     ds.parent.mkdir(parents=True, exist_ok=True)
     from ckptflow.kubernetes import daemonset_context, render_pod_fleet  # pod workloads (docs/kubernetes.md)
 

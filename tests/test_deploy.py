@@ -392,3 +392,25 @@ def test_every_entrypoint_loads_its_flow_and_deployments_made_before_the_split_s
     for entry in sorted(entries | old):
         flow = load_flow_from_entrypoint(f"{ROOT}/{entry}")
         assert flow.name == entry.rsplit(":", 1)[1].replace("_", "-"), entry
+
+
+def test_a_two_tier_workload_gets_a_turn_end_exporter_unit_on_its_node(tmp_path, example):
+    data = yaml.safe_load(example.read_text())
+    w = data["workloads"][0]
+    w["checkpoint"] = "template-sessions"
+    w.setdefault("engine", "demo")
+    w["gpu"] = False
+    f = tmp_path / "tt.yaml"
+    f.write_text(yaml.safe_dump(data))
+    fleet = load_fleet(f)
+    files = render_node_workers(f, ROOT, api_url=API)
+    assert [p.name for p in files["turns"]] == [f"ckptflow-turns-{w['name']}.service"]
+    s = _unit(files["turns"][0])["Service"]
+    assert s["ExecStart"] == [f"{ROOT}/.venv/bin/ckptflow turns {f} {w['name']} --every 2"]
+    env = dict(e.split("=", 1) for e in s["Environment"])
+    assert env["CKPTFLOW_NODE"] == fleet.workload(w["name"]).node
+    # Back to a process workload: its exporter unit goes with the next render.
+    w["checkpoint"] = "process"
+    f.write_text(yaml.safe_dump(data))
+    assert render_node_workers(f, ROOT, api_url=API)["turns"] == []
+    assert not files["turns"][0].exists()
