@@ -65,6 +65,10 @@ RUN_BLOCKS = 512            # consecutive KV blocks fingerprinted in one launch,
 # long over when the first block is reached) or "interleave" (one session block after every few
 # weight chunks). A knob for the bench (bench/gpu_two_tier.py --stream-order), read at each resume.
 STREAM_ORDER_ENV = "CKPTFLOW_STREAM_ORDER"
+# A turn export's device -> host copy in pieces, two in flight, so that a decoding session's own
+# small device -> host copies (each token's argmax) can queue behind one piece (16 MiB: ~0.3 ms)
+# rather than behind a whole run (1 GiB in one copy: ~20 ms); bench/gpu_turn_export.py measures it.
+TURN_COPY_PIECE = 16 << 20
 
 
 def _tensor_names(layers: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -554,9 +558,11 @@ class LlmEngine(EngineSide):
         """What an export holds while it fingerprints and copies, and the stream it does it on:
         the model (every session stops) on the current stream; or, for a turn export, only the
         named sessions' turn locks (their turns in flight end first, new ones wait) on the side
-        stream, after their last turns' kernels."""
+        stream. Either way it first waits for the held sessions' kernels still queued (the last
+        token of the turn just ended: the GPU is still serving it, so that is no hold)."""
         if not req.turn:
             with self.lock:
+                torch.cuda.current_stream().synchronize()
                 yield torch.cuda.current_stream()
             return
         with ExitStack() as st:
@@ -565,23 +571,34 @@ class LlmEngine(EngineSide):
             with self.meta_lock:
                 done = [self.turn_done[sid] for sid in req.only or () if sid in self.turn_done]
             for ev in done:
-                self.side.wait_event(ev)
+                ev.synchronize()
             with torch.cuda.stream(self.side):
                 yield self.side
 
-    def _copy_out(self, plan: list, buf: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    def _copy_out(self, plan: list, buf: torch.Tensor, stream: torch.cuda.Stream, piece: int | None = None) -> None:
         """The planned blocks into pinned ``buf`` in plan order, a run of consecutive blocks in
-        one copy, on ``stream``; returns once they are there."""
+        one copy (or in ``piece``-byte copies, at most two in flight), on ``stream``; returns
+        once they are there."""
         bb, pool = self.block_bytes, self.pool_u8
-        j = 0
+        spans, j = [], 0
+        while j < len(plan):
+            k = j + 1
+            while k < len(plan) and plan[k][2] == plan[k - 1][2] + 1:
+                k += 1
+            dst, src, n = j * bb, plan[j][2] * bb, (k - j) * bb
+            step = piece or n
+            spans += [(dst + o, src + o, min(step, n - o)) for o in range(0, n, step)]
+            j = k
+        in_flight: list[torch.cuda.Event] = []
         with torch.cuda.stream(stream):
-            while j < len(plan):
-                k = j + 1
-                while k < len(plan) and plan[k][2] == plan[k - 1][2] + 1:
-                    k += 1
-                b = plan[j][2]
-                buf[j * bb:k * bb].copy_(pool[b * bb:(b + k - j) * bb], non_blocking=True)
-                j = k
+            for dst, src, n in spans:
+                if piece and len(in_flight) >= 2:
+                    in_flight.pop(0).synchronize()
+                buf[dst:dst + n].copy_(pool[src:src + n], non_blocking=True)
+                if piece:
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    in_flight.append(ev)
         stream.synchronize()
 
     def export_sessions(self, req: ExportRequest) -> dict:
@@ -589,8 +606,9 @@ class LlmEngine(EngineSide):
         the model, or (``req.turn``) only the named sessions; hashing and writing come after,
         serving on. The answer's ``held_s`` is that hold (for a turn export: of those sessions
         alone, the others decoding meanwhile), ``phases`` the engine's own split: ``wait`` (for
-        the hold: a turn in flight, or the model), ``plan`` (fingerprints), ``copy``, ``pin``
-        (staging grown outside the hold), ``write`` (sha256 and files)."""
+        the hold: a turn in flight, or the model, then for the held sessions' queued kernels),
+        ``plan`` (fingerprints), ``copy``, ``pin`` (staging grown outside the hold), ``write``
+        (sha256 and files). A turn export copies in TURN_COPY_PIECE pieces."""
         out_dir, known, only = req.dir, req.known, req.only
         t_all = time.perf_counter()
         held = 0.0
@@ -608,7 +626,7 @@ class LlmEngine(EngineSide):
                     if self.staging.n >= need:
                         buf = self.staging.t
                         if plan:
-                            self._copy_out(plan, buf, stream)
+                            self._copy_out(plan, buf, stream, TURN_COPY_PIECE if req.turn else None)
                         t3 = time.perf_counter()
                         ph["copy"] += t3 - t2
                         held += t3 - t1
