@@ -60,11 +60,12 @@ PIECE, RING = 8 << 20, 3          # pinned slots per thread: pinning costs ~1 s/
 THREADS = max(4, min(14, (os.cpu_count() or 8) - 2))
 GRAPH_BATCHES = (1, 2, 4)   # each graph's scratch stays in the template image: 8 added 0.5 GiB
 RUN_BLOCKS = 512            # consecutive KV blocks fingerprinted in one launch, in place (5.5 GiB at 43 layers)
-# The one-pass resume's work list: "weights-first" (the 64 MiB weight chunks, then the ~11 MiB
-# session blocks: largest first, and the pool's mapping and zeroing, done beside the stream, is
-# long over when the first block is reached) or "interleave" (one session block after every few
-# weight chunks). A knob for the bench (bench/gpu_two_tier.py --stream-order), read at each resume.
-STREAM_ORDER_ENV = "CKPTFLOW_STREAM_ORDER"
+# The one-pass resume's work list (``--stream-order``): "weights-first" (the 64 MiB weight chunks,
+# then the ~11 MiB session blocks: largest first, and the pool's mapping and zeroing, done beside
+# the stream, is long over when the first block is reached) or "interleave" (session blocks spread
+# among the weight chunks). Measured on the H200 (bench/gpu_two_tier.py rows S/SB vs SI/SBI): equal
+# at a 20 GiB pool, weights first 0.08 s faster at 105 GiB (interleaved blocks wait for the pool).
+STREAM_ORDERS = ("weights-first", "interleave")
 # A turn export's device -> host copy in pieces, two in flight, so that a decoding session's own
 # small device -> host copies (each token's argmax) can queue behind one piece (16 MiB: ~0.3 ms)
 # rather than behind a whole run (1 GiB in one copy: ~20 ms). Measured on the H200
@@ -221,7 +222,8 @@ class LlmEngine(EngineSide):
     ENGINE = "ckptflow-demo-llm"
     POST_ROUTES = {"/v1/peek": "peek", "/v1/ckptflow/prepare": "prepare"}
 
-    def __init__(self, weights: Path, kv_fraction: float, kv_gib: float | None, model_name: str, seed: int):
+    def __init__(self, weights: Path, kv_fraction: float, kv_gib: float | None, model_name: str, seed: int,
+                 stream_order: str = "weights-first"):
         from ckptflow.demo.vmm import Region
 
         t0 = time.perf_counter()
@@ -234,6 +236,9 @@ class LlmEngine(EngineSide):
         self.turn_done: dict[str, torch.cuda.Event] = {}  # session -> recorded after its last turn's kernels
         self.slots, self.staging = HostBuf(), HostBuf()
         self.model_name, self.seed, self.weights_path = model_name, seed, weights
+        if stream_order not in STREAM_ORDERS:
+            raise ValueError(f"stream order {stream_order!r}: one of {', '.join(STREAM_ORDERS)}")
+        self.stream_order = stream_order
         header, data_off = read_header(weights)
         self.layout = {n: h for n, h in header.items() if n != "__metadata__"}
         self.layers = sum(1 for n in self.layout if n.endswith(".wqkv"))
@@ -815,7 +820,7 @@ class LlmEngine(EngineSide):
         """Map the ranges back at their addresses, zero the pool, stream the weights in (checked).
 
         With ``req.sessions``: one pass. The weights' chunks and every session block go through
-        one ``stream_in`` work list (weights first, see STREAM_ORDER_ENV) while the pool is
+        one ``stream_in`` work list (weights first, see STREAM_ORDERS) while the pool is
         mapped and zeroed on another thread (the blocks' copies wait for it); then the weights
         and every block are checked on the GPU, then the sessions exist. A torn chunk fails the
         call, named, before any session exists, and the engine stays parked (a retry may come).
@@ -859,7 +864,7 @@ class LlmEngine(EngineSide):
                     ph["weights"] = time.perf_counter() - t0
                 else:
                     blocks, taken = self._session_items(root, recs)
-                    items = _order(items, blocks, os.environ.get(STREAM_ORDER_ENV, "weights-first"))
+                    items = _order(items, blocks, self.stream_order)
                     loaded = stream_in(items, self.wflat, self.slots,
                                        ready={id(self.pool_u8): lambda: pool.result()[0]})
                     ph["stream"] = time.perf_counter() - t0
@@ -887,15 +892,9 @@ class LlmEngine(EngineSide):
 
 
 def _order(weights: list[tuple], blocks: list[tuple], how: str) -> list[tuple]:
-    """The one-pass work list (STREAM_ORDER_ENV): weights first, or blocks spread among them.
-
-    Raises:
-        ValueError: an unknown order.
-    """
+    """The one-pass work list (STREAM_ORDERS): weights first, or blocks spread among them."""
     if how == "weights-first":
         return weights + blocks
-    if how != "interleave":
-        raise ValueError(f"{STREAM_ORDER_ENV}={how!r}: weights-first or interleave")
     out, every = [], max(1, len(weights) // max(1, len(blocks)))
     per = max(1, -(-len(blocks) // max(1, len(weights))))
     bi = 0
@@ -914,11 +913,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=43, help="with --write-weights: 43 layers = 16.1 GiB")
     p.add_argument("--kv-fraction", type=float, default=0.9, help="of free GPU memory after weights, for the pool")
     p.add_argument("--kv-gib", type=float, default=None, help="pool size instead of --kv-fraction")
+    p.add_argument("--stream-order", default="weights-first", choices=STREAM_ORDERS,
+                   help="a resume given the sessions: the one-pass work list's order")
     a = p.parse_args(argv)
     if a.write_weights:
         write_weights(Path(a.weights), a.layers, a.seed)
         return
-    e = LlmEngine(Path(a.weights), a.kv_fraction, a.kv_gib, a.model_name, a.seed)
+    e = LlmEngine(Path(a.weights), a.kv_fraction, a.kv_gib, a.model_name, a.seed, a.stream_order)
     serve(e, a, threaded=True)
 
 
