@@ -8,17 +8,22 @@ nears the engine's 4,096 tokens) for a window of ``--window`` seconds. Meanwhile
 known to the runner, so all N GiB are fingerprinted, copied to pinned memory, hashed and written
 (a fresh directory each time): what an export of a session that grew by N GiB moves. Windows:
 
-  base        no exports (before and after the others; the decode rate r0 is their mean)
+  base        no exports (first, between the turn and held rows, and last; the decode rate r0
+              is their mean, their spread the noise of a window)
   turn N      ``sessions/export`` with ``"turn": true``: only the idle session is held, its
               blocks fingerprinted and copied on a side CUDA stream while the client decodes
   held N      the default export: the model lock held (all serving stops) while it copies
+  host N      no export: the bench itself hashes (sha256) and writes N GiB of blocks on 14
+              threads into a fresh directory and removes it, as an export's host part does: the
+              decode time that host work alone takes (CPU contention on the 16 cores)
 
 Per export: the decode time lost = (window wall time - tokens decoded / r0) / exports in the
 window, i.e. the extra wall time of the decoding client, in GPU-seconds of a one-GPU engine;
 the export's own duration (the engine's ``seconds``) and ``held_s`` (turn: how long the exported
-session could not take a turn; held: how long every session could not). Two sizes give a fixed
-part and a part per GiB (a line through the two points): ``turn_export_fixed_s`` and
-``turn_export_s_per_gib`` of the cost model are the turn rows' decode loss. Checks: the decode
+session could not take a turn; held: how long every session could not). The sizes give a fixed
+part and a part per GiB (least-squares line): ``turn_export_fixed_s`` (not below 0: a negative
+fixed part is 0 within the noise) and ``turn_export_s_per_gib`` of the cost model are the turn
+rows' decode loss. Checks: the decode
 client's tokens equal those of the base window (the same prompt decodes the same), and a turn
 export writes the same chunks as a held export of the same session.
 
@@ -116,8 +121,34 @@ def export(sid: str, turn: bool, tmp: Path, i: int) -> dict:
             "digest": rec["digest"]}
 
 
-def window(name: str, a, tmp: Path, sid: str | None = None, turn: bool = False) -> dict:
-    """One decode window, with an export of ``sid`` every ``a.every`` s (none when ``sid`` is None)."""
+def host_work(gib: float, block: int, tmp: Path, i: int, src: bytes) -> dict:
+    """An export's host part without the export: sha256 and a file per block, 14 threads."""
+    from concurrent.futures import ThreadPoolExecutor
+    import hashlib
+
+    d = tmp / f"host-{i}"
+    d.mkdir()
+    n = max(1, round(gib * GiB / block))
+    t0 = time.perf_counter()
+
+    def one(j: int) -> None:
+        view = memoryview(src)[:block]
+        h = hashlib.sha256(view).hexdigest()
+        with open(d / f"{h}-{j}", "wb") as f:
+            f.write(view)
+
+    with ThreadPoolExecutor(14) as ex:
+        list(ex.map(one, range(n)))
+    took = time.perf_counter() - t0
+    shutil.rmtree(d)
+    return {"wall_s": took, "seconds": took, "held_s": 0.0, "turn": False, "copied_gib": n * block / GiB,
+            "phases": {"write": took}, "chunks": [], "digest": None}
+
+
+def window(name: str, a, tmp: Path, sid: str | None = None, turn: bool = False,
+           host: tuple[float, int, bytes] | None = None) -> dict:
+    """One decode window, with an export of ``sid`` (or ``host`` work: GiB, block bytes, source)
+    every ``a.every`` s; neither: a base window."""
     dec = Decoder(a.chunk, name.replace(" ", "-").replace(".", "_"))
     th = threading.Thread(target=dec.run, daemon=True)
     th.start()
@@ -125,12 +156,12 @@ def window(name: str, a, tmp: Path, sid: str | None = None, turn: bool = False) 
     time.sleep(min(1.0, a.every))                         # the client is decoding steadily
     end = time.perf_counter() + a.window
     i = 0
-    while sid is not None and time.perf_counter() < end:
+    while (sid is not None or host is not None) and time.perf_counter() < end:
         tick = time.perf_counter()
-        exports.append(export(sid, turn, tmp, i))
+        exports.append(export(sid, turn, tmp, i) if host is None else host_work(*host[:2], tmp, i, host[2]))
         i += 1
         time.sleep(max(0.0, tick + a.every - time.perf_counter()))
-    if sid is None:
+    if sid is None and host is None:
         time.sleep(max(0.0, end - time.perf_counter()))
     dec.stop.set()
     th.join()
@@ -167,7 +198,7 @@ def main() -> int:
     ap.add_argument("--weights", default=None, help="a weights file to reuse (written when absent)")
     ap.add_argument("--images", default="/dev/shm")
     ap.add_argument("--kv-gib", type=float, default=40)
-    ap.add_argument("--sizes", default="0.25,1", help="GiB of KV per exported session")
+    ap.add_argument("--sizes", default="0.25,0.5,1", help="GiB of KV per exported session")
     ap.add_argument("--window", type=float, default=10, help="seconds of decode per window")
     ap.add_argument("--every", type=float, default=0.5, help="seconds between export starts")
     ap.add_argument("--chunk", type=int, default=16, help="tokens per decode request")
@@ -211,11 +242,17 @@ def main() -> int:
         win = [window("base", a, tmp)]
         for n in sizes:
             win.append(window(f"turn {n:g}", a, tmp, idle[n], turn=True))
+        win.append(window("base mid", a, tmp))
+        block = a.layers * 2 * 16 * 4096 * 2
+        win.append(window(f"host {max(sizes):g}", a, tmp, host=(max(sizes), block, os.urandom(block))))
         for n in sizes:
             win.append(window(f"held {n:g}", a, tmp, idle[n], turn=False))
         win.append(window("base again", a, tmp))
         base = [w for w in win if w["window"].startswith("base")]
         r0 = sum(w["tokens"] for w in base) / sum(w["seconds"] for w in base)
+        rates = [w["tokens"] / w["seconds"] for w in base]
+        spread = (max(rates) - min(rates)) / r0   # of the rate: a window's noise
+        n_exp = max(w["exports"] for w in win)
         ref = base[0]["first_tokens"]
         for w in win:
             m = min(len(ref), len(w["first_tokens"]))
@@ -223,8 +260,10 @@ def main() -> int:
             if w["exports"]:
                 w["lost_s_per_export"] = round((w["seconds"] - w["tokens"] / r0) / w["exports"], 5)
         fits = {}
-        for mode in ("turn", "held"):
+        for mode in ("turn", "held", "host"):
             rows = [w for w in win if w["window"].split()[0] == mode]
+            if len(rows) < 2:
+                continue
             for key in ("lost_s_per_export", "export_s", "held_s"):
                 fixed, per = line([(w["copied_gib"], w[key]) for w in rows])
                 fits[f"{mode}_{key}"] = {"fixed_s": round(fixed, 5), "s_per_gib": round(per, 5)}
@@ -245,9 +284,11 @@ def main() -> int:
             "gpu": gpu, "engine": "ckptflow.demo.llm_worker", "layers": a.layers, "weights_gib": info["weights_gib"],
             "pool_gib": info["pool_gib"], "window_s": a.window, "every_s": a.every, "chunk_tokens": a.chunk,
             "decode_tok_s_base": round(r0, 2), "decode_gb_s_estimate": round(r0 * per_token_bytes / 1e9, 0),
+            "base_rate_spread": round(spread, 5),
+            "noise_s_per_export": round(spread * (a.window + min(1.0, a.every)) / n_exp, 5),
             "alone": alone, "windows": [{k: v for k, v in w.items() if k not in ("first_tokens", "chunks")}
                                         for w in win],
-            "fits": fits, "turn_export_fixed_s": fits["turn_lost_s_per_export"]["fixed_s"],
+            "fits": fits, "turn_export_fixed_s": max(0.0, fits["turn_lost_s_per_export"]["fixed_s"]),
             "turn_export_s_per_gib": fits["turn_lost_s_per_export"]["s_per_gib"],
             "turn_chunks_equal_held": same_chunks, "turn_digest_matches_engine": digests_ok,
             "decode_tokens_equal": all(w["decode_tokens_equal"] for w in win)}
@@ -282,18 +323,17 @@ def main() -> int:
     print(fit_table)
     print(f"\nturn_export_fixed_s = {result['turn_export_fixed_s']}  turn_export_s_per_gib = "
           f"{result['turn_export_s_per_gib']}  (decode loss of the turn rows)")
-    notes = (f"Decode rate without exports: {r0:.1f} tokens/s (batch 1). Each token reads all "
-             f"{info['weights_gib']} GiB of weights and gathers the K/V of a full 4,096-token table, so "
-             f"batch-1 decode here is bound by HBM bandwidth (~{result['decode_gb_s_estimate']:.0f} GB/s "
-             f"estimated from the rate): an export on a side stream costs the decoding client only what "
-             f"its own HBM traffic and SM time take (fingerprints read the session's blocks once, the copy "
-             f"reads them once more) and its host work (sha256 and file writes on 14 threads), while a held "
-             f"export stops it for held_s. The cost model's turn_export_fixed_s = "
-             f"{result['turn_export_fixed_s']} s and turn_export_s_per_gib = "
-             f"{result['turn_export_s_per_gib']} s/GiB are the turn rows' decode loss per export (a line "
-             f"through the two sizes). Each export was alone-timed first: {alone}. A turn export wrote the "
-             f"same chunks as a held one: {same_chunks}; its digest equals the engine's: {digests_ok}; the "
-             f"decoding client's tokens equal the base window's: {result['decode_tokens_equal']}.\n\n{fit_table}")
+    notes = (f"Decode rate without exports: {r0:.1f} tokens/s (batch 1); a base window's rate spread "
+             f"{100 * spread:.2f} %, i.e. {result['noise_s_per_export']} s per export. Each token reads all "
+             f"{info['weights_gib']} GiB of weights and the graph gathers the K/V of a full 4,096-token table "
+             f"(~{per_token_bytes / 1e9:.0f} GB a token: ~{result['decode_gb_s_estimate']:.0f} GB/s at this rate). "
+             f"The cost model's turn_export_fixed_s = {result['turn_export_fixed_s']} s and "
+             f"turn_export_s_per_gib = {result['turn_export_s_per_gib']} s/GiB are the turn rows' decode loss "
+             f"per export (least-squares over the sizes, a negative fixed part taken as 0). The host window is "
+             f"an export's host part alone (sha256 and files of the same bytes, 14 threads, in the bench "
+             f"process). Exports alone (no decode): {alone}. A turn export wrote the same chunks as a held one: "
+             f"{same_chunks}; its digest equals the engine's: {digests_ok}; the decoding client's tokens equal "
+             f"the base window's: {result['decode_tokens_equal']}.\n\n{fit_table}")
     append_results(f"Turn-boundary session export beside a decoding session on {gpu} (bench/gpu_turn_export.py)",
                    table, notes)
     ok = result["decode_tokens_equal"] and all(same_chunks.values()) and digests_ok and \

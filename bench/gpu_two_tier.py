@@ -52,7 +52,6 @@ from ckptflow.store.local import LocalStore  # noqa: E402
 
 PORT = 18651
 GiB = 2**30
-STREAM_ORDER_ENV = "CKPTFLOW_STREAM_ORDER"   # llm_worker.STREAM_ORDER_ENV (not imported: that imports torch)
 
 _LIMIT = """
 import json, os, sys, time, torch
@@ -414,8 +413,8 @@ def main() -> int:
     for name in a.rows.split(","):
         base = {"SI": "S", "SBI": "SB"}.get(name, name)
         order = "interleave" if name != base else a.stream_order
-        os.environ[STREAM_ORDER_ENV] = order   # read by the engine (and its restored copies) at each resume
         pool = ["--kv-gib", str(a.a_kv_gib)] if base in ("A", "S") else ["--kv-fraction", str(a.b_kv_fraction)]
+        pool += ["--stream-order", order]   # the engine's own (a restored copy keeps it)
         try:
             if base in ("S", "SB"):
                 row = run_standby(name, a, weights, tmp, pool)

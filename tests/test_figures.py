@@ -208,7 +208,7 @@ FIGURES = [
     (R, "the template's CRIU restore alone takes {} s", "gpu_two_tier", f"{B}.restore_phases.restore", ".1f"),
     (R, "CUDA context and graphs back ({} GiB on the GPU), no weights, no sessions", "gpu_two_tier",
      lambda r: same(*(_fmt(x["standby_gpu_gib"], ".1f") for x in _standby(r))), "s"),
-    (R, "two rows at {} and two at {} GiB reserved): the standby took {} s", "gpu_two_tier",
+    (R, "rows at {} and {} GiB reserved): the standby took {} s", "gpu_two_tier",
      (lambda r: same(*(_fmt(x["reserved_gib"], ".0f") for x in _standby(r) if x["row"] == "S")),
       lambda r: same(*(_fmt(x["reserved_gib"], ".0f") for x in _standby(r) if x["row"] == "SB")),
       lambda r: span([x["standby_s"] for x in _standby(r)], ".1f")), "s"),

@@ -60,11 +60,18 @@ PIECE, RING = 8 << 20, 3          # pinned slots per thread: pinning costs ~1 s/
 THREADS = max(4, min(14, (os.cpu_count() or 8) - 2))
 GRAPH_BATCHES = (1, 2, 4)   # each graph's scratch stays in the template image: 8 added 0.5 GiB
 RUN_BLOCKS = 512            # consecutive KV blocks fingerprinted in one launch, in place (5.5 GiB at 43 layers)
-# The one-pass resume's work list: "weights-first" (the 64 MiB weight chunks, then the ~11 MiB
-# session blocks: largest first, and the pool's mapping and zeroing, done beside the stream, is
-# long over when the first block is reached) or "interleave" (one session block after every few
-# weight chunks). A knob for the bench (bench/gpu_two_tier.py --stream-order), read at each resume.
-STREAM_ORDER_ENV = "CKPTFLOW_STREAM_ORDER"
+# The one-pass resume's work list (``--stream-order``): "weights-first" (the 64 MiB weight chunks,
+# then the ~11 MiB session blocks: largest first, and the pool's mapping and zeroing, done beside
+# the stream, is long over when the first block is reached) or "interleave" (session blocks spread
+# among the weight chunks). Measured on the H200 (bench/gpu_two_tier.py rows S/SB vs SI/SBI): equal
+# at a 20 GiB pool, weights first 0.08 s faster at 105 GiB (interleaved blocks wait for the pool).
+STREAM_ORDERS = ("weights-first", "interleave")
+# A turn export's device -> host copy in pieces, two in flight, so that a decoding session's own
+# small device -> host copies (each token's argmax) can queue behind one piece (16 MiB: ~0.3 ms)
+# rather than behind a whole run (1 GiB in one copy: ~20 ms). Measured on the H200
+# (bench/gpu_turn_export.py): the decoding client lost the same per 1 GiB export either way
+# (0.0175 s in one copy, 0.0215 s in pieces; noise 0.002 s), so that is not where its loss comes from.
+TURN_COPY_PIECE = 16 << 20
 
 
 def _tensor_names(layers: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -215,7 +222,8 @@ class LlmEngine(EngineSide):
     ENGINE = "ckptflow-demo-llm"
     POST_ROUTES = {"/v1/peek": "peek", "/v1/ckptflow/prepare": "prepare"}
 
-    def __init__(self, weights: Path, kv_fraction: float, kv_gib: float | None, model_name: str, seed: int):
+    def __init__(self, weights: Path, kv_fraction: float, kv_gib: float | None, model_name: str, seed: int,
+                 stream_order: str = "weights-first"):
         from ckptflow.demo.vmm import Region
 
         t0 = time.perf_counter()
@@ -228,6 +236,9 @@ class LlmEngine(EngineSide):
         self.turn_done: dict[str, torch.cuda.Event] = {}  # session -> recorded after its last turn's kernels
         self.slots, self.staging = HostBuf(), HostBuf()
         self.model_name, self.seed, self.weights_path = model_name, seed, weights
+        if stream_order not in STREAM_ORDERS:
+            raise ValueError(f"stream order {stream_order!r}: one of {', '.join(STREAM_ORDERS)}")
+        self.stream_order = stream_order
         header, data_off = read_header(weights)
         self.layout = {n: h for n, h in header.items() if n != "__metadata__"}
         self.layers = sum(1 for n in self.layout if n.endswith(".wqkv"))
@@ -554,9 +565,11 @@ class LlmEngine(EngineSide):
         """What an export holds while it fingerprints and copies, and the stream it does it on:
         the model (every session stops) on the current stream; or, for a turn export, only the
         named sessions' turn locks (their turns in flight end first, new ones wait) on the side
-        stream, after their last turns' kernels."""
+        stream. Either way it first waits for the held sessions' kernels still queued (the last
+        token of the turn just ended: the GPU is still serving it, so that is no hold)."""
         if not req.turn:
             with self.lock:
+                torch.cuda.current_stream().synchronize()
                 yield torch.cuda.current_stream()
             return
         with ExitStack() as st:
@@ -565,23 +578,34 @@ class LlmEngine(EngineSide):
             with self.meta_lock:
                 done = [self.turn_done[sid] for sid in req.only or () if sid in self.turn_done]
             for ev in done:
-                self.side.wait_event(ev)
+                ev.synchronize()
             with torch.cuda.stream(self.side):
                 yield self.side
 
-    def _copy_out(self, plan: list, buf: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    def _copy_out(self, plan: list, buf: torch.Tensor, stream: torch.cuda.Stream, piece: int | None = None) -> None:
         """The planned blocks into pinned ``buf`` in plan order, a run of consecutive blocks in
-        one copy, on ``stream``; returns once they are there."""
+        one copy (or in ``piece``-byte copies, at most two in flight), on ``stream``; returns
+        once they are there."""
         bb, pool = self.block_bytes, self.pool_u8
-        j = 0
+        spans, j = [], 0
+        while j < len(plan):
+            k = j + 1
+            while k < len(plan) and plan[k][2] == plan[k - 1][2] + 1:
+                k += 1
+            dst, src, n = j * bb, plan[j][2] * bb, (k - j) * bb
+            step = piece or n
+            spans += [(dst + o, src + o, min(step, n - o)) for o in range(0, n, step)]
+            j = k
+        in_flight: list[torch.cuda.Event] = []
         with torch.cuda.stream(stream):
-            while j < len(plan):
-                k = j + 1
-                while k < len(plan) and plan[k][2] == plan[k - 1][2] + 1:
-                    k += 1
-                b = plan[j][2]
-                buf[j * bb:k * bb].copy_(pool[b * bb:(b + k - j) * bb], non_blocking=True)
-                j = k
+            for dst, src, n in spans:
+                if piece and len(in_flight) >= 2:
+                    in_flight.pop(0).synchronize()
+                buf[dst:dst + n].copy_(pool[src:src + n], non_blocking=True)
+                if piece:
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    in_flight.append(ev)
         stream.synchronize()
 
     def export_sessions(self, req: ExportRequest) -> dict:
@@ -589,8 +613,9 @@ class LlmEngine(EngineSide):
         the model, or (``req.turn``) only the named sessions; hashing and writing come after,
         serving on. The answer's ``held_s`` is that hold (for a turn export: of those sessions
         alone, the others decoding meanwhile), ``phases`` the engine's own split: ``wait`` (for
-        the hold: a turn in flight, or the model), ``plan`` (fingerprints), ``copy``, ``pin``
-        (staging grown outside the hold), ``write`` (sha256 and files)."""
+        the hold: a turn in flight, or the model, then for the held sessions' queued kernels),
+        ``plan`` (fingerprints), ``copy``, ``pin`` (staging grown outside the hold), ``write``
+        (sha256 and files). A turn export copies in TURN_COPY_PIECE pieces."""
         out_dir, known, only = req.dir, req.known, req.only
         t_all = time.perf_counter()
         held = 0.0
@@ -608,7 +633,7 @@ class LlmEngine(EngineSide):
                     if self.staging.n >= need:
                         buf = self.staging.t
                         if plan:
-                            self._copy_out(plan, buf, stream)
+                            self._copy_out(plan, buf, stream, TURN_COPY_PIECE if req.turn else None)
                         t3 = time.perf_counter()
                         ph["copy"] += t3 - t2
                         held += t3 - t1
@@ -795,7 +820,7 @@ class LlmEngine(EngineSide):
         """Map the ranges back at their addresses, zero the pool, stream the weights in (checked).
 
         With ``req.sessions``: one pass. The weights' chunks and every session block go through
-        one ``stream_in`` work list (weights first, see STREAM_ORDER_ENV) while the pool is
+        one ``stream_in`` work list (weights first, see STREAM_ORDERS) while the pool is
         mapped and zeroed on another thread (the blocks' copies wait for it); then the weights
         and every block are checked on the GPU, then the sessions exist. A torn chunk fails the
         call, named, before any session exists, and the engine stays parked (a retry may come).
@@ -839,7 +864,7 @@ class LlmEngine(EngineSide):
                     ph["weights"] = time.perf_counter() - t0
                 else:
                     blocks, taken = self._session_items(root, recs)
-                    items = _order(items, blocks, os.environ.get(STREAM_ORDER_ENV, "weights-first"))
+                    items = _order(items, blocks, self.stream_order)
                     loaded = stream_in(items, self.wflat, self.slots,
                                        ready={id(self.pool_u8): lambda: pool.result()[0]})
                     ph["stream"] = time.perf_counter() - t0
@@ -867,15 +892,9 @@ class LlmEngine(EngineSide):
 
 
 def _order(weights: list[tuple], blocks: list[tuple], how: str) -> list[tuple]:
-    """The one-pass work list (STREAM_ORDER_ENV): weights first, or blocks spread among them.
-
-    Raises:
-        ValueError: an unknown order.
-    """
+    """The one-pass work list (STREAM_ORDERS): weights first, or blocks spread among them."""
     if how == "weights-first":
         return weights + blocks
-    if how != "interleave":
-        raise ValueError(f"{STREAM_ORDER_ENV}={how!r}: weights-first or interleave")
     out, every = [], max(1, len(weights) // max(1, len(blocks)))
     per = max(1, -(-len(blocks) // max(1, len(weights))))
     bi = 0
@@ -894,11 +913,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=43, help="with --write-weights: 43 layers = 16.1 GiB")
     p.add_argument("--kv-fraction", type=float, default=0.9, help="of free GPU memory after weights, for the pool")
     p.add_argument("--kv-gib", type=float, default=None, help="pool size instead of --kv-fraction")
+    p.add_argument("--stream-order", default="weights-first", choices=STREAM_ORDERS,
+                   help="a resume given the sessions: the one-pass work list's order")
     a = p.parse_args(argv)
     if a.write_weights:
         write_weights(Path(a.weights), a.layers, a.seed)
         return
-    e = LlmEngine(Path(a.weights), a.kv_fraction, a.kv_gib, a.model_name, a.seed)
+    e = LlmEngine(Path(a.weights), a.kv_fraction, a.kv_gib, a.model_name, a.seed, a.stream_order)
     serve(e, a, threaded=True)
 
 
