@@ -41,7 +41,7 @@ import numpy as np
 from ckptflow.models import Action
 from ckptflow.policies.cadence import CostBasedParams, CostModel, WorkloadFacts, decide, get_policy, young_interval
 from ckptflow.policies.sessions import (ExportContext, SessionFacts, decide_sessions, export_context,
-                                        turns_between_exports)
+                                        new_session_threshold_tokens, turns_between_exports)
 
 DAY = 86400.0
 HOUR = 3600.0
@@ -436,8 +436,9 @@ def turn_exports_cost(tr: Trace, w: Workload, tick_s: float = 300, decide_every:
     ``turn_s``; at each turn end ckptflow exports its new KV or lets it wait, by
     ``policies.sessions.decide_export`` with ``at_turn_end`` (the export holds that session only and
     costs ``CostModel.turn_export_s``), in the context of the newest decision tick (the node's MTBF
-    estimate, as ``ckptflow_heartbeats``). A new session is exported at its first turn end; the
-    drain exports every changed session at its last turn end before an announced window.
+    estimate, as ``ckptflow_heartbeats``). A new session is exported at the first turn end where
+    its KV pays (else it is only listed: lost to a failure, re-prefilled); the drain exports every
+    changed session at its last turn end before an announced window.
 
     Vectorised: within one context a growing session is exported every m-th turn end
     (``turns_between_exports``); once its context is capped, at the first turn end where its last
@@ -470,6 +471,7 @@ def turn_exports_cost(tr: Trace, w: Workload, tick_s: float = 300, decide_every:
             ctx = ExportContext(mtbf_s=(declared + a) / (1 + seen), kv_bytes_per_token=cfg.kv_bytes_per_token,
                                 cost=cost, at_turn_end=True)
             m = turns_between_exports(ctx, d, T)
+            nstar = new_session_threshold_tokens(ctx)
             young = 2 * cost.turn_export_fixed_s * ctx.mtbf_s * cost.prefill_tokens_s   # token-seconds
         lo = np.searchsorted(s, a - cfg.session_max_s, "left")
         hi = np.searchsorted(s, b, "left")
@@ -480,8 +482,10 @@ def turn_exports_cost(tr: Trace, w: Workload, tick_s: float = 300, decide_every:
             k_hi = np.minimum(np.floor((b - ss) / T).astype(np.int64), np.ceil((ee - ss) / T).astype(np.int64) - 1)
             has = k_lo <= k_hi
             lk, ne = last_k[j], n_exp[j]
-            new = has & (lk < 0)                # a new session: exported at its first turn end
-            lk = np.where(new, k_lo, lk)
+            # a new session: exported at the first turn end where its KV pays (else listed only)
+            k_new = np.maximum(k_lo, math.floor((nstar - c0) / d) + 1 if nstar < cap else k_hi.max(initial=0) + 1)
+            new = has & (lk < 0) & (k_new <= k_hi)
+            lk = np.where(new, k_new, lk)
             ne = ne + new
             if m is not None:
                 top = np.minimum(k_hi, k_cap - 1)   # turn ends before the cap: the change grows d a turn

@@ -67,9 +67,26 @@ def test_a_session_is_exported_at_its_turn_end_where_it_pays_and_restores_token_
         assert live.complete("and then?", 16, sid) == ref.complete("and then?", 16, sid)
 
 
-def test_on_a_healthy_node_a_grown_session_waits_and_nothing_is_committed(demo_worker, tt):
-    live = demo_worker("live", 8)
-    live.complete("You are a careful agent. " * 8, 12, "a")
+def _turn(port, prompt, n, sid):
+    """(HTTP status, body) of one completion."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
+                                 data=json.dumps({"prompt": prompt, "max_tokens": n, "session_id": sid}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_on_a_healthy_node_new_kv_waits_and_a_lost_session_is_answered_so_never_restarted_silently(
+        demo_worker, tt):
+    live, ref = demo_worker("live", 8), demo_worker("ref", 8)
+    for w in (live, ref):
+        w.complete("You are a careful agent. " * 8, 12, "a")
     tt.heartbeat(live.workload)
     n = len(tt.store.list(live.workload.name))
     tt.store.put_export_context(live.workload.name, ExportContext(mtbf_s=6000 * H).model_dump_json())
@@ -77,14 +94,26 @@ def test_on_a_healthy_node_a_grown_session_waits_and_nothing_is_committed(demo_w
     watch.poll()
     live.complete("more", 12, "a")
     watch.poll()
-    assert watch.poll() is None                           # at its turn end, and it waits
+    assert watch.poll() is None                           # at its turn end, and its new KV waits
     assert len(tt.store.list(live.workload.name)) == n
-    # A new session is exported at its first turn end, whatever the node: no session unprotected.
-    live.complete("hello", 12, "c")
-    watch.poll()
-    m = watch.poll()
-    assert m is not None and m.probe.export.decisions["c"].startswith("new session")
-    assert "c" in _records(tt, m) and m.probe.export.decisions["a"].startswith("waits: ")
+    # A new session there: its KV does not pay either; it is listed, so a restore knows of it.
+    live.complete("hello, a new task", 12, "c")
+    m = watch.poll()                                      # seen in its first turn: listed at once
+    assert m is not None and m.probe.export.decisions["c"].startswith("in its first turn: listed")
+    assert "c" not in _records(tt, m) and json.loads((tt.store.images_dir(m) / SESSIONS_FILE).read_text())[
+        "listed"] == ["c"]
+    assert watch.poll() is None                           # at its turn end its KV waits; listed already
+    os.kill(live.pid, signal.SIGKILL)
+    live.proc.wait()
+    tt.restore(live.workload)
+    # "a" as checkpointed by the heartbeat (its growth since was the price of waiting): its
+    # client's retry of the lost turn continues as the reference's did.
+    assert live.complete("more", 12, "a") == ref.complete("more", 12, "a")
+    code, body = _turn(live.port, "go on", 8, "c")
+    assert code == 410 and body["error"] == ("session c was lost in a restore (its KV was not checkpointed): "
+                                             "send its whole history again to start it afresh")
+    # Its client sends the history again: the same id starts afresh, as a new session would.
+    assert live.complete("hello, a new task", 12, "c") == ref.complete("hello, a new task", 12, "c")  # ref never had c
 
 
 def test_the_loop_runs_until_stopped_and_counts_its_checkpoints(demo_worker, tt):
@@ -92,6 +121,7 @@ def test_the_loop_runs_until_stopped_and_counts_its_checkpoints(demo_worker, tt)
     live.complete("hi", 4, "a")
     tt.heartbeat(live.workload)
     live.complete("a new one", 4, "z")
+    tt.store.put_export_context(live.workload.name, ExportContext(mtbf_s=24 * H).model_dump_json())
     got = []
     assert TurnWatch(tt, live.workload, every_s=0.05).run(duration_s=1.0, on_checkpoint=got.append) == 1
     assert got[0].probe.export.changed == ["z"]

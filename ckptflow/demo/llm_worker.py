@@ -387,6 +387,7 @@ class LlmEngine(EngineSide):
 
     def complete(self, body: dict) -> dict:
         prompt, max_tokens, sid = parse_completion(body)
+        self.check_lost(sid)
         toks_in = encode(prompt)
         with self._turn(sid), self.lock:
             if self.parked:

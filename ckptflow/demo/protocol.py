@@ -117,6 +117,10 @@ class ResumeRequest:
 SessionState = tuple[dict, list[tuple[str, Any]]]
 
 
+class SessionLost(ValueError):
+    """A turn of a session lost in a restore: answered 410 Gone with the reason."""
+
+
 class EngineSide:
     """The protocol's engine side; see the module docstring for what a worker provides."""
 
@@ -158,13 +162,35 @@ class EngineSide:
         return self.export_sessions(ExportRequest.parse(body, self.SESSION_CHUNK))
 
     def sessions_import(self, body: dict) -> dict:
-        return self.import_sessions(ImportRequest.parse(body))
+        out = self.import_sessions(ImportRequest.parse(body))
+        self.mark_lost(body.get("lost"))
+        return out
 
     def template_prepare(self, body: dict) -> dict:
         return self.prepare_template(PrepareRequest.parse(body, self.WEIGHT_CHUNK))
 
     def template_resume(self, body: dict) -> dict:
-        return self.resume_template(ResumeRequest.parse(body))
+        out = self.resume_template(ResumeRequest.parse(body))
+        self.mark_lost(body.get("lost"))
+        return out
+
+    # --- sessions a restore knew of but could not bring back ---------------------------------
+    def mark_lost(self, ids: list[str] | None) -> None:
+        """``lost`` of an import or resume: sessions the checkpoint listed without their KV."""
+        self.lost_sessions = set(ids or ()) - set(self.session_lengths())
+
+    def check_lost(self, sid: str | None) -> None:
+        """Refuse, once, a turn of a session lost in a restore: its client resends the history
+        (the same id then starts afresh) instead of talking to a session that forgot it.
+
+        Raises:
+            SessionLost: ``sid`` is one of them.
+        """
+        lost = getattr(self, "lost_sessions", None)
+        if sid is not None and lost and sid in lost:
+            lost.discard(sid)
+            raise SessionLost(f"session {sid} was lost in a restore (its KV was not checkpointed): "
+                              "send its whole history again to start it afresh")
 
     def template_warm(self, body: dict) -> dict:
         """``template/warm``: a parked engine that will be resumed soon (a standby) takes what it

@@ -38,7 +38,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ckptflow.demo.model import ModelConfig, Session, TinyTransformer, decode, encode
-from ckptflow.demo.protocol import PROTOCOL, EngineSide, ExportRequest, SessionState, routes
+from ckptflow.demo.protocol import PROTOCOL, EngineSide, ExportRequest, SessionLost, SessionState, routes
 
 KV_CAPACITY_TOKENS = 65536  # what "100 % KV cache usage" means for the demo
 SESSION_CHUNK = 64 << 10   # small sessions here; the GPU engines use 8 MiB
@@ -118,6 +118,7 @@ class Worker(EngineSide):
 
     def complete(self, body: dict) -> dict:
         prompt, max_tokens, sid = parse_completion(body)
+        self.check_lost(sid)
         if self.parked:
             raise ValueError("engine is parked for a template checkpoint (weights released); retry shortly")
         t0 = time.perf_counter()
@@ -257,6 +258,8 @@ def make_handler(w):
                 n = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(n) or b"{}")
                 return self._json(200, fn(body))
+            except SessionLost as e:
+                return self._json(410, {"error": str(e)})
             except (ValueError, TypeError, TimeoutError, KeyError, OSError) as e:
                 return self._json(400, {"error": str(e)})
 

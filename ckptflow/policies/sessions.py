@@ -19,6 +19,12 @@ pause is the cadence policy's to weigh (it is paid once, whatever the sessions),
 session's. The simulator (ckptflow/sim.py) calls the same function for every session at every
 heartbeat it replays.
 
+At a session's turn end (``ExportContext.at_turn_end``: runners/turns.py, between heartbeats) an
+export holds that session alone while the engine serves on, so each session is weighed on its
+own, new ones too: a new session whose KV does not pay (a healthy node) is *listed* instead,
+named in the checkpoint without its KV, and a restore tells the engine it is lost, which answers
+its client's next turn with that (HTTP 410), never a silent fresh start.
+
 Example:
     >>> ds = decide_sessions([SessionFacts(id="chat", tokens=4000, tokens_at_ckpt=3500),
     ...                       SessionFacts(id="q", tokens=20),
@@ -103,6 +109,8 @@ class SessionDecision(BaseModel):
     id: str
     protect: bool = Field(..., description="Whether the checkpoint holds this session at all.")
     export: bool = Field(..., description="Whether its state moves now (else: kept as last checkpointed).")
+    listed: bool = Field(False, description="Not held, but named in the checkpoint: a restore tells the engine "
+                         "it is lost, and the engine answers its next turn so (never a silent fresh start).")
     reason: str
 
 
@@ -153,6 +161,19 @@ def decide_export(changed_tokens: float, age_s: float | None, ctx: ExportContext
     return False, f"waits: {changed_tokens:.0f} new tokens would pause {pause:.3f} s > {numbers}"
 
 
+def new_session_threshold_tokens(ctx: ExportContext) -> float:
+    """The KV a new session needs, at a turn end, before ``decide_export`` exports it (strictly
+    above; inf: never; its one-shot rule, the rule being linear in the tokens).
+
+        >>> ctx = ExportContext(mtbf_s=24 * 3600, kv_bytes_per_token=65536, at_turn_end=True)
+        >>> new_session_threshold_tokens(ctx), new_session_threshold_tokens(ctx.model_copy(update={"mtbf_s": 6e6}))
+        (0.0, inf)
+    """
+    hit, _ = _hit(None, ctx)
+    per_token = hit / ctx.cost.prefill_rate(ctx.device) - (_pause(1.0, ctx) - _pause(0.0, ctx))
+    return _pause(0.0, ctx) / per_token if per_token > 0 else math.inf
+
+
 def turns_between_exports(ctx: ExportContext, tokens_per_turn: float, turn_s: float) -> int | None:
     """Every how many turn ends ``decide_export`` exports a session that gains ``tokens_per_turn``
     a turn (``ctx.at_turn_end``): the smallest m with m x tokens_per_turn / prefill rate x m x
@@ -160,9 +181,12 @@ def turns_between_exports(ctx: ExportContext, tokens_per_turn: float, turn_s: fl
     with it; tests/test_session_policy.py holds it to ``decide_export``.
 
         >>> ctx = ExportContext(mtbf_s=24 * 3600, kv_bytes_per_token=65536, at_turn_end=True)
+        >>> turns_between_exports(ctx, 1200, 30)          # no fixed part (H200): every turn end
+        1
+        >>> ctx = ctx.model_copy(update={"cost": CostModel(turn_export_fixed_s=0.001)})
         >>> m = turns_between_exports(ctx, 1200, 30)
-        >>> [decide_export(k * 1200, None, ctx, since_s=k * 30)[0] for k in (m - 1, m)]
-        [False, True]
+        >>> m, [decide_export(k * 1200, None, ctx, since_s=k * 30)[0] for k in (m - 1, m)]
+        (7, [False, True])
     """
     per_token = _pause(1.0, ctx) - _pause(0.0, ctx)
     hit, _ = _hit(None, ctx)
@@ -202,14 +226,22 @@ def decide_sessions(sessions: list[SessionFacts], *, min_tokens: int = MIN_TOKEN
                     context: ExportContext | None = None) -> list[SessionDecision]:
     """One decision per session. Without a ``context`` (no costs to weigh) every changed session
     is exported; with one, a grown session is exported or waits by ``decide_export``. A new or
-    rewritten session is always exported: what its checkpoint would otherwise hold is nothing,
-    or KV that is not its own."""
+    rewritten session is always exported in a heartbeat: what its checkpoint would otherwise hold
+    is nothing, or KV that is not its own; at a turn end a new one is weighed, and listed when it
+    waits."""
     out = []
     for s in sessions:
         if s.tokens < min_tokens:
             out.append(SessionDecision(id=s.id, protect=False, export=False,
                                        reason=f"short ({s.tokens} tokens < min_tokens {min_tokens}): left out, "
                                               "lost in a restore"))
+        elif s.tokens_at_ckpt is None and context is not None and context.at_turn_end:
+            # At its turn end a new session is weighed like any new KV (all of it, once); one that
+            # does not pay is listed, so a restore answers its client 'lost' instead of starting afresh.
+            export, why = decide_export(s.tokens, s.age_s, context)
+            out.append(SessionDecision(id=s.id, protect=export, export=export, listed=not export,
+                                       reason=f"new session ({s.tokens} tokens): " + (
+                                           why if export else f"listed without its KV, {why}")))
         elif s.tokens_at_ckpt is None:
             out.append(SessionDecision(id=s.id, protect=True, export=True,
                                        reason=f"new session ({s.tokens} tokens)"))

@@ -185,12 +185,13 @@ class TemplateSessionsRunner:
         busy = [] if at_turn_end is None else [f for f in facts if f.id not in at_turn_end]
         decisions = decide_sessions([f for f in facts if f not in busy], min_tokens=self.min_session_tokens,
                                     context=context)
-        decisions += [SessionDecision(id=f.id, protect=f.id in old, export=False,
+        decisions += [SessionDecision(id=f.id, protect=f.id in old, export=False, listed=f.id not in old,
                                       reason="in a turn: kept as last checkpointed" if f.id in old else
-                                      "in its first turn: exported at its end") for f in busy]
+                                      "in its first turn: listed until its turn end weighs it") for f in busy]
         keep = {d.id: old[d.id] for d in decisions if d.protect and not d.export}
         export = [d.id for d in decisions if d.export]
-        if at_turn_end is not None and not export:
+        listed = sorted(d.id for d in decisions if d.listed)
+        if at_turn_end is not None and not export and set(listed) <= set(self._records(prev).get("listed", []) if prev else ()):
             return None
         self.chunks.touch([d for ds in _digests(old).values() for d in ds])  # relied on: young for GC
         if recs is None:
@@ -228,7 +229,7 @@ class TemplateSessionsRunner:
             for r in recs.values():
                 r.pop("written_bytes", None)
             (pending.images_dir / SESSIONS_FILE).write_text(json.dumps(
-                {"template": tmpl.id, "template_workload": tmpl.workload, "sessions": recs}))
+                {"template": tmpl.id, "template_workload": tmpl.workload, "sessions": recs, "listed": listed}))
             named = sorted({d for ds in _digests(recs).values() for d in ds})
             (pending.images_dir / REFS_FILE).write_text(json.dumps(named))
             # No manifest without its bytes; each chunk was hashed when adopted (scrubs: verify flow).
@@ -395,7 +396,7 @@ class TemplateSessionsRunner:
             if w.find.pid_file:
                 _write_pid_file(Path(w.find.pid_file), pid)
             try:
-                got = self._load(w, weights, recs, t)
+                got = self._load(w, weights, recs, t, lost=self._records(m).get("listed", []))
             except CkptflowError:
                 # A template without its weights or sessions must not pass for the workload.
                 for p in process.tree(pid):
@@ -515,7 +516,7 @@ class TemplateSessionsRunner:
         t0 = time.perf_counter()
         recs, weights = self._checked_records(m, sb.template, hash_sessions=None)
         t["chunks_checked"] = time.perf_counter() - t0
-        got = self._load(w, weights, recs, t, base=sb.base, netns=sb.netns)
+        got = self._load(w, weights, recs, t, lost=self._records(m).get("listed", []), base=sb.base, netns=sb.netns)
         _check_sessions(w, recs, got, f"a standby of template {sb.template.id} given sessions {m.id}")
         return TemplateSessionsResult(manifest=m, template=sb.template, pid=sb.copy.pid,
                                       timings={k: round(v, 4) for k, v in t.items()})
@@ -546,8 +547,11 @@ class TemplateSessionsRunner:
             self.chunks.present(digests)
         return recs, weights
 
-    def _load(self, w: Workload, weights: list[dict], recs: dict, t: dict, **where) -> dict[str, str]:
+    def _load(self, w: Workload, weights: list[dict], recs: dict, t: dict, lost: list[str] | None = None,
+              **where) -> dict[str, str]:
         """Weights and sessions into a restored template; the digests the engine imported.
+        ``lost``: sessions the checkpoint lists without their KV: the engine answers their next
+        turn 'lost' (HTTP 410) instead of starting them afresh.
 
         One call: ``template/resume`` carries the sessions too, and an engine that takes them
         streams weights and session chunks in one pass and answers ``imported`` and ``digests``
@@ -561,8 +565,12 @@ class TemplateSessionsRunner:
         """
         root = str(self.chunks.root)
         t0 = time.perf_counter()
-        done = engine.call(w, "/v1/ckptflow/template/resume", {"dir": root, "tensors": weights, "sessions": recs},
-                           **where)
+        if lost:
+            log.warning("workload %s: %d session(s) listed without their KV, answered 'lost' after this restore: %s",
+                        w.name, len(lost), ", ".join(lost[:8]))
+        extra = {"lost": list(lost)} if lost else {}
+        done = engine.call(w, "/v1/ckptflow/template/resume",
+                           {"dir": root, "tensors": weights, "sessions": recs, **extra}, **where)
         took = time.perf_counter() - t0
         one_pass = "imported" in done and "digests" in done
         part = "load" if one_pass else "weights"
@@ -572,7 +580,7 @@ class TemplateSessionsRunner:
         if one_pass:
             return done["digests"]
         t0 = time.perf_counter()
-        got = engine.call(w, "/v1/ckptflow/sessions/import", {"dir": root, "sessions": recs}, **where)
+        got = engine.call(w, "/v1/ckptflow/sessions/import", {"dir": root, "sessions": recs, **extra}, **where)
         t["sessions"] = time.perf_counter() - t0
         return got.get("digests", {})
 
