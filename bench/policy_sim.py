@@ -225,7 +225,7 @@ def main() -> int:
     if sens:
         print()
         print(sens_table)
-    print(f"\ndeciding 10,000 workloads: {dt['process']:.3f} s (process), {dt['two-tier']:.3f} s (two-tier)")
+    print(f"\ndeciding 10,000 workloads: {dt['process']:.3f} s (process), {dt['template-sessions']:.3f} s (two-tier)")
     notes = NOTES.format(dt_p=dt["process"], dt_t=dt["template-sessions"], cls_table=cls_table,
                          protects=protects_text(runs, profiles, n_exp),
                          sens=(f"Seed 0 (exponential) under two-tier-h200 with other KV bytes per token (GPU-hours; "

@@ -126,16 +126,20 @@ def test_under_two_tiers_the_policy_protects_long_sessions(seed0):
     assert tc["kv_kept_gpu_s"] > 2 * pc["kv_kept_gpu_s"]
     assert tc["reprefill_gpu_s"] < 0.5 * pc["reprefill_gpu_s"]
     pcls, tcls = proc["ckptflow_by_class"], tt["ckptflow_by_class"]
-    # Long sessions on preemptible nodes: periodic heartbeats (none but maintenance before).
+    # Long sessions on preemptible nodes: exported at their turn ends (every one: the H200's turn
+    # export has no fixed part), against one maintenance heartbeat or none for the whole process.
     pre = tcls["preemptible/long"]
-    assert pre["checkpoints"] > 100 * pre["workloads"]
+    assert pre["checkpoints"] > 10_000 * pre["workloads"]
     assert pcls["preemptible/long"]["checkpoints"] <= pcls["preemptible/long"]["workloads"]
+    assert pre["reprefill_gpu_s"] < 0.02 * pre["kv_kept_gpu_s"]
     # Every node: long sessions carried across the maintenance window (process: under half of them).
     healthy = tcls["healthy/long"]
     assert healthy["with_checkpoints"] >= 0.95 * healthy["workloads"]
     assert pcls["healthy/long"]["with_checkpoints"] < 0.5 * healthy["workloads"]
-    # ... but no periodic heartbeats on healthy nodes: moving KV costs more than it saves there.
-    assert healthy["checkpoints"] <= healthy["workloads"]
+    # ... but on healthy nodes new KV waits (listed sessions, grown ones kept): moving it costs more
+    # than the chance a failure needs it; their exports are the drain's, a few hundred per worker.
+    assert healthy["checkpoints"] < 0.01 * pre["checkpoints"] / pre["workloads"] * healthy["workloads"]
+    assert healthy["pause_gpu_s"] < 0.1 * pre["pause_gpu_s"] / pre["workloads"] * healthy["workloads"]
     # Short requests: never.
     assert all(v["checkpoints"] == 0 for k, v in tcls.items() if k.endswith("/short"))
     # The targets still hold under the new profile, and a KV-protecting schedule now pays in hindsight.
@@ -143,11 +147,28 @@ def test_under_two_tiers_the_policy_protects_long_sessions(seed0):
     best_fixed = min(v["cost"] for k, v in tp.items() if k.startswith("fixed-"))
     assert tc["cost"] <= 1.10 * tp["hindsight"]["cost"] and tc["cost"] <= 0.70 * best_fixed
     assert tp["hindsight"]["checkpoints"] > 0 and tp["clairvoyant"]["cost"] <= tc["cost"]
-    # Sessions weighed one by one, maintenance exported at the drain's last turn boundary (#25 item 3):
-    # 1.89 x clairvoyant on seed 0 (2.10 with whole-worker heartbeats at the deciding tick). The
-    # issue's 1.5 is not reached: see bench/RESULTS.md, 'Two tiers, sessions at turn boundaries'.
-    assert tc["cost"] <= 1.95 * tp["clairvoyant"]["cost"] and tc["cost"] <= 0.60 * tp["hindsight"]["cost"]
-    # Before a window only the drain's last 30 s of growth is lost: healthy nodes re-prefill what
-    # their failures hold, not what grew since the tick that decided the maintenance heartbeat.
+    # Sessions weighed at their turn ends (#25 item 3): 1.65 x clairvoyant on seed 0, against 1.89 at
+    # the cadence's heartbeats (the same rule, the engine held). The issue's 1.5 is not reached: the
+    # preemptible class pays 0.0266 s per GiB for every session's KV it moves (bench/RESULTS.md).
+    hb = tp["ckptflow-heartbeat"]
+    assert tc["cost"] <= 0.9 * hb["cost"]
+    assert tc["cost"] <= 1.7 * tp["clairvoyant"]["cost"] and tc["cost"] <= 0.55 * tp["hindsight"]["cost"]
+    # Before a window only the drain's last turn of growth is lost.
     assert healthy["reprefill_gpu_s"] < 0.6 * 5873.4   # seed 0 before: 5,873 GPU-s (bench/results/policy_sim.json)
     assert math.isclose(tp["never"]["cost"], proc["policies"]["never"]["cost"])  # no checkpoints: same
+
+
+def test_turn_end_export_costs_are_the_measured_h200_numbers():
+    # bench/gpu_turn_export.py: a batch-1 decoding session's loss per export beside it, fitted
+    # through 0.25/0.5/1 GiB, the fixed part not below 0; the line is kept in the run's JSON.
+    run = json.loads((GPU_TWO_TIER.parent / "gpu_turn_export.json").read_text())["runs"][-1]
+    assert run["decode_tokens_equal"] and run["turn_digest_matches_engine"]
+    cost = CostModel()
+    fit = run["fits"]["turn_lost_s_per_export"]
+    assert cost.turn_export_fixed_s == max(0.0, fit["fixed_s"]) == run["turn_export_fixed_s"]
+    assert cost.turn_export_s_per_gib == pytest.approx(fit["s_per_gib"], rel=0.01)
+    # The line never understates the 1 GiB window it leans on, and overstates the small ones.
+    for w in run["windows"]:
+        if w["window"].startswith("turn "):
+            model = cost.turn_export_fixed_s + cost.turn_export_s_per_gib * w["copied_gib"]
+            assert model >= w["lost_s_per_export"] - run["noise_s_per_export"], w["window"]
