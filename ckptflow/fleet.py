@@ -400,7 +400,9 @@ def cross_field_problems(data: dict) -> list[tuple[tuple, str]]:
         seen: set = set()
         for i, x in items(where):
             name = x.get("name")
-            if isinstance(name, str) and name in seen:
+            if not isinstance(name, str):
+                continue  # the schema names a missing or non-string name
+            if name in seen:
                 out.append(((where, i, "name"), f"duplicate name {name!r}"))
             seen.add(name)
     declared = ", ".join(str(n) for n in nodes if isinstance(n, str))
