@@ -460,6 +460,8 @@ def _shared_worker_problems(workloads: list[tuple[int, dict]]) -> list[tuple[tup
     out: list[tuple[tuple, str]] = []
     seen: dict[tuple, tuple[int, str]] = {}
     for i, w in workloads:
+        if not isinstance(w.get("node"), (str, type(None))):
+            continue  # the schema reports the node; without one there is no per-node key
         for path in _ONE_WORKER:
             v: object = w
             for part in path:
