@@ -57,6 +57,15 @@ def test_a_session_is_exported_at_its_turn_end_where_it_pays_and_restores_token_
     assert m2.probe.export.decisions["a"].startswith("export at turn end:")
     assert [d.export for d in want] == [True, False]
     assert m2.probe.export.decisions["b"] == want[1].reason
+    # Another turn of "a": the loop's next checkpoint replaces its previous one, not the heartbeat's.
+    for w in (live, ref):
+        w.complete("and the next tool call: " + "y " * 30, 12, "a")
+    watch.poll()
+    time.sleep(1.5)
+    m3 = watch.poll()
+    assert m3 is not None and m3.probe.export.changed == ["a"]
+    assert [m.id for m in tt.store.list(live.workload.name) if m.kind == "sessions"] == [m3.id, m1.id]
+    m2 = m3
     # Restored from the turn-end checkpoint: both sessions continue as the uninterrupted worker's.
     os.kill(live.pid, signal.SIGKILL)
     live.proc.wait()

@@ -144,10 +144,13 @@ class TemplateSessionsRunner:
             return self._checkpoint_sessions(w, tmpl, held=info["sessions"], context=context, turn=turn)
 
     def turn_end_checkpoint(self, w: Workload, held: dict[str, int], at_turn_end: set[str],
-                            context: ExportContext) -> Manifest | None:
+                            context: ExportContext, supersedes: Manifest | None = None) -> Manifest | None:
         """A session checkpoint of the sessions in ``at_turn_end`` that the turn-end rule exports
         (``context.at_turn_end``), in the engine's turn mode; the rest kept as last checkpointed.
         None: none exported, or no template yet (the heartbeat takes it; runners/turns.py).
+        ``supersedes``: the previous turn-end checkpoint, deleted once this one is committed (a
+        loop that exports every few seconds must not pile up checkpoints; the heartbeat's stay
+        for retention).
 
         Raises:
             EngineProtocolError: the engine refused (nothing written, the worker serves on).
@@ -159,7 +162,10 @@ class TemplateSessionsRunner:
             tmpl = self.template_for(self.template_name(w, info), source=w.name)
             if tmpl is None:
                 return None
-            return self._checkpoint_sessions(w, tmpl, held=held, context=context, turn=True, at_turn_end=at_turn_end)
+            m = self._checkpoint_sessions(w, tmpl, held=held, context=context, turn=True, at_turn_end=at_turn_end)
+            if m is not None and supersedes is not None and supersedes.id != m.id:
+                self.store.delete(supersedes)
+            return m
 
     def _checkpoint_sessions(self, w: Workload, tmpl: Manifest, recs: dict | None = None,
                              moved: int | None = None, export_s: float | None = None,

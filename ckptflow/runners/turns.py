@@ -43,6 +43,7 @@ class TurnWatch:
         self.runner, self.w, self.every_s = runner, w, every_s
         self.mtbf_s = mtbf_s or DEFAULT_MTBF_S
         self.seen: dict[str, int] = {}
+        self.last: Manifest | None = None   # this loop's newest checkpoint: the next one replaces it
 
     def context(self) -> ExportContext:
         """The newest heartbeat's context, at a turn end; the declared MTBF before any."""
@@ -58,7 +59,10 @@ class TurnWatch:
         self.seen = held
         if not at_end:
             return None
-        return self.runner.turn_end_checkpoint(self.w, held, at_end, self.context())
+        m = self.runner.turn_end_checkpoint(self.w, held, at_end, self.context(), supersedes=self.last)
+        if m is not None:
+            self.last = m
+        return m
 
     def run(self, stop: threading.Event | None = None, duration_s: float | None = None,
             on_checkpoint=None) -> int:
