@@ -135,6 +135,20 @@ def _slower_steps(runs):
 
 
 # Which runs of a results file the docs quote (default: every run).
+def _window(run, name):
+    return next(w for w in run["windows"] if w["window"] == name)
+
+
+def _sim(run):
+    """The two-tier, exponential seeds 0-4 of a policy_sim run: each one's targets."""
+    ts = [r["targets"] for r in run.get("runs", []) if r.get("profile") == "two-tier-h200"
+          and r.get("failure_dist") == "exponential" and "heartbeat_sessions_over_clairvoyant" in r["targets"]]
+    if sorted(r["seed"] for r in run["runs"] if r.get("profile") == "two-tier-h200"
+              and r.get("failure_dist") == "exponential") != [0, 1, 2, 3, 4] or len(ts) != 5:
+        raise KeyError("two-tier seeds 0-4")
+    return ts
+
+
 QUOTED = {
     "gpu_checkpoint": lambda run: {8.0, 20.0, 50.0} <= {r["footprint_gib"] for r in run.get("rows", [])},
     "gpu_tp": lambda run: run.get("gpus") == 2,                                       # "on two H200s"
@@ -331,6 +345,18 @@ FIGURES = [
       every(lambda r: "failed" in r,
             lambda rs: holds(all(r.get("db") is None and "criu dump failed" in r["failed"] for r in rs), len(rs)))),
      ("s", "d")),
+    # --- sessions at their turn ends (bench/gpu_turn_export.py, bench/policy_sim.py) ---
+    (R, "the client lost {} s per export of 0.25 GiB and {} s at 1 GiB ({} s when the export held the engine); "
+        "the cost model takes {} s + {} s per GiB", "gpu_turn_export",
+     (lambda r: _window(r, "turn 0.25")["lost_s_per_export"], lambda r: _window(r, "turn 1")["lost_s_per_export"],
+      lambda r: _window(r, "held 1")["lost_s_per_export"], "turn_export_fixed_s", "turn_export_s_per_gib"),
+     (".4f", ".4f", ".4f", "g", "g")),
+    (R, "the simulator puts ckptflow at {}× the clairvoyant bound on seeds 0–4 (two-tier-h200, exponential "
+        "failures), against {}× with the same sessions weighed at the cadence's heartbeats, and at {}× the best "
+        "fixed interval chosen in hindsight", "policy_sim",
+     (lambda r: span([t["ckptflow_over_clairvoyant"] for t in _sim(r)], ".2f"),
+      lambda r: span([t["heartbeat_sessions_over_clairvoyant"] for t in _sim(r)], ".2f"),
+      lambda r: span([t["ckptflow_over_hindsight"] for t in _sim(r)], ".2f")), ("s", "s", "s")),
     # --- the driver and a copy in another PID namespace (bench/gpu_pidns_probe.py, gpu_pidns_born.py) ---
     (R, "on the H200 (driver {}) the driver does not know a copy under another PID", "gpu_pidns",
      lambda r: re.search(r"(\d+)\.\d+\.\d+", r["versions"]["driver"]).group(1), "s"),
@@ -350,6 +376,10 @@ CONFIG = [
     (D, "pinned 8 MiB slots", "ckptflow/demo/llm_worker.py", r"PIECE, RING = 8 << 20\b"),
     (R, "`worker_query_seconds`, default 1 s", "ckptflow/fleet.py", r"\nWORKER_QUERY_S = 1\.0\b"),
     (R, "polls its `/health` every 50 ms", "bench/migrate_downtime.py", r"\nPOLL_S = 0\.05\b"),
+    (R, "looks at the engine's sessions every 2 s", "ckptflow/deploy.py", r"\nTURN_POLL_S = 2\b"),
+    (R, "reach 2 × the export's fixed part × the MTBF", "ckptflow/policies/sessions.py",
+     r"young = 2 \* _pause\(0\.0, ctx\) \* ctx\.mtbf_s"),
+    (R, "Missed: the issue's 1.5×", "bench/policy_sim.py", r"ratio_c <= 1\.5\b"),
 ]
 
 # Re-measured by other work now: their own tests hold them; this one skips the text from the
