@@ -335,7 +335,11 @@ def turns(fleet_file: Path = FLEET_ARG, workload: str = typer.Argument(..., help
         raise ConfigError(f"workload {workload} is checkpointed as '{w.checkpoint}': only template-sessions "
                           "workloads export sessions", fix=f"declare 'checkpoint: template-sessions' on {workload}")
     spec = fleet.node(w.node)
-    watch = TurnWatch(mode._runner(), w, every_s=every, mtbf_s=node_mtbf_s(spec.mtbf_hours, spec.failures))
+    from ckptflow.fleet import load_fleet
+    from ckptflow.tasks.common import tier
+
+    watch = TurnWatch(mode._runner(), w, every_s=every, mtbf_s=node_mtbf_s(spec.mtbf_hours, spec.failures),
+                      tier=tier(fleet), reload=lambda: load_fleet(fleet_file).workload(workload))
 
     def said(m) -> None:
         e = m.probe.export

@@ -453,6 +453,8 @@ class SessionExport(BaseModel):
                                "previous session checkpoint.")
     decisions: dict[str, str] = Field(default_factory=dict, description="Session id -> why it was exported, "
                                       "kept as of its last export, or left out (policies.sessions).")
+    at_turn_end: bool = Field(False, description="Taken by the turn-end loop (runners/turns.py), not a "
+                              "heartbeat: the cadence policy measures its ticks from the newest heartbeat.")
 
 
 class ContainerRecord(BaseModel):

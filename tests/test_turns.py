@@ -107,11 +107,14 @@ def test_on_a_healthy_node_new_kv_waits_and_a_lost_session_is_answered_so_never_
     assert len(tt.store.list(live.workload.name)) == n
     # A new session there: its KV does not pay either; it is listed, so a restore knows of it.
     live.complete("hello, a new task", 12, "c")
-    m = watch.poll()                                      # seen in its first turn: listed at once
-    assert m is not None and m.probe.export.decisions["c"].startswith("in its first turn: listed")
+    assert watch.poll() is None                           # first seen: its turn may go on
+    m = watch.poll()                                      # its first turn end: weighed, listed
+    assert m is not None and m.probe.export.decisions["c"].startswith("new session (")
+    assert "listed without its KV, waits:" in m.probe.export.decisions["c"]
+    assert m.probe.export.decisions["a"] == "kept as last checkpointed: not at a turn end this look"
     assert "c" not in _records(tt, m) and json.loads((tt.store.images_dir(m) / SESSIONS_FILE).read_text())[
         "listed"] == ["c"]
-    assert watch.poll() is None                           # at its turn end its KV waits; listed already
+    assert watch.poll() is None                           # weighed at this turn end already: not again
     os.kill(live.pid, signal.SIGKILL)
     live.proc.wait()
     tt.restore(live.workload)
@@ -145,3 +148,58 @@ def test_the_command_refuses_a_process_workload_with_one_line():
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.splitlines()[0] == ("error: workload demo-chat is checkpointed as 'process': only "
                                         "template-sessions workloads export sessions")
+
+
+def test_the_heartbeat_cadence_counts_from_the_newest_heartbeat_not_the_loops_checkpoints(demo_worker, tt):
+    from ckptflow.runners.facts import collect_facts
+
+    live = demo_worker("live", 8)
+    live.complete("hi there", 8, "a")
+    m1 = tt.heartbeat(live.workload)
+    tt.store.put_export_context(live.workload.name, ExportContext(mtbf_s=60, device="cpu").model_dump_json())
+    watch = TurnWatch(tt, live.workload, every_s=0.1)
+    watch.poll()
+    live.complete("more of it " * 10, 8, "a")
+    watch.poll()
+    time.sleep(2.5)
+    m2 = watch.poll()
+    assert m2 is not None and m2.probe.export.at_turn_end and not m1.probe.export.at_turn_end
+    f = collect_facts(live.workload, tt.store)
+    age = time.time() - m1.created.timestamp()
+    assert age > 2.0 and f.seconds_since_ckpt >= age - 0.5     # the loop's checkpoint is ~0 s old
+    assert f.measured_pause_s == m1.timings["pause"]
+    # A template no longer valid: the loop leaves the workload to the heartbeat (no checkpoint over it).
+    from ckptflow.models import CheckpointState
+
+    tmpl = tt.store.get(m1.probe.template.workload, m1.probe.template.id)
+    tt.store.set_state(tmpl, CheckpointState.invalidated, "engine_version changed")
+    live.complete("and more", 8, "a")
+    watch.poll()
+    n = len(tt.store.list(live.workload.name))
+    assert watch.poll() is None and len(tt.store.list(live.workload.name)) == n
+
+
+def test_a_heartbeat_waits_for_the_loops_short_hold_of_the_lock(tmp_path):
+    import threading
+
+    from ckptflow.errors import WorkloadBusy
+
+    store = LocalStore(tmp_path / "store")
+    held = threading.Event()
+
+    def hold():
+        with store.lock("w"):
+            held.set()
+            time.sleep(0.4)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(5)
+    with pytest.raises(WorkloadBusy):
+        with store.lock("w"):
+            pass
+    t0 = time.monotonic()
+    with store.lock("w", wait_s=5):
+        waited = time.monotonic() - t0
+    t.join()
+    assert 0.1 < waited < 2.0

@@ -65,10 +65,9 @@ def collect_facts(w: Workload, store: LocalStore, *, mtbf_s: float | None = None
     if load is not None:
         live = load.used_tokens if load.used_tokens is not None else load.kv_cache_usage * (w.kv_capacity_tokens or 0)
     newest = store.list(w.name)
-    try:
-        m = store.latest_valid(w.name)
-    except CheckpointNotFound:
-        m = None
+    # The newest heartbeat's checkpoint: the turn-end loop's (every few seconds, a session's
+    # export alone) would read as "just checkpointed" and no heartbeat would ever be due.
+    m = next((c for c in store.valid(w.name) if not (c.probe.export and c.probe.export.at_turn_end)), None)
     since_s = since_tokens = None
     growth = 0.0
     if m is not None:

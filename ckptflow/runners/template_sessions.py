@@ -73,6 +73,11 @@ class TemplateSessionsResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+# A heartbeat waits this long for the workload's lock: the turn-end loop holds it for one
+# session's export (a tenth of a second per GiB), which must not cost a heartbeat its tick.
+HEARTBEAT_LOCK_WAIT_S = 10.0
+
+
 def _digests(recs: dict) -> dict[str, list[str]]:
     return {sid: [d for t in r["tensors"] for d in t["chunks"]] for sid, r in recs.items()}
 
@@ -125,7 +130,7 @@ class TemplateSessionsRunner:
             EngineProtocolError: the engine refused (nothing written, the worker serves on).
             CriuError: the template dump failed (the worker gets its weights and sessions back).
         """
-        with self.store.lock(w.name):
+        with self.store.lock(w.name, wait_s=HEARTBEAT_LOCK_WAIT_S):
             info = engine.engine_info(w)
             if info.get("parked"):  # a capture whose runner died after the engine released its weights
                 prev = next((m for m in self._sessions_of(w) if m.state.restorable), None)
@@ -160,7 +165,15 @@ class TemplateSessionsRunner:
             if info.get("parked"):
                 return None
             tmpl = self.template_for(self.template_name(w, info), source=w.name)
-            if tmpl is None:
+            newest = next((m for m in self._sessions_of(w) if m.state.restorable), None)
+            # Only over the template the newest sessions are bound to, and one that still fits this
+            # node: a new template (engine or model bumped, node changed) is the heartbeat's to take,
+            # and a checkpoint over the old one would be the newest and refused at restore.
+            if tmpl is None or newest is None or _bound_to(newest) != tmpl.id:
+                return None
+            try:
+                self.node.gate(w, tmpl)
+            except IncompatibleCheckpoint:
                 return None
             m = self._checkpoint_sessions(w, tmpl, held=held, context=context, turn=True, at_turn_end=at_turn_end)
             if m is not None and supersedes is not None and supersedes.id != m.id:
@@ -188,11 +201,13 @@ class TemplateSessionsRunner:
             held = {k: r["tokens"] for k, r in recs.items()}
         taken_at = time.time()
         facts = session_facts(held, old, taken_at)
-        busy = [] if at_turn_end is None else [f for f in facts if f.id not in at_turn_end]
+        # not at a turn end: in a turn (kept as checkpointed), unless unchanged since (said so)
+        busy = [] if at_turn_end is None else [f for f in facts
+                                               if f.id not in at_turn_end and f.tokens != f.tokens_at_ckpt]
         decisions = decide_sessions([f for f in facts if f not in busy], min_tokens=self.min_session_tokens,
                                     context=context)
         decisions += [SessionDecision(id=f.id, protect=f.id in old, export=False, listed=f.id not in old,
-                                      reason="in a turn: kept as last checkpointed" if f.id in old else
+                                      reason="kept as last checkpointed: not at a turn end this look" if f.id in old else
                                       "in its first turn: listed until its turn end weighs it") for f in busy]
         keep = {d.id: old[d.id] for d in decisions if d.protect and not d.export}
         export = [d.id for d in decisions if d.export]
@@ -248,7 +263,8 @@ class TemplateSessionsRunner:
         probe = ManifestProbe(tokens_total=load.tokens_total if load is not None else None,
                               template=TemplateBinding(id=tmpl.id, workload=tmpl.workload),
                               export=SessionExport(total_bytes=total, moved_bytes=moved or 0, changed=changed,
-                                                   decisions={d.id: d.reason for d in decisions}))
+                                                   decisions={d.id: d.reason for d in decisions},
+                                                   at_turn_end=at_turn_end is not None))
         return self.store.commit(
             pending, kind="sessions", parent=prev.id if prev else None, pid=tmpl.pid,
             fingerprint=workload_fingerprint(w, self.node.node_fp),

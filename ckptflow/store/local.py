@@ -345,9 +345,10 @@ class LocalStore:
         shutil.rmtree(d, ignore_errors=True)
 
     @contextmanager
-    def lock(self, workload: str) -> Iterator[None]:
-        """Exclusive, non-blocking lock of one workload on this node (flock: released by the
-        kernel if the holder dies, so a killed runner never leaves it stuck).
+    def lock(self, workload: str, wait_s: float = 0.0) -> Iterator[None]:
+        """Exclusive lock of one workload on this node (flock: released by the kernel if the
+        holder dies, so a killed runner never leaves it stuck); ``wait_s``: how long to wait for
+        a holder (0: not at all).
 
         Raises:
             WorkloadBusy: another checkpoint or restore of the workload holds it.
@@ -357,11 +358,16 @@ class LocalStore:
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise WorkloadBusy(f"workload {workload}: another checkpoint or restore is running on this node",
-                                   fix="nothing to do: the running one covers this tick") from None
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise WorkloadBusy(f"workload {workload}: another checkpoint or restore is running on "
+                                           "this node", fix="nothing to do: the running one covers this tick") from None
+                    time.sleep(0.05)
             yield
         finally:
             os.close(fd)
