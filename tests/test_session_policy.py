@@ -239,4 +239,8 @@ def test_turn_end_rule_young_interval_and_never():
     assert decide_export(1e6, None, h, since_s=1e6)[1].startswith("waits: 1000000 new tokens never pay")
     # Announced: every turn end; without a since_s the one-shot rule (a heartbeat's) applies.
     assert turns_between_exports(c.model_copy(update={"interruption_ahead": True}), 1200, 30) == 1
+    # ... with a fixed part a turn's KV does not cover: once a few turns' KV has built up.
+    a = c.model_copy(update={"interruption_ahead": True, "cost": CostModel(turn_export_fixed_s=0.5)})
+    m = turns_between_exports(a, 1200, 30)
+    assert m == 5 and decide_export(m * 1200, None, a)[0] and not decide_export((m - 1) * 1200, None, a)[0]
     assert decide_export(1e5, None, c)[1].startswith("export: 100000 new tokens pause")

@@ -118,6 +118,9 @@ def test_on_a_healthy_node_new_kv_waits_and_a_lost_session_is_answered_so_never_
     os.kill(live.pid, signal.SIGKILL)
     live.proc.wait()
     tt.restore(live.workload)
+    # Until its client comes back, "c" stays listed: a heartbeat now lists it again.
+    m4 = tt.heartbeat(live.workload)
+    assert json.loads((tt.store.images_dir(m4) / SESSIONS_FILE).read_text())["listed"] == ["c"]
     # "a" as checkpointed by the heartbeat (its growth since was the price of waiting): its
     # client's retry of the lost turn continues as the reference's did.
     assert live.complete("more", 12, "a") == ref.complete("more", 12, "a")

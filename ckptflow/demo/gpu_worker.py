@@ -176,6 +176,7 @@ class GpuWorker(EngineSide):
 
     def complete(self, body: dict) -> dict:
         prompt, max_tokens, sid = parse_completion(body)
+        self.check_lost(sid)
         if self.parked:
             raise ValueError("engine is parked for a template checkpoint (weights released); retry shortly")
         t0 = time.perf_counter()

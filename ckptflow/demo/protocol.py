@@ -152,7 +152,8 @@ class EngineSide:
         return {"protocol": PROTOCOL, "engine": self.ENGINE, "model": self.model_name,
                 "template_key": self.template_key(), "parked": self.parked,
                 **({"parked_with": self.parked_with} if self.parked else {}),
-                "sessions": self.session_lengths(), **self.engine_extra()}
+                "sessions": self.session_lengths(), **self.engine_extra(),
+                **({"lost": sorted(self.lost_sessions)} if getattr(self, "lost_sessions", None) else {})}
 
     def park(self, out_dir: Path, tensors: list[dict]) -> None:
         self.parked_with = {"dir": str(out_dir), "tensors": tensors}  # whoever unparks us needs it
@@ -176,8 +177,10 @@ class EngineSide:
 
     # --- sessions a restore knew of but could not bring back ---------------------------------
     def mark_lost(self, ids: list[str] | None) -> None:
-        """``lost`` of an import or resume: sessions the checkpoint listed without their KV."""
-        self.lost_sessions = set(ids or ()) - set(self.session_lengths())
+        """``lost`` of an import or resume: sessions the checkpoint listed without their KV, added
+        to those not yet answered (a call without ``lost``, an unpark, leaves them)."""
+        if ids:
+            self.lost_sessions = (getattr(self, "lost_sessions", set()) | set(ids)) - set(self.session_lengths())
 
     def check_lost(self, sid: str | None) -> None:
         """Refuse, once, a turn of a session lost in a restore: its client resends the history

@@ -193,8 +193,14 @@ def turns_between_exports(ctx: ExportContext, tokens_per_turn: float, turn_s: fl
     rate = ctx.cost.prefill_rate(ctx.device)
     if not ctx.interruption_ahead and hit / rate <= per_token:
         return None
-    if ctx.interruption_ahead:
-        return 1 if tokens_per_turn / rate > _pause(tokens_per_turn, ctx) else None
+    if ctx.interruption_ahead:  # certain to be needed: the one-shot rule, once enough KV has built up
+        gain = tokens_per_turn * (1 / rate - per_token)
+        if gain <= 0:
+            return None
+        m = max(1, math.ceil(_pause(0.0, ctx) / gain))
+        while not decide_export(m * tokens_per_turn, None, ctx)[0]:   # strict '>' at the edge
+            m += 1
+        return m
     young = 2 * _pause(0.0, ctx) * ctx.mtbf_s
     m = max(1, math.ceil(math.sqrt(young * rate / (tokens_per_turn * turn_s))))
     while m > 1 and (m - 1) * tokens_per_turn / rate * (m - 1) * turn_s >= young:   # float edges

@@ -146,7 +146,8 @@ class TemplateSessionsRunner:
                     tmpl = None
             if tmpl is None:  # the capture exported every session: its checkpoint is this heartbeat's
                 return self._capture_template(w, name)
-            return self._checkpoint_sessions(w, tmpl, held=info["sessions"], context=context, turn=turn)
+            return self._checkpoint_sessions(w, tmpl, held=info["sessions"], context=context, turn=turn,
+                                             pending_lost=info.get("lost"))
 
     def turn_end_checkpoint(self, w: Workload, held: dict[str, int], at_turn_end: set[str],
                             context: ExportContext, supersedes: Manifest | None = None) -> Manifest | None:
@@ -175,7 +176,8 @@ class TemplateSessionsRunner:
                 self.node.gate(w, tmpl)
             except IncompatibleCheckpoint:
                 return None
-            m = self._checkpoint_sessions(w, tmpl, held=held, context=context, turn=True, at_turn_end=at_turn_end)
+            m = self._checkpoint_sessions(w, tmpl, held=held, context=context, turn=True, at_turn_end=at_turn_end,
+                                          pending_lost=info.get("lost"))
             if m is not None and supersedes is not None and supersedes.id != m.id:
                 self.store.delete(supersedes)
             return m
@@ -183,7 +185,8 @@ class TemplateSessionsRunner:
     def _checkpoint_sessions(self, w: Workload, tmpl: Manifest, recs: dict | None = None,
                              moved: int | None = None, export_s: float | None = None,
                              held: dict[str, int] | None = None, context: ExportContext | None = None,
-                             turn: bool = False, at_turn_end: set[str] | None = None) -> Manifest | None:
+                             turn: bool = False, at_turn_end: set[str] | None = None,
+                             pending_lost: list[str] | None = None) -> Manifest | None:
         """The session checkpoint of ``w`` over ``tmpl``: ``held`` (session -> tokens, as the
         engine reported them) decides what to export, or ``recs`` were exported already.
         ``turn``: ask for a turn-boundary export (``"turn": true``, see ``heartbeat``). Timings:
@@ -211,7 +214,9 @@ class TemplateSessionsRunner:
                                       "in its first turn: listed until its turn end weighs it") for f in busy]
         keep = {d.id: old[d.id] for d in decisions if d.protect and not d.export}
         export = [d.id for d in decisions if d.export]
-        listed = sorted(d.id for d in decisions if d.listed)
+        # ... and those a restore told the engine were lost and no client has come back for yet:
+        # another restore must answer them the same
+        listed = sorted({d.id for d in decisions if d.listed} | (set(pending_lost or ()) - set(held)))
         if at_turn_end is not None and not export and set(listed) <= set(self._records(prev).get("listed", []) if prev else ()):
             return None
         self.chunks.touch([d for ds in _digests(old).values() for d in ds])  # relied on: young for GC
