@@ -107,7 +107,8 @@ def main() -> int:
         # A healthy node's context: a new session is listed, not exported.
         node.store.put_export_context(w.name, daily.model_copy(update={"mtbf_s": 6000 * H}).model_dump_json())
         launch.complete(G.PORT, G.prompt(8, 600), 8, "new")
-        m3 = watch.poll()
+        watch.poll()                                                        # first seen: its turn may go on
+        m3 = watch.poll()                                                   # its first turn end: weighed
         out["listed"] = {"checkpoint": bool(m3), "listed": records(node.store, m3).get("listed") if m3 else None,
                          "decision": m3.probe.export.decisions.get("new") if m3 else None}
         G.kill(int(pid_file.read_text()), node)
