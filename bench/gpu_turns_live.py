@@ -23,8 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -40,17 +38,6 @@ from ckptflow.runners.turns import TurnWatch  # noqa: E402
 from ckptflow.store.local import LocalStore  # noqa: E402
 
 H = 3600.0
-
-
-def turn(prompt: str, n: int, sid: str) -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://127.0.0.1:{G.PORT}/v1/completions", method="POST",
-                                 data=json.dumps({"prompt": prompt, "max_tokens": n, "session_id": sid}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def records(store, m) -> dict:
@@ -116,8 +103,8 @@ def main() -> int:
         r = tt.restore(w)
         out["restore"] = {"checkpoint_is_the_turn_ends": r.manifest.id == (m3 or m2).id,
                           "restore_to_ready_s": round(time.perf_counter() - t0, 2), "bitexact": G.state() == before}
-        code, body = turn("go on", 8, "new")
-        again, _ = turn(G.prompt(8, 600), 8, "new")
+        code, body = launch.complete_status(G.PORT, "go on", 8, "new")
+        again, _ = launch.complete_status(G.PORT, G.prompt(8, 600), 8, "new")
         out["lost"] = {"status": code, "error": body.get("error"), "resent_status": again}
     finally:
         G.stop(proc, pid_file)

@@ -41,7 +41,8 @@ import numpy as np
 from ckptflow.models import Action
 from ckptflow.policies.cadence import CostBasedParams, CostModel, WorkloadFacts, decide, get_policy, young_interval
 from ckptflow.policies.sessions import (ExportContext, SessionFacts, decide_sessions, export_context,
-                                        new_session_threshold_tokens, turns_between_exports)
+                                        new_session_threshold_tokens, turns_between_exports,
+                                        young_product_s2)
 
 DAY = 86400.0
 HOUR = 3600.0
@@ -252,29 +253,45 @@ def restore_of(cfg: TraceConfig, w: Workload, kept_tokens: float) -> float:
 
 
 # --- cost of one checkpoint schedule -----------------------------------------------------
+@dataclass
+class _Losses:
+    """One worker's interruptions summed: restores (or cold starts), re-prefill, KV kept (GPU-s)."""
+
+    lost: float = 0.0
+    restart: float = 0.0
+    reprefill: float = 0.0
+    kept: float = 0.0
+
+    def interruption(self, restart_s: float, risk_tokens: float, kept_tokens: float, rate: float) -> None:
+        self.lost += restart_s + risk_tokens / rate
+        self.restart += restart_s
+        self.reprefill += risk_tokens / rate
+        self.kept += kept_tokens / rate
+
+    def totals(self, pause: float, written: float, checkpoints: int) -> dict:
+        return {"lost_gpu_s": self.lost, "pause_gpu_s": pause, "bytes": written,
+                "checkpoints": checkpoints, "cost": self.lost + pause,
+                "restart_gpu_s": self.restart, "reprefill_gpu_s": self.reprefill, "kv_kept_gpu_s": self.kept}
+
+
 def schedule_cost(tr: Trace, w: Workload, ckpts: np.ndarray, *, template: bool = True,
                   drains_short: bool = False) -> dict:
     """Totals of one worker under one schedule. ``lost_gpu_s`` = ``restart_gpu_s`` (restores or
     cold starts) + ``reprefill_gpu_s`` (KV not in the newest checkpoint) + retries of short
     requests; ``kv_kept_gpu_s``: the re-prefill the checkpoints saved (KV restored instead)."""
     cfg, cost = tr.cfg, tr.cfg.cost
-    lost = restart = reprefill = kept = 0.0
+    out = _Losses()
     for t, maint in tr.events(w):
         i = np.searchsorted(ckpts, t, "right")
         tc = float(ckpts[i - 1]) if i else None
         risk = at_risk_tokens(cfg, w, t, tc)
         live = live_tokens(cfg, w, t)[0] if tc is not None else risk
         r = restore_of(cfg, w, live - risk) if template else cost.cold_start_s
-        lost += r + risk / cost.prefill_tokens_s
-        restart += r
-        reprefill += risk / cost.prefill_tokens_s
-        kept += (live - risk) / cost.prefill_tokens_s
+        out.interruption(r, risk, live - risk, cost.prefill_tokens_s)
         if w.short and not (maint and drains_short):
-            lost += sum(cfg.request_s) / 2  # in-flight requests retried
+            out.lost += sum(cfg.request_s) / 2  # in-flight requests retried
     pause, written = heartbeat_cost(cfg, w, ckpts)
-    return {"lost_gpu_s": lost, "pause_gpu_s": pause, "bytes": written,
-            "checkpoints": len(ckpts), "cost": lost + pause,
-            "restart_gpu_s": restart, "reprefill_gpu_s": reprefill, "kv_kept_gpu_s": kept}
+    return out.totals(pause, written, len(ckpts))
 
 
 def node_class(cfg: TraceConfig, mtbf_s: float) -> str:
@@ -406,7 +423,7 @@ def session_schedule_cost(tr: Trace, w: Workload, exports: list[list[float]], he
     import bisect
 
     cfg, cost = tr.cfg, tr.cfg.cost
-    lost = restart = reprefill = kept = 0.0
+    out = _Losses()
     for t, maint in tr.events(w):
         lo = np.searchsorted(w.start, t - cfg.session_max_s, "left")
         hi = np.searchsorted(w.start, t, "right")
@@ -417,18 +434,11 @@ def session_schedule_cost(tr: Trace, w: Workload, exports: list[list[float]], he
             i = bisect.bisect_right(exports[j], t)
             if i:
                 done += float(_ctx(cfg, w.start[j:j + 1], exports[j][i - 1])[0])
-        risk = live - done
-        r = restore_of(cfg, w, done)
-        lost += r + risk / cost.prefill_tokens_s
-        restart += r
-        reprefill += risk / cost.prefill_tokens_s
-        kept += done / cost.prefill_tokens_s
+        out.interruption(restore_of(cfg, w, done), live - done, done, cost.prefill_tokens_s)
     moved = sum(float(_ctx(cfg, w.start[j:j + 1], ex[-1])[0]) for j, ex in enumerate(exports) if ex)
     pause = heartbeats * cost.session_pause_fixed_s + cost.session_pause_s_per_gib * cost.kv_gib(
         moved, cfg.kv_bytes_per_token)
-    return {"lost_gpu_s": lost, "pause_gpu_s": pause, "bytes": moved * cfg.kv_bytes_per_token,
-            "checkpoints": heartbeats, "cost": lost + pause,
-            "restart_gpu_s": restart, "reprefill_gpu_s": reprefill, "kv_kept_gpu_s": kept}
+    return out.totals(pause, moved * cfg.kv_bytes_per_token, heartbeats)
 
 
 def turn_exports_cost(tr: Trace, w: Workload, tick_s: float = 300, decide_every: int = 12) -> dict:
@@ -463,7 +473,8 @@ def turn_exports_cost(tr: Trace, w: Workload, tick_s: float = 300, decide_every:
     def tokens(k: np.ndarray) -> np.ndarray:
         return np.minimum(c0 + d * k, cap)
 
-    lost = restart = reprefill = kept = 0.0
+    out = _Losses()
+    interrupted = {ws, *fails.tolist()}
     ctx = None
     for a, b in zip(marks[:-1], marks[1:]):
         if a % every == 0:
@@ -472,7 +483,7 @@ def turn_exports_cost(tr: Trace, w: Workload, tick_s: float = 300, decide_every:
                                 cost=cost, at_turn_end=True)
             m = turns_between_exports(ctx, d, T)
             nstar = new_session_threshold_tokens(ctx)
-            young = 2 * cost.turn_export_fixed_s * ctx.mtbf_s * cost.prefill_tokens_s   # token-seconds
+            young = young_product_s2(ctx) * cost.prefill_tokens_s   # in tokens x seconds
         lo = np.searchsorted(s, a - cfg.session_max_s, "left")
         hi = np.searchsorted(s, b, "left")
         j = lo + np.nonzero(e[lo:hi] > a)[0]
@@ -508,24 +519,17 @@ def turn_exports_cost(tr: Trace, w: Workload, tick_s: float = 300, decide_every:
             moved = (kd >= 1) & ((last_k[j2] < 0) | (tokens(kd) > tokens(np.maximum(last_k[j2], 0))))
             last_k[j2] = np.where(moved, kd, last_k[j2])
             n_exp[j2] += moved
-        if b in (ws,) or (len(fails) and b in set(fails.tolist())):
+        if b in interrupted:
             j3 = np.nonzero((s < b) & (e > b))[0]
             live = float(_ctx(cfg, s[j3], b).sum())
             lk = last_k[j3]
             done = float(np.where(lk >= 0, tokens(np.maximum(lk, 0)), 0.0).sum())
-            risk = live - done
-            r = restore_of(cfg, w, done)
-            lost += r + risk / cost.prefill_tokens_s
-            restart += r
-            reprefill += risk / cost.prefill_tokens_s
-            kept += done / cost.prefill_tokens_s
+            out.interruption(restore_of(cfg, w, done), live - done, done, cost.prefill_tokens_s)
     ok = last_k >= 0
     moved = float(tokens(last_k[ok]).sum())     # monotone contexts: each session's moves telescope
     exports = int(n_exp.sum())
     pause = exports * cost.turn_export_fixed_s + cost.turn_export_s_per_gib * cost.kv_gib(moved, cfg.kv_bytes_per_token)
-    return {"lost_gpu_s": lost, "pause_gpu_s": pause, "bytes": moved * cfg.kv_bytes_per_token,
-            "checkpoints": exports, "cost": lost + pause,
-            "restart_gpu_s": restart, "reprefill_gpu_s": reprefill, "kv_kept_gpu_s": kept}
+    return out.totals(pause, moved * cfg.kv_bytes_per_token, exports)
 
 
 def ckptflow_cost(tr: Trace, w: Workload, params: Mapping[str, Any] | CostBasedParams,

@@ -378,7 +378,7 @@ CONFIG = [
     (R, "polls its `/health` every 50 ms", "bench/migrate_downtime.py", r"\nPOLL_S = 0\.05\b"),
     (R, "looks at the engine's sessions every 2 s", "ckptflow/deploy.py", r"\nTURN_POLL_S = 2\b"),
     (R, "reach 2 × the export's fixed part × the MTBF", "ckptflow/policies/sessions.py",
-     r"young = 2 \* _pause\(0\.0, ctx\) \* ctx\.mtbf_s"),
+     r"return 2 \* _pause\(0\.0, ctx\) \* ctx\.mtbf_s"),
     (R, "Missed: the issue's 1.5×", "bench/policy_sim.py", r"ratio_c <= 1\.5\b"),
 ]
 

@@ -50,6 +50,16 @@ def tt(tmp_path):
         yield TemplateSessionsRunner(node)
 
 
+def _continues_on_standby(live, ref, sb, ns):
+    """Sessions a and b, served by the promoted standby, continue as the reference's."""
+    from ckptflow.runners import engine
+
+    for sid in ("a", "b"):
+        got = engine.call(live.workload, "/v1/completions", {"prompt": "and then?", "max_tokens": 16,
+                                                             "session_id": sid}, base=sb.base, netns=ns)
+        assert got["choices"][0]["tokens"] == ref.complete("and then?", 16, sid)
+
+
 def _template(tt, m):
     return tt.store.get(m.probe.template.workload, m.probe.template.id)
 
@@ -262,10 +272,7 @@ def test_a_standby_taken_while_the_worker_runs_is_promoted_after_it_died_and_con
         assert r.manifest.id == m.id and r.template.id == sb.template.id and r.pid == sb.copy.pid
         # the standby itself serves now (no new process was restored for the failover)
         assert engine.call(live.workload, "/v1/ckptflow/engine", base=sb.base, netns=ns)["parked"] is False
-        for sid in ("a", "b"):
-            got = engine.call(live.workload, "/v1/completions", {"prompt": "and then?", "max_tokens": 16,
-                                                                 "session_id": sid}, base=sb.base, netns=ns)
-            assert got["choices"][0]["tokens"] == ref.complete("and then?", 16, sid)
+        _continues_on_standby(live, ref, sb, ns)
     finally:
         sb.copy.stop()
         del_netns(ns)
@@ -355,10 +362,7 @@ def test_a_standby_is_given_weights_and_sessions_in_one_call_and_a_torn_session_
         r = tt.promote(live.workload, sb)
         assert [c for c, _ in seen if c != "engine"] == ["template/resume"]
         assert "load" in r.timings and "sessions" not in r.timings
-        for sid in ("a", "b"):
-            got = engine.call(live.workload, "/v1/completions", {"prompt": "and then?", "max_tokens": 16,
-                                                                 "session_id": sid}, base=sb.base, netns=ns)
-            assert got["choices"][0]["tokens"] == ref.complete("and then?", 16, sid)
+        _continues_on_standby(live, ref, sb, ns)
     finally:
         sb.copy.stop()
         del_netns(ns)

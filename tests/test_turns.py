@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from ckptflow.demo import launch
+
 from ckptflow.policies.sessions import ExportContext, decide_sessions, session_facts
 from ckptflow.runners.node import NodeRunner
 from ckptflow.runners.template_sessions import SESSIONS_FILE, TemplateSessionsRunner
@@ -76,21 +78,6 @@ def test_a_session_is_exported_at_its_turn_end_where_it_pays_and_restores_token_
         assert live.complete("and then?", 16, sid) == ref.complete("and then?", 16, sid)
 
 
-def _turn(port, prompt, n, sid):
-    """(HTTP status, body) of one completion."""
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
-                                 data=json.dumps({"prompt": prompt, "max_tokens": n, "session_id": sid}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 def test_on_a_healthy_node_new_kv_waits_and_a_lost_session_is_answered_so_never_restarted_silently(
         demo_worker, tt):
     live, ref = demo_worker("live", 8), demo_worker("ref", 8)
@@ -124,7 +111,7 @@ def test_on_a_healthy_node_new_kv_waits_and_a_lost_session_is_answered_so_never_
     # "a" as checkpointed by the heartbeat (its growth since was the price of waiting): its
     # client's retry of the lost turn continues as the reference's did.
     assert live.complete("more", 12, "a") == ref.complete("more", 12, "a")
-    code, body = _turn(live.port, "go on", 8, "c")
+    code, body = launch.complete_status(live.port, "go on", 8, "c")
     assert code == 410 and body["error"] == ("session c was lost in a restore (its KV was not checkpointed): "
                                              "send its whole history again to start it afresh")
     # Its client sends the history again: the same id starts afresh, as a new session would.

@@ -129,5 +129,15 @@ def complete(port: int, prompt: str, max_tokens: int, session_id: str | None = N
     return http_json(f"http://127.0.0.1:{port}/v1/completions", body)["choices"][0]["tokens"]
 
 
+def complete_status(port: int, prompt: str, max_tokens: int, session_id: str | None = None,
+                    timeout_s: float = 120) -> tuple[int, dict]:
+    """(HTTP status, body) of one completion, an error answer included (a lost session's 410)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, **({"session_id": session_id} if session_id else {})}
+    try:
+        return 200, http_json(f"http://127.0.0.1:{port}/v1/completions", body, timeout_s)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 def session_digests(port: int) -> dict[str, str]:
     return http_json(f"http://127.0.0.1:{port}/v1/sessions/digests")["sessions"]

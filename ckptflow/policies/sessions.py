@@ -133,6 +133,17 @@ def _pause(changed_tokens: float, ctx: ExportContext) -> float:
     return cost.session_pause_s_per_gib * cost.kv_gib(changed_tokens, ctx.kv_bytes_per_token)
 
 
+def _per_token(ctx: ExportContext) -> float:
+    """A token's share of an export's pause (the fixed part aside)."""
+    return _pause(1.0, ctx) - _pause(0.0, ctx)
+
+
+def young_product_s2(ctx: ExportContext) -> float:
+    """Re-prefill at risk (s) x seconds since the export past which a turn-end export pays:
+    2 x the export's fixed part x M, Young's interval for one session."""
+    return 2 * _pause(0.0, ctx) * ctx.mtbf_s
+
+
 def decide_export(changed_tokens: float, age_s: float | None, ctx: ExportContext,
                   since_s: float | None = None) -> tuple[bool, str]:
     """Export a session's ``changed_tokens`` now, or wait (see the module's rule); plain floats in,
@@ -149,10 +160,9 @@ def decide_export(changed_tokens: float, age_s: float | None, ctx: ExportContext
     hit, why = _hit(age_s, ctx)
     numbers = f"{saved:.1f} s re-prefill x {hit:.2%} chance an interruption hits it ({why})"
     if ctx.at_turn_end and since_s is not None and not ctx.interruption_ahead:
-        per_token = _pause(1.0, ctx) - _pause(0.0, ctx)
-        if hit / ctx.cost.prefill_rate(ctx.device) <= per_token:
+        if hit / ctx.cost.prefill_rate(ctx.device) <= _per_token(ctx):
             return False, f"waits: {changed_tokens:.0f} new tokens never pay their pause ({numbers})"
-        young = 2 * _pause(0.0, ctx) * ctx.mtbf_s
+        young = young_product_s2(ctx)
         turn = (f"{saved:.2f} s re-prefill at risk x {since_s:.0f} s since its export "
                 f"{'>=' if saved * since_s >= young else '<'} 2 x {_pause(0.0, ctx):.4f} s x M={_hours(ctx.mtbf_s)}")
         return (True, f"export at turn end: {turn}") if saved * since_s >= young else (False, f"waits a turn: {turn}")
@@ -170,7 +180,7 @@ def new_session_threshold_tokens(ctx: ExportContext) -> float:
         (0.0, inf)
     """
     hit, _ = _hit(None, ctx)
-    per_token = hit / ctx.cost.prefill_rate(ctx.device) - (_pause(1.0, ctx) - _pause(0.0, ctx))
+    per_token = hit / ctx.cost.prefill_rate(ctx.device) - _per_token(ctx)
     return _pause(0.0, ctx) / per_token if per_token > 0 else math.inf
 
 
@@ -188,7 +198,7 @@ def turns_between_exports(ctx: ExportContext, tokens_per_turn: float, turn_s: fl
         >>> m, [decide_export(k * 1200, None, ctx, since_s=k * 30)[0] for k in (m - 1, m)]
         (7, [False, True])
     """
-    per_token = _pause(1.0, ctx) - _pause(0.0, ctx)
+    per_token = _per_token(ctx)
     hit, _ = _hit(None, ctx)
     rate = ctx.cost.prefill_rate(ctx.device)
     if not ctx.interruption_ahead and hit / rate <= per_token:
@@ -201,7 +211,7 @@ def turns_between_exports(ctx: ExportContext, tokens_per_turn: float, turn_s: fl
         while not decide_export(m * tokens_per_turn, None, ctx)[0]:   # strict '>' at the edge
             m += 1
         return m
-    young = 2 * _pause(0.0, ctx) * ctx.mtbf_s
+    young = young_product_s2(ctx)
     m = max(1, math.ceil(math.sqrt(young * rate / (tokens_per_turn * turn_s))))
     while m > 1 and (m - 1) * tokens_per_turn / rate * (m - 1) * turn_s >= young:   # float edges
         m -= 1

@@ -198,7 +198,8 @@ class TemplateSessionsRunner:
         ``exported_at``, the time its state was taken (the turn-end rule's ``since_s``)."""
         prev = next((m for m in self._sessions_of(w)
                      if m.state.restorable and _bound_to(m) == tmpl.id), None)
-        old = self._records(prev)["sessions"] if prev else {}
+        prev_doc = self._records(prev) if prev else {}
+        old = prev_doc.get("sessions", {})
         t: dict[str, float] = {}
         if recs is not None:
             held = {k: r["tokens"] for k, r in recs.items()}
@@ -217,7 +218,7 @@ class TemplateSessionsRunner:
         # ... and those a restore told the engine were lost and no client has come back for yet:
         # another restore must answer them the same
         listed = sorted({d.id for d in decisions if d.listed} | (set(pending_lost or ()) - set(held)))
-        if at_turn_end is not None and not export and set(listed) <= set(self._records(prev).get("listed", []) if prev else ()):
+        if at_turn_end is not None and not export and set(listed) <= set(prev_doc.get("listed", [])):
             return None
         self.chunks.touch([d for ds in _digests(old).values() for d in ds])  # relied on: young for GC
         if recs is None:
@@ -415,7 +416,7 @@ class TemplateSessionsRunner:
                 t["fetch"] = time.perf_counter() - t0
             m, tmpl = self._newest(w)
             t0 = time.perf_counter()
-            recs, weights = self._checked_records(m, tmpl)
+            recs, weights, listed = self._checked_records(m, tmpl)
             t["chunks_checked"] = time.perf_counter() - t0
             self.node.gate_gpu_memory(w, tmpl)  # each GPU against its share; a template that recorded none is refused
             pid = self.node._restore_verified(w, tmpl, t)
@@ -423,7 +424,7 @@ class TemplateSessionsRunner:
             if w.find.pid_file:
                 _write_pid_file(Path(w.find.pid_file), pid)
             try:
-                got = self._load(w, weights, recs, t, lost=self._records(m).get("listed", []))
+                got = self._load(w, weights, recs, t, lost=listed)
             except CkptflowError:
                 # A template without its weights or sessions must not pass for the workload.
                 for p in process.tree(pid):
@@ -541,16 +542,17 @@ class TemplateSessionsRunner:
         self.node.gate(w, now)
         t: dict[str, float] = {}
         t0 = time.perf_counter()
-        recs, weights = self._checked_records(m, sb.template, hash_sessions=None)
+        recs, weights, listed = self._checked_records(m, sb.template, hash_sessions=None)
         t["chunks_checked"] = time.perf_counter() - t0
-        got = self._load(w, weights, recs, t, lost=self._records(m).get("listed", []), base=sb.base, netns=sb.netns)
+        got = self._load(w, weights, recs, t, lost=listed, base=sb.base, netns=sb.netns)
         _check_sessions(w, recs, got, f"a standby of template {sb.template.id} given sessions {m.id}")
         return TemplateSessionsResult(manifest=m, template=sb.template, pid=sb.copy.pid,
                                       timings={k: round(v, 4) for k, v in t.items()})
 
     def _checked_records(self, m: Manifest, tmpl: Manifest, hash_sessions: bool | None = True
-                         ) -> tuple[dict, list[dict]]:
-        """(session records of ``m``, weight records of ``tmpl``), every chunk they name here.
+                         ) -> tuple[dict, list[dict], list[str]]:
+        """(session records of ``m``, weight records of ``tmpl``, the sessions ``m`` lists without
+        their KV), every chunk they name here.
         Session chunks are hashed now, in parallel (one thread took 4.5 s for 5 GiB on the
         H200); the weights (GiBs) only checked for presence and size: the engine checks their
         bytes as it loads them (hashing them here too cost 7.8 s of 12.8 s for 8 GiB on the H200).
@@ -560,7 +562,8 @@ class TemplateSessionsRunner:
         Raises:
             ChecksumMismatch: a chunk is missing, or a session chunk is torn.
         """
-        recs = self._records(m)["sessions"]
+        doc = self._records(m)
+        recs = doc["sessions"]
         weights = json.loads((self.store.images_dir(tmpl) / WEIGHTS_FILE).read_text())
         for r in weights:
             self.chunks.present(r["chunks"], r.get("nbytes"))
@@ -572,7 +575,7 @@ class TemplateSessionsRunner:
             self.chunks.verify(digests)
         else:  # the engine hashes them on the GPU as they land
             self.chunks.present(digests)
-        return recs, weights
+        return recs, weights, doc.get("listed", [])
 
     def _load(self, w: Workload, weights: list[dict], recs: dict, t: dict, lost: list[str] | None = None,
               **where) -> dict[str, str]:
