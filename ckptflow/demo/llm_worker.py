@@ -18,10 +18,11 @@ thread, every chunk's sha256 checked on the way (cold start reads the safetensor
 way, so the cold-start baseline is not a straw man); a template resume given the sessions too
 streams weights and session blocks in one pass (one work list), then checks both on the GPU; a
 session export copies only blocks whose on-GPU keyed hash (demo/gpuhash.py) changed into pinned
-memory while holding the model (the pause), then hashes and writes them while serving on
-(threaded server, one model lock). A turn-boundary export (``"turn": true``) holds only the
-sessions it names (each session's lock, which a completion holds for its whole turn) and copies
-on a side CUDA stream while the other sessions decode.
+memory while holding the model (the pause), then a child process with no CUDA hashes and writes
+them from that memory (demo/chunkwriter.py) while serving goes on (threaded server, one model
+lock). A turn-boundary export (``"turn": true``) holds only the sessions it names (each session's
+lock, which a completion holds for its whole turn) and copies on a side CUDA stream, one piece in
+flight, while the other sessions decode.
 
 Locks: a completion (and peek) takes its session's turn lock, then ``lock`` (the model: one
 completion at a time); an export, import, resume or prepare takes ``export_lock`` (the pinned
@@ -66,11 +67,13 @@ RUN_BLOCKS = 512            # consecutive KV blocks fingerprinted in one launch,
 # among the weight chunks). Measured on the H200 (bench/gpu_two_tier.py rows S/SB vs SI/SBI): equal
 # at a 20 GiB pool, weights first 0.08 s faster at 105 GiB (interleaved blocks wait for the pool).
 STREAM_ORDERS = ("weights-first", "interleave")
-# A turn export's device -> host copy in pieces, two in flight, so that a decoding session's own
-# small device -> host copies (each token's argmax) can queue behind one piece (16 MiB: ~0.3 ms)
-# rather than behind a whole run (1 GiB in one copy: ~20 ms). Measured on the H200
-# (bench/gpu_turn_export.py): the decoding client lost the same per 1 GiB export either way
-# (0.0175 s in one copy, 0.0215 s in pieces; noise 0.002 s), so that is not where its loss comes from.
+# A turn export's device -> host copy in pieces, one in flight. The copy engine serves one stream's
+# queue until it is empty: while a turn export's copies were queued back to back (one 1 GiB copy,
+# or 16 MiB pieces two in flight), a decoding session's own small copy (each token's argmax) waited
+# for all of them, and its step took as long as the whole export's copy (23 ms for 1 GiB, against
+# 4 ms; bench/gpu_copy_interference.py on the H200). With one piece in flight the queue empties
+# after each piece and the decoder's copy goes next: its step stays at 4.7 ms at most, the export's
+# copy takes 21.7 ms instead of 19.8.
 TURN_COPY_PIECE = 16 << 20
 
 
@@ -137,6 +140,43 @@ class HostBuf:
             self.t = None
             cu.cuMemFreeHost(self.ptr)
             self.ptr, self.n = 0, 0
+
+
+class SharedHostBuf(HostBuf):
+    """Page-locked host memory that a child process with no CUDA hashes and writes from
+    (``writer``: ckptflow.demo.chunkwriter): a memfd both map, registered with the driver
+    (cuMemHostRegister), so that an export's host part takes nothing from the serving thread."""
+
+    def __init__(self):
+        super().__init__()
+        self.writer = None
+
+    def ensure(self, nbytes: int) -> torch.Tensor:
+        if self.n < nbytes:
+            import ctypes
+
+            import numpy as np
+            from cuda.bindings import driver as cu
+
+            from ckptflow.demo.chunkwriter import ChunkWriter
+            from ckptflow.demo.vmm import _ok
+
+            self.free()
+            self.writer = ChunkWriter(nbytes)
+            self.ptr = self.writer.address
+            _ok(cu.cuMemHostRegister(self.ptr, nbytes, 0))
+            self.n = nbytes
+            self.t = torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr)))
+        return self.t
+
+    def free(self) -> None:
+        if self.writer is not None:
+            from cuda.bindings import driver as cu
+
+            self.t = None
+            cu.cuMemHostUnregister(self.ptr)
+            self.writer.close()
+            self.writer, self.ptr, self.n = None, 0, 0
 
 
 def stream_in(items: list[tuple], dst: torch.Tensor, slots: HostBuf,
@@ -234,7 +274,7 @@ class LlmEngine(EngineSide):
         self.meta_lock = threading.Lock()        # the sessions/turn_done/hashers dicts (see the module docstring)
         self.turn_locks: dict[str, threading.Lock] = {}   # session -> held for a turn, or a turn export
         self.turn_done: dict[str, torch.cuda.Event] = {}  # session -> recorded after its last turn's kernels
-        self.slots, self.staging = HostBuf(), HostBuf()
+        self.slots, self.staging = HostBuf(), SharedHostBuf()
         self.model_name, self.seed, self.weights_path = model_name, seed, weights
         if stream_order not in STREAM_ORDERS:
             raise ValueError(f"stream order {stream_order!r}: one of {', '.join(STREAM_ORDERS)}")
@@ -600,7 +640,7 @@ class LlmEngine(EngineSide):
         in_flight: list[torch.cuda.Event] = []
         with torch.cuda.stream(stream):
             for dst, src, n in spans:
-                if piece and len(in_flight) >= 2:
+                if piece and in_flight:
                     in_flight.pop(0).synchronize()
                 buf[dst:dst + n].copy_(pool[src:src + n], non_blocking=True)
                 if piece:
@@ -644,25 +684,16 @@ class LlmEngine(EngineSide):
                 self.staging.ensure(need + need // 4)  # pinning is slow: outside the hold, then plan again
                 ph["pin"] += time.perf_counter() - t0
 
-            def write(j: int) -> tuple[int, str, int]:  # serving goes on meanwhile
-                view = memoryview(buf[j * self.block_bytes:(j + 1) * self.block_bytes].numpy())
-                d = hashlib.sha256(view).hexdigest()
-                if (out_dir / d).exists():
-                    return j, d, 0
-                tmp = out_dir / f".{d}.tmp"
-                with open(tmp, "wb") as f:
-                    f.write(view)
-                os.replace(tmp, out_dir / d)
-                return j, d, len(view)
-
+            # Serving goes on meanwhile; the staging's writer process hashes and writes.
             t0 = time.perf_counter()
             written = {sid: 0 for sid in snap}
-            with ThreadPoolExecutor(THREADS) as ex:
-                for j, d, n in ex.map(write, range(len(plan))):
-                    sid, i, _, fp = plan[j]
-                    snap[sid]["shas"][i] = d
-                    self.fp_cache.setdefault(sid, {})[i] = (fp, d)
-                    written[sid] += n
+            bb = self.block_bytes
+            got = self.staging.writer.write(out_dir, [(j * bb, bb) for j in range(len(plan))]) if plan else []
+            for j, (d, n) in enumerate(got):
+                sid, i, _, fp = plan[j]
+                snap[sid]["shas"][i] = d
+                self.fp_cache.setdefault(sid, {})[i] = (fp, d)
+                written[sid] += n
             ph["write"] = time.perf_counter() - t0
         res = {}
         for sid, sn in snap.items():
