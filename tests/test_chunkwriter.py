@@ -98,3 +98,24 @@ def test_the_module_example_runs():
 
     res = doctest.testmod(mod)
     assert res.attempted > 0 and res.failed == 0
+
+
+def test_the_writer_dies_with_its_engine_and_never_holds_the_engines_pid(tmp_path):
+    """A writer left in the engine's process group would keep the engine's PID number taken after
+    a kill, and a restore in place could not have it back."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import sys, time; from ckptflow.demo.chunkwriter import ChunkWriter; w = ChunkWriter(4096); "
+            "print(w.proc.pid, flush=True); time.sleep(60)")
+    engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    child = int(engine.stdout.readline())
+    assert os.getsid(child) == child != os.getpgid(engine.pid)
+    engine.kill()
+    engine.wait()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not os.path.exists(f"/proc/{child}")

@@ -55,9 +55,13 @@ class ChunkWriter:
         self._lock = threading.Lock()
         pkg_root = str(Path(__file__).resolve().parent.parent.parent)
         env = {**os.environ, "PYTHONPATH": pkg_root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.proc = subprocess.Popen([sys.executable, "-m", "ckptflow.demo.chunkwriter", str(self.fd), str(threads)],
+        # Its own session, and it dies with the engine: a child left in the engine's process group
+        # keeps the engine's PID number taken (as that group's ID) after the engine is killed,
+        # and CRIU cannot restore the engine into it ("Can't fork for <pid>: File exists").
+        self.proc = subprocess.Popen([sys.executable, "-m", "ckptflow.demo.chunkwriter", str(self.fd), str(threads),
+                                      str(os.getpid())],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(self.fd,),
-                                     text=True, bufsize=1, env=env, start_new_session=False)
+                                     text=True, bufsize=1, env=env, start_new_session=True)
 
     @property
     def address(self) -> int:
@@ -99,6 +103,16 @@ class ChunkWriter:
         os.close(self.fd)
 
 
+def _die_with(parent: int) -> None:
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:   # the engine died before the line above
+        os._exit(1)
+
+
 def _serve(fd: int, threads: int) -> None:
     import hashlib
     from concurrent.futures import ThreadPoolExecutor
@@ -132,4 +146,5 @@ def _serve(fd: int, threads: int) -> None:
 
 
 if __name__ == "__main__":
+    _die_with(int(sys.argv[3]))
     _serve(int(sys.argv[1]), int(sys.argv[2]))
