@@ -21,8 +21,8 @@ Per export: the decode time lost = (window wall time - tokens decoded / r0) / ex
 window, i.e. the extra wall time of the decoding client, in GPU-seconds of a one-GPU engine;
 the export's own duration (the engine's ``seconds``) and ``held_s`` (turn: how long the exported
 session could not take a turn; held: how long every session could not). The sizes give a fixed
-part and a part per GiB (least-squares line): ``turn_export_fixed_s`` (not below 0: a negative
-fixed part is 0 within the noise) and ``turn_export_s_per_gib`` of the cost model are the turn
+part and a part per GiB (least-squares line): ``turn_export_fixed_s`` and ``turn_export_s_per_gib``
+(neither below 0: a negative part is 0 within the noise) of the cost model are the turn
 rows' decode loss. Checks: the decode
 client's tokens equal those of the base window (the same prompt decodes the same), and a turn
 export writes the same chunks as a held export of the same session.
@@ -289,7 +289,7 @@ def main() -> int:
             "alone": alone, "windows": [{k: v for k, v in w.items() if k not in ("first_tokens", "chunks")}
                                         for w in win],
             "fits": fits, "turn_export_fixed_s": max(0.0, fits["turn_lost_s_per_export"]["fixed_s"]),
-            "turn_export_s_per_gib": fits["turn_lost_s_per_export"]["s_per_gib"],
+            "turn_export_s_per_gib": max(0.0, fits["turn_lost_s_per_export"]["s_per_gib"]),
             "turn_chunks_equal_held": same_chunks, "turn_digest_matches_engine": digests_ok,
             "decode_tokens_equal": all(w["decode_tokens_equal"] for w in win)}
     except BaseException:

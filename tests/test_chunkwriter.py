@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 
 import pytest
 
@@ -100,12 +101,26 @@ def test_the_module_example_runs():
     assert res.attempted > 0 and res.failed == 0
 
 
+def test_the_writer_outlives_the_thread_that_started_it(tmp_path):
+    """An engine starts its writer on a request's thread, which ends with the request."""
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("w", ChunkWriter(4096)))
+    t.start()
+    t.join()
+    w = box["w"]
+    try:
+        time.sleep(0.5)
+        w.view[:3] = b"abc"
+        assert w.write(tmp_path, [(0, 3)])[0][1] == 3
+    finally:
+        w.close()
+
+
 def test_the_writer_dies_with_its_engine_and_never_holds_the_engines_pid(tmp_path):
     """A writer left in the engine's process group would keep the engine's PID number taken after
     a kill, and a restore in place could not have it back."""
     import subprocess
     import sys
-    import time
 
     code = ("import sys, time; from ckptflow.demo.chunkwriter import ChunkWriter; w = ChunkWriter(4096); "
             "print(w.proc.pid, flush=True); time.sleep(60)")

@@ -126,19 +126,21 @@ def test_under_two_tiers_the_policy_protects_long_sessions(seed0):
     assert tc["kv_kept_gpu_s"] > 2 * pc["kv_kept_gpu_s"]
     assert tc["reprefill_gpu_s"] < 0.5 * pc["reprefill_gpu_s"]
     pcls, tcls = proc["ckptflow_by_class"], tt["ckptflow_by_class"]
-    # Long sessions on preemptible nodes: exported at their turn ends (every one: the H200's turn
-    # export has no fixed part), against one maintenance heartbeat or none for the whole process.
+    # Long sessions on preemptible nodes: exported at their turn ends, every few turns (Young's
+    # interval over the H200 turn export's 0.00166 s fixed part), against one maintenance heartbeat
+    # or none for the whole process.
     pre = tcls["preemptible/long"]
     assert pre["checkpoints"] > 10_000 * pre["workloads"]
     assert pcls["preemptible/long"]["checkpoints"] <= pcls["preemptible/long"]["workloads"]
-    assert pre["reprefill_gpu_s"] < 0.02 * pre["kv_kept_gpu_s"]
+    assert pre["reprefill_gpu_s"] < 0.05 * pre["kv_kept_gpu_s"]
     # Every node: long sessions carried across the maintenance window (process: under half of them).
     healthy = tcls["healthy/long"]
     assert healthy["with_checkpoints"] >= 0.95 * healthy["workloads"]
     assert pcls["healthy/long"]["with_checkpoints"] < 0.5 * healthy["workloads"]
-    # ... but on healthy nodes new KV waits (listed sessions, grown ones kept): moving it costs more
-    # than the chance a failure needs it; their exports are the drain's, a few hundred per worker.
-    assert healthy["checkpoints"] < 0.01 * pre["checkpoints"] / pre["workloads"] * healthy["workloads"]
+    # ... but on healthy nodes new KV waits far longer: Young's interval grows with the MTBF (seed 0:
+    # ~20 x fewer exports per worker than on the preemptible nodes, new sessions listed until they
+    # hold ~28,000 tokens).
+    assert healthy["checkpoints"] < 0.1 * pre["checkpoints"] / pre["workloads"] * healthy["workloads"]
     assert healthy["pause_gpu_s"] < 0.1 * pre["pause_gpu_s"] / pre["workloads"] * healthy["workloads"]
     # Short requests: never.
     assert all(v["checkpoints"] == 0 for k, v in tcls.items() if k.endswith("/short"))
@@ -147,12 +149,12 @@ def test_under_two_tiers_the_policy_protects_long_sessions(seed0):
     best_fixed = min(v["cost"] for k, v in tp.items() if k.startswith("fixed-"))
     assert tc["cost"] <= 1.10 * tp["hindsight"]["cost"] and tc["cost"] <= 0.70 * best_fixed
     assert tp["hindsight"]["checkpoints"] > 0 and tp["clairvoyant"]["cost"] <= tc["cost"]
-    # Sessions weighed at their turn ends (#25 item 3): 1.65 x clairvoyant on seed 0, against 1.89 at
-    # the cadence's heartbeats (the same rule, the engine held). The issue's 1.5 is not reached: the
-    # preemptible class pays 0.0266 s per GiB for every session's KV it moves (bench/RESULTS.md).
+    # Sessions weighed at their turn ends (#25 item 3): 1.21 x clairvoyant on seed 0, against 1.89 at
+    # the cadence's heartbeats (the same rule, the engine held): within the issue's 1.5 now that a
+    # turn export costs the other sessions 0.00166 s and nothing per GiB (bench/RESULTS.md).
     hb = tp["ckptflow-heartbeat"]
     assert tc["cost"] <= 0.9 * hb["cost"]
-    assert tc["cost"] <= 1.7 * tp["clairvoyant"]["cost"] and tc["cost"] <= 0.55 * tp["hindsight"]["cost"]
+    assert tc["cost"] <= 1.5 * tp["clairvoyant"]["cost"] and tc["cost"] <= 0.45 * tp["hindsight"]["cost"]
     # Before a window only the drain's last turn of growth is lost.
     assert healthy["reprefill_gpu_s"] < 0.6 * 5873.4   # seed 0 before: 5,873 GPU-s (bench/results/policy_sim.json)
     assert math.isclose(tp["never"]["cost"], proc["policies"]["never"]["cost"])  # no checkpoints: same
@@ -166,7 +168,7 @@ def test_turn_end_export_costs_are_the_measured_h200_numbers():
     cost = CostModel()
     fit = run["fits"]["turn_lost_s_per_export"]
     assert cost.turn_export_fixed_s == max(0.0, fit["fixed_s"]) == run["turn_export_fixed_s"]
-    assert cost.turn_export_s_per_gib == pytest.approx(fit["s_per_gib"], rel=0.01)
+    assert cost.turn_export_s_per_gib == max(0.0, fit["s_per_gib"]) == run["turn_export_s_per_gib"]
     # The line never understates the 1 GiB window it leans on, and overstates the small ones.
     for w in run["windows"]:
         if w["window"].startswith("turn "):

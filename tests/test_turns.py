@@ -11,6 +11,7 @@ import pytest
 
 from ckptflow.demo import launch
 
+from ckptflow.policies.cadence import CostModel
 from ckptflow.policies.sessions import ExportContext, decide_sessions, session_facts
 from ckptflow.runners.node import NodeRunner
 from ckptflow.runners.template_sessions import SESSIONS_FILE, TemplateSessionsRunner
@@ -123,7 +124,9 @@ def test_the_loop_runs_until_stopped_and_counts_its_checkpoints(demo_worker, tt)
     live.complete("hi", 4, "a")
     tt.heartbeat(live.workload)
     live.complete("a new one", 4, "z")
-    tt.store.put_export_context(live.workload.name, ExportContext(mtbf_s=24 * H).model_dump_json())
+    # No fixed part: a new session pays at its first turn end, however small.
+    free = CostModel(turn_export_fixed_s=0.0, turn_export_s_per_gib=0.0266)   # the H200 before this fix
+    tt.store.put_export_context(live.workload.name, ExportContext(mtbf_s=24 * H, cost=free).model_dump_json())
     got = []
     assert TurnWatch(tt, live.workload, every_s=0.05).run(duration_s=1.0, on_checkpoint=got.append) == 1
     assert got[0].probe.export.changed == ["z"]

@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 THREADS = max(4, min(14, (os.cpu_count() or 8) - 2))
@@ -104,13 +105,14 @@ class ChunkWriter:
 
 
 def _die_with(parent: int) -> None:
-    import ctypes
-    import signal
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:   # the engine died before the line above
+    """Exit once ``parent`` (the engine) is gone. Not PR_SET_PDEATHSIG: that fires when the
+    *thread* that started this process ends, and an engine's request threads end after each call."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
         os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def _serve(fd: int, threads: int) -> None:

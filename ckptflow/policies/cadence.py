@@ -111,14 +111,15 @@ class CostModel(BaseModel):
         "blocks, sync). The one measurement cannot be split, so the whole measured pause is charged here too: "
         "the model overstates it (0.072 s for 1 GiB changed, measured 0.036 s).")
     turn_export_fixed_s: float = Field(
-        0.0, ge=0, description="Two-tier export of one session at its turn end (it is between turns: the export "
+        0.00166, ge=0, description="Two-tier export of one session at its turn end (it is between turns: the export "
         "holds that session only, the engine serves on): fixed GPU-seconds the other sessions lose per export. "
-        "H200 (bench/results/gpu_turn_export.json, 2026-12-01 13:19): the fit through 0.25/0.5/1 GiB gives "
-        "-0.0067 s, so 0 (the noise is 0.002 s per export).")
+        "H200 (bench/results/gpu_turn_export.json, 2026-12-01 16:06): 0.0017, 0.0016, 0.0016 s at 0.25, 0.5 and "
+        "1 GiB, within the noise (0.0028 s per export; the host-only control window lost 0.0023 s).")
     turn_export_s_per_gib: float = Field(
-        0.0266, ge=0, description="Two-tier export at a turn end: GPU-seconds a batch-1 decoding session beside "
-        "it loses per GiB copied out (same run: 0.0027 s at 0.25 and 0.5 GiB, 0.0215 s at 1 GiB; the line "
-        "overstates small exports). A held export of the same bytes: 0.0023 s + 0.0254 s/GiB.")
+        0.0, ge=0, description="Two-tier export at a turn end: GPU-seconds a batch-1 decoding session beside "
+        "it loses per GiB copied out. Same run: the fit's slope is -0.00004 s/GiB, so 0. It was 0.0266 before "
+        "the export copied one piece in flight and wrote from a process of its own (bench/gpu_copy_interference.py). "
+        "A held export of the same bytes: 0.0046 s + 0.0183 s/GiB.")
     template_restore_s: float = Field(
         2.85, ge=0, description="Two-tier restore, fixed part: CRIU + CUDA restore of the template image "
         "(2.18 GiB; 2.40 s) and the chunk check (0.45 s), row B.")

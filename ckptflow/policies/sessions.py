@@ -176,7 +176,10 @@ def new_session_threshold_tokens(ctx: ExportContext) -> float:
     above; inf: never; its one-shot rule, the rule being linear in the tokens).
 
         >>> ctx = ExportContext(mtbf_s=24 * 3600, kv_bytes_per_token=65536, at_turn_end=True)
-        >>> new_session_threshold_tokens(ctx), new_session_threshold_tokens(ctx.model_copy(update={"mtbf_s": 6e6}))
+        >>> [round(new_session_threshold_tokens(ctx.model_copy(update={"mtbf_s": m}))) for m in (86400, 6e6)]
+        [398, 27667]
+        >>> free = ctx.model_copy(update={"cost": CostModel(turn_export_fixed_s=0.0, turn_export_s_per_gib=0.03)})
+        >>> new_session_threshold_tokens(free), new_session_threshold_tokens(free.model_copy(update={"mtbf_s": 6e6}))
         (0.0, inf)
     """
     hit, _ = _hit(None, ctx)
@@ -191,12 +194,11 @@ def turns_between_exports(ctx: ExportContext, tokens_per_turn: float, turn_s: fl
     with it; tests/test_session_policy.py holds it to ``decide_export``.
 
         >>> ctx = ExportContext(mtbf_s=24 * 3600, kv_bytes_per_token=65536, at_turn_end=True)
-        >>> turns_between_exports(ctx, 1200, 30)          # no fixed part (H200): every turn end
-        1
-        >>> ctx = ctx.model_copy(update={"cost": CostModel(turn_export_fixed_s=0.001)})
-        >>> m = turns_between_exports(ctx, 1200, 30)
+        >>> m = turns_between_exports(ctx, 1200, 30)      # the H200's 0.00166 s fixed part
         >>> m, [decide_export(k * 1200, None, ctx, since_s=k * 30)[0] for k in (m - 1, m)]
-        (7, [False, True])
+        (9, [False, True])
+        >>> turns_between_exports(ctx.model_copy(update={"cost": CostModel(turn_export_fixed_s=0.0)}), 1200, 30)
+        1
     """
     per_token = _per_token(ctx)
     hit, _ = _hit(None, ctx)
