@@ -6,9 +6,15 @@ combine is said per family (``Combine``): counts and counters add up, a usage ra
 averaged (two engines at 0.31 and 0.29 are a worker at 0.30 of its declared capacity, not
 0.60), a high-water mark takes the largest.
 
-Example:
-    >>> load = parse_metrics("vllm", open("tests/data/vllm_metrics.txt").read())   # doctest: +SKIP
-    >>> load.running, load.kv_cache_usage
+Example (a data-parallel vLLM, two engines):
+    >>> text = '''vllm:num_requests_running{engine="0"} 3
+    ... vllm:num_requests_running{engine="1"} 2
+    ... vllm:kv_cache_usage_perc{engine="0"} 0.31
+    ... vllm:kv_cache_usage_perc{engine="1"} 0.29
+    ... '''
+    >>> load = parse_metrics("vllm", text)
+    >>> load.running, round(load.kv_cache_usage, 2)
+    (5.0, 0.3)
 """
 
 from __future__ import annotations
