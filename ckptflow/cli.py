@@ -338,7 +338,7 @@ def turns(fleet_file: Path = FLEET_ARG, workload: str = typer.Argument(..., help
     from ckptflow.fleet import load_fleet
     from ckptflow.tasks.common import tier
 
-    watch = TurnWatch(mode._runner(), w, every_s=every, mtbf_s=node_mtbf_s(spec.mtbf_hours, spec.failures),
+    watch = TurnWatch(mode.runner(), w, every_s=every, mtbf_s=node_mtbf_s(spec.mtbf_hours, spec.failures),
                       tier=tier(fleet), reload=lambda: load_fleet(fleet_file).workload(workload))
 
     def said(m) -> None:

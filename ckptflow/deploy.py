@@ -219,8 +219,12 @@ def worker_files(fleet_file: Path, fleet, out_dir: Path | None = None) -> dict[s
     return {"systemd": [d / "systemd" / f"ckptflow-prefect-worker-{n.name}.service" for n in fleet.nodes],
             "kubernetes": [d / "kubernetes" / "daemonset.yaml"],
             # a turn-end exporter beside each two-tier workload (ckptflow turns, runners/turns.py)
-            "turns": [d / "systemd" / f"ckptflow-turns-{w.name}.service" for w in fleet.workloads
-                      if w.checkpoint == "template-sessions"]}
+            "turns": [d / "systemd" / f"ckptflow-turns-{w.name}.service" for w in _two_tier(fleet)]}
+
+
+def _two_tier(fleet) -> list:
+    """The workloads a turn-end exporter runs beside, in fleet order (worker_files names their units)."""
+    return [w for w in fleet.workloads if w.checkpoint == "template-sessions"]
 
 
 # How often a turn-end exporter looks at its engine's sessions: below an agent's gap between
@@ -429,7 +433,7 @@ def render_node_workers(fleet_file: Path, workdir: Path | str | None = None, api
     for n, unit in zip(fleet.nodes, units):
         unit.write_text(env().get_template("systemd/prefect-worker.service.j2").render(
             node=n, unit_name=unit.name, **ctx))
-    turns = list(zip([w for w in fleet.workloads if w.checkpoint == "template-sessions"], files["turns"]))
+    turns = list(zip(_two_tier(fleet), files["turns"], strict=True))
     for stale in set(units[0].parent.glob("ckptflow-turns-*.service")) - {u for _, u in turns}:
         stale.unlink()  # a workload gone, or no longer two-tier
     for w, unit in turns:

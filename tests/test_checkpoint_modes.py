@@ -58,9 +58,9 @@ def test_the_fleet_files_checkpoint_value_chooses_the_mode_with_its_parameters(t
         assert type(mode_runner(node, w)) is ProcessMode
         w = load_fleet(_fleet(tmp_path, checkpoint="template-sessions", checkpoint_params={"min_session_tokens": 64})).workloads[0]
         mode = mode_runner(node, w)
-        assert type(mode).__name__ == "TemplateSessionsMode" and mode._runner().min_session_tokens == 64
+        assert type(mode).__name__ == "TemplateSessionsMode" and mode.runner().min_session_tokens == 64
         w = load_fleet(_fleet(tmp_path, checkpoint="template-sessions")).workloads[0]
-        assert mode_runner(node, w)._runner().min_session_tokens == 0   # policies.sessions.MIN_TOKENS
+        assert mode_runner(node, w).runner().min_session_tokens == 0   # policies.sessions.MIN_TOKENS
 
 
 def test_the_old_mode_name_two_tier_loads_as_template_sessions(tmp_path):

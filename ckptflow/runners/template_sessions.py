@@ -664,20 +664,21 @@ def _check_sessions(w: Workload, recs: dict, got: dict[str, str], what: str) -> 
 class TemplateSessionsMode(ModeRunner):
     """``template-sessions`` (ckptflow.modes; old name two-tier): through ``TemplateSessionsRunner``."""
 
-    def _runner(self) -> TemplateSessionsRunner:
+    def runner(self) -> TemplateSessionsRunner:
+        """The two-tier runner with this mode's parameters (the turn-end loop drives it directly)."""
         n = getattr(self.params, "min_session_tokens", None)
         return TemplateSessionsRunner(self.node, MIN_TOKENS if n is None else n)
 
     def checkpoint(self, w: Workload, context=None) -> Manifest:
-        return self._runner().heartbeat(w, context)
+        return self.runner().heartbeat(w, context)
 
     def restore(self, w: Workload, tier=None) -> Restored:
-        tt = self._runner().restore(w, tier=tier)
+        tt = self.runner().restore(w, tier=tier)
         export = tt.manifest.probe.export
         return Restored(tt.manifest, tt.pid, tt.timings, export.total_bytes if export else 0, template=tt.template)
 
     def push(self, m: Manifest, tier) -> dict:
-        return self._runner().push(m, tier)
+        return self.runner().push(m, tier)
 
     def verify(self, w: Workload, m: Manifest):
         from ckptflow.runners.verify import verify_template_sessions
