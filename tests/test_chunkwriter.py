@@ -64,8 +64,9 @@ def test_a_missing_directory_is_named_and_the_writer_goes_on(writer, tmp_path):
 def test_a_dead_writer_fails_the_export_instead_of_hanging(writer, tmp_path):
     writer.proc.kill()
     writer.proc.wait()
-    with pytest.raises(ChunkWriterError, match="chunk writer process"):
+    with pytest.raises(ChunkWriterError, match="chunk writer process") as e:
         writer.write(tmp_path, [(0, 10)])
+    assert isinstance(e.value, OSError)   # the engine answers it as any I/O failure: 4xx, one line
 
 
 def test_requests_from_several_threads_are_answered_each_its_own(writer, tmp_path):

@@ -34,8 +34,9 @@ from pathlib import Path
 THREADS = max(4, min(14, (os.cpu_count() or 8) - 2))
 
 
-class ChunkWriterError(RuntimeError):
-    """The writer process failed a request (names the chunk or the directory), or died."""
+class ChunkWriterError(OSError):
+    """The writer process failed a request (names the directory), or died: an I/O failure of the
+    export, answered as any other (one line, HTTP 4xx)."""
 
 
 class ChunkWriter:

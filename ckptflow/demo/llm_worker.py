@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from ckptflow.demo.chunkwriter import ChunkWriterError
 from ckptflow.demo.gpuhash import SCHEME, KeyedChunkHash, gpu_checkable, state_sha256
 from ckptflow.demo.model import encode
 from ckptflow.demo.protocol import EngineSide, ExportRequest, ImportRequest, PrepareRequest, ResumeRequest
@@ -688,7 +689,11 @@ class LlmEngine(EngineSide):
             t0 = time.perf_counter()
             written = {sid: 0 for sid in snap}
             bb = self.block_bytes
-            got = self.staging.writer.write(out_dir, [(j * bb, bb) for j in range(len(plan))]) if plan else []
+            try:
+                got = self.staging.writer.write(out_dir, [(j * bb, bb) for j in range(len(plan))]) if plan else []
+            except ChunkWriterError:
+                self.staging.free()   # a dead writer: the next export pins a new staging and starts another
+                raise
             for j, (d, n) in enumerate(got):
                 sid, i, _, fp = plan[j]
                 snap[sid]["shas"][i] = d
