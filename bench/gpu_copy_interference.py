@@ -10,7 +10,7 @@ step) / exports. Kinds of export work:
 
   none            base window (first, middle and last; their spread is the noise)
   d2h N           N GiB device -> pinned host, one copy on a side stream, then stream.synchronize()
-  d2h-pieces N    the same in 16 MiB copies, at most two in flight (what llm_worker's turn export does)
+  d2h-pieces N    the same in 16 MiB copies, at most two in flight (llm_worker's turn export before this bench)
   d2h-poll N      one copy, waited for by polling an event (no CUDA synchronize call)
   d2d N           N GiB device -> device on a side stream (HBM traffic, no PCIe)
   host N / host2  sha256 and a tmpfs file per 11 MiB block of a pinned buffer on 14 (2) threads of this

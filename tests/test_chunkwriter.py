@@ -7,10 +7,11 @@ import hashlib
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from ckptflow.demo.chunkwriter import ChunkWriter, ChunkWriterError
+from ckptflow.demo.chunkwriter import ChunkWriter, ChunkWriterError, ChunkWriterGone
 
 
 @pytest.fixture
@@ -54,17 +55,30 @@ def test_a_span_outside_the_staging_is_refused_by_name(writer, tmp_path):
 
 
 def test_a_missing_directory_is_named_and_the_writer_goes_on(writer, tmp_path):
-    with pytest.raises(ChunkWriterError, match="export directory .*nowhere does not exist"):
+    with pytest.raises(ChunkWriterError, match="export directory .*nowhere does not exist") as e:
         writer.write(tmp_path / "nowhere", [(0, 10)])
+    assert not isinstance(e.value, ChunkWriterGone)   # the engine keeps its staging and writer
     writer.view[:2] = b"ok"
     (d, n), = writer.write(tmp_path, [(0, 2)])
     assert (tmp_path / d).read_bytes() == b"ok" and n == 2
 
 
+def test_a_writer_killed_mid_answer_is_named_gone(writer, tmp_path, monkeypatch):
+    """Half a line back (the process killed as it answered): one line, not a JSON error."""
+    import io
+
+    writer.proc.kill()
+    writer.proc.wait()
+    monkeypatch.setattr(writer.proc, "stdin", io.StringIO())
+    monkeypatch.setattr(writer.proc, "stdout", io.StringIO('{"written": [["ab'))
+    with pytest.raises(ChunkWriterGone, match=r"died \(exit -9\); the export failed"):
+        writer.write(tmp_path, [(0, 10)])
+
+
 def test_a_dead_writer_fails_the_export_instead_of_hanging(writer, tmp_path):
     writer.proc.kill()
     writer.proc.wait()
-    with pytest.raises(ChunkWriterError, match="chunk writer process") as e:
+    with pytest.raises(ChunkWriterGone, match="chunk writer process") as e:
         writer.write(tmp_path, [(0, 10)])
     assert isinstance(e.value, OSError)   # the engine answers it as any I/O failure: 4xx, one line
 
@@ -128,10 +142,17 @@ def test_the_writer_dies_with_its_engine_and_never_holds_the_engines_pid(tmp_pat
     engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                               start_new_session=True)
     child = int(engine.stdout.readline())
-    assert os.getsid(child) == child != os.getpgid(engine.pid)
+    assert os.getsid(child) == os.getpgid(child) == child and os.getpgid(engine.pid) == engine.pid
     engine.kill()
     engine.wait()
+
+    def running() -> bool:   # a zombie (exited, its new parent not yet reaping) has ended
+        try:
+            return Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
     deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+    while running() and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not os.path.exists(f"/proc/{child}")
+    assert not running()

@@ -139,7 +139,7 @@ def test_under_two_tiers_the_policy_protects_long_sessions(seed0):
     assert pcls["healthy/long"]["with_checkpoints"] < 0.5 * healthy["workloads"]
     # ... but on healthy nodes new KV waits far longer: Young's interval grows with the MTBF (seed 0:
     # ~20 x fewer exports per worker than on the preemptible nodes, new sessions listed until they
-    # hold ~28,000 tokens).
+    # hold ~100,000 tokens at 6,000 h).
     assert healthy["checkpoints"] < 0.1 * pre["checkpoints"] / pre["workloads"] * healthy["workloads"]
     assert healthy["pause_gpu_s"] < 0.1 * pre["pause_gpu_s"] / pre["workloads"] * healthy["workloads"]
     # Short requests: never.
@@ -169,8 +169,9 @@ def test_turn_end_export_costs_are_the_measured_h200_numbers():
     fit = run["fits"]["turn_lost_s_per_export"]
     assert cost.turn_export_fixed_s == max(0.0, fit["fixed_s"]) == run["turn_export_fixed_s"]
     assert cost.turn_export_s_per_gib == max(0.0, fit["s_per_gib"]) == run["turn_export_s_per_gib"]
-    # The line never understates the 1 GiB window it leans on, and overstates the small ones.
-    for w in run["windows"]:
-        if w["window"].startswith("turn "):
-            model = cost.turn_export_fixed_s + cost.turn_export_s_per_gib * w["copied_gib"]
-            assert model >= w["lost_s_per_export"] - run["noise_s_per_export"], w["window"]
+    # The line is each size's measured loss, within the run's noise either way.
+    turn = [w for w in run["windows"] if w["window"].startswith("turn ")]
+    assert len(turn) >= 3
+    for w in turn:
+        model = cost.turn_export_fixed_s + cost.turn_export_s_per_gib * w["copied_gib"]
+        assert abs(model - w["lost_s_per_export"]) <= run["noise_s_per_export"], w["window"]

@@ -39,6 +39,10 @@ class ChunkWriterError(OSError):
     export, answered as any other (one line, HTTP 4xx)."""
 
 
+class ChunkWriterGone(ChunkWriterError):
+    """The writer process died or stopped answering: no request will reach it again."""
+
+
 class ChunkWriter:
     """``nbytes`` of shared memory (``view``, ``address``) and the process that writes spans of it.
 
@@ -56,14 +60,19 @@ class ChunkWriter:
         self.view = memoryview(self.mm)
         self._lock = threading.Lock()
         pkg_root = str(Path(__file__).resolve().parent.parent.parent)
-        env = {**os.environ, "PYTHONPATH": pkg_root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        # Its own session, and it dies with the engine: a child left in the engine's process group
-        # keeps the engine's PID number taken (as that group's ID) after the engine is killed,
-        # and CRIU cannot restore the engine into it ("Can't fork for <pid>: File exists").
-        self.proc = subprocess.Popen([sys.executable, "-m", "ckptflow.demo.chunkwriter", str(self.fd), str(threads),
-                                      str(os.getpid())],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(self.fd,),
-                                     text=True, bufsize=1, env=env, start_new_session=True)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (pkg_root, os.environ.get("PYTHONPATH"))))}
+        try:
+            # Its own session, and it exits when the engine does: a child left in the engine's
+            # process group keeps the engine's PID number taken (as that group's ID) after the
+            # engine is killed, and CRIU cannot restore the engine into it ("Can't fork for <pid>:
+            # File exists").
+            self.proc = subprocess.Popen([sys.executable, "-m", "ckptflow.demo.chunkwriter", str(self.fd),
+                                          str(threads), str(os.getpid())],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(self.fd,),
+                                         text=True, bufsize=1, env=env, start_new_session=True)
+        except BaseException:
+            self._unmap()
+            raise
 
     @property
     def address(self) -> int:
@@ -81,25 +90,36 @@ class ChunkWriter:
                 self.proc.stdin.write(json.dumps({"dir": str(out_dir), "spans": spans}) + "\n")
                 line = self.proc.stdout.readline()
             except (BrokenPipeError, ValueError) as e:
-                raise ChunkWriterError(f"the chunk writer process is gone ({e}); the export failed") from e
-        if not line:
-            raise ChunkWriterError(f"the chunk writer process died (exit {self.proc.poll()}); the export failed")
-        got = json.loads(line)
+                raise ChunkWriterGone(f"the chunk writer process is gone ({e}); the export failed") from e
+            try:
+                got = json.loads(line) if line.endswith("\n") else None
+            except json.JSONDecodeError:
+                got = None
+        if got is None:   # no answer, or half of one: it died on the way
+            try:
+                code = self.proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                code = "none yet"
+            raise ChunkWriterGone(f"the chunk writer process died (exit {code}); the export failed")
         if "error" in got:
             raise ChunkWriterError(got["error"])
         return [(d, n) for d, n in got["written"]]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        """End the process (EOF on its input, then kill after 5 s) and unmap the memory."""
+        for f in (self.proc.stdin, self.proc.stdout):
             try:
-                self.proc.stdin.close()
+                f.close()
             except OSError:
                 pass
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._unmap()
+
+    def _unmap(self) -> None:
         self.view.release()
         self.mm.close()
         os.close(self.fd)

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from ckptflow.demo.chunkwriter import ChunkWriterError
+from ckptflow.demo.chunkwriter import ChunkWriterGone
 from ckptflow.demo.gpuhash import SCHEME, KeyedChunkHash, gpu_checkable, state_sha256
 from ckptflow.demo.model import encode
 from ckptflow.demo.protocol import EngineSide, ExportRequest, ImportRequest, PrepareRequest, ResumeRequest
@@ -163,10 +163,13 @@ class SharedHostBuf(HostBuf):
             from ckptflow.demo.vmm import _ok
 
             self.free()
-            self.writer = ChunkWriter(nbytes)
-            self.ptr = self.writer.address
-            _ok(cu.cuMemHostRegister(self.ptr, nbytes, 0))
-            self.n = nbytes
+            writer = ChunkWriter(nbytes)
+            try:
+                _ok(cu.cuMemHostRegister(writer.address, nbytes, 0))
+            except BaseException:
+                writer.close()
+                raise
+            self.writer, self.ptr, self.n = writer, writer.address, nbytes
             self.t = torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr)))
         return self.t
 
@@ -174,10 +177,14 @@ class SharedHostBuf(HostBuf):
         if self.writer is not None:
             from cuda.bindings import driver as cu
 
+            from ckptflow.demo.vmm import _ok
+
             self.t = None
-            cu.cuMemHostUnregister(self.ptr)
-            self.writer.close()
-            self.writer, self.ptr, self.n = None, 0, 0
+            try:
+                _ok(cu.cuMemHostUnregister(self.ptr))   # before the unmap: pages left pinned are not freed
+            finally:
+                self.writer.close()
+                self.writer, self.ptr, self.n = None, 0, 0
 
 
 def stream_in(items: list[tuple], dst: torch.Tensor, slots: HostBuf,
@@ -480,8 +487,11 @@ class LlmEngine(EngineSide):
         return {"session_id": sid, "tokens": toks}
 
     def prepare(self, body: dict) -> dict:
-        with self.lock:
+        # A whole-process checkpoint follows: the export staging's writer process and memfd stay
+        # out of its image (the next export starts them again).
+        with self.export_lock, self.lock:
             torch.cuda.synchronize()
+            self.staging.free()
             torch.cuda.empty_cache()
         return {"reserved_bytes": int(torch.cuda.memory_reserved())}
 
@@ -626,7 +636,7 @@ class LlmEngine(EngineSide):
 
     def _copy_out(self, plan: list, buf: torch.Tensor, stream: torch.cuda.Stream, piece: int | None = None) -> None:
         """The planned blocks into pinned ``buf`` in plan order, a run of consecutive blocks in
-        one copy (or in ``piece``-byte copies, at most two in flight), on ``stream``; returns
+        one copy (or in ``piece``-byte copies, one in flight), on ``stream``; returns
         once they are there."""
         bb, pool = self.block_bytes, self.pool_u8
         spans, j = [], 0
@@ -691,8 +701,8 @@ class LlmEngine(EngineSide):
             bb = self.block_bytes
             try:
                 got = self.staging.writer.write(out_dir, [(j * bb, bb) for j in range(len(plan))]) if plan else []
-            except ChunkWriterError:
-                self.staging.free()   # a dead writer: the next export pins a new staging and starts another
+            except ChunkWriterGone:
+                self.staging.free()   # the next export pins a new staging and starts another writer
                 raise
             for j, (d, n) in enumerate(got):
                 sid, i, _, fp = plan[j]
