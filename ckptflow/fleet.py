@@ -243,6 +243,23 @@ class Slack(BaseModel):
 WORKER_QUERY_S = 1.0
 
 
+def _declared(name: str, names: list[str], most: int = 8) -> str:
+    """What an unknown name could have been, in one line: every declared name while they are few,
+    else the closest ones and how many there are (a fleet of 64 workloads is not one line).
+
+        >>> _declared("vllm-n1-g0", [f"vllm-n{n:02d}-g{g}" for n in range(1, 9) for g in range(8)])
+        'declared: 64, closest: vllm-n01-g0, vllm-n08-g0, vllm-n07-g0'
+        >>> _declared("x", ["a", "b"]), _declared("x", [])
+        ('declared: a, b', 'declared: none')
+    """
+    if len(names) <= most:
+        return f"declared: {', '.join(names) or 'none'}"
+    import difflib
+
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.0)
+    return f"declared: {len(names)}, closest: {', '.join(close)}"
+
+
 class Fleet(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -278,7 +295,7 @@ class Fleet(BaseModel):
             if w.name == name:
                 return w
         raise ConfigError(f"fleet {self.fleet}: no workload named {name!r} "
-                          f"(declared: {', '.join(w.name for w in self.workloads) or 'none'})",
+                          f"({_declared(name, [w.name for w in self.workloads])})",
                           fix="name a declared workload, or declare it under workloads: in the fleet file")
 
     def node(self, name: str) -> Node:
@@ -286,7 +303,7 @@ class Fleet(BaseModel):
             if n.name == name:
                 return n
         raise ConfigError(f"fleet {self.fleet}: no node named {name!r} "
-                          f"(declared: {', '.join(n.name for n in self.nodes)})",
+                          f"({_declared(name, [n.name for n in self.nodes])})",
                           fix="name a declared node, or declare it under nodes: in the fleet file")
 
     def gpu_backend(self, node: str | None) -> str | None:

@@ -105,6 +105,13 @@ def test_unknown_workload_names_the_declared_ones(tmp_path, args):
     assert "temporary server" not in err
 
 
+def test_in_a_large_fleet_an_unknown_workload_names_the_closest_ones(tmp_path):
+    """64 declared workloads do not make one line: the count and the closest names do."""
+    err = _refused(_cli(tmp_path, "turns", ROOT / "deployments" / "example-h200-fleet.yaml", "vllm-n1-g0"),
+                   "no workload named 'vllm-n1-g0' (declared: 64, closest: vllm-n01-g0,")
+    assert "sglang-n08-g7" not in err and len(err.splitlines()[0]) < 200
+
+
 def test_unknown_node_names_the_declared_ones(tmp_path):
     _refused(_cli(tmp_path, "recover-node", LOCAL, "gpu-9"), "no node named 'gpu-9' (declared: local)")
     _refused(_cli(tmp_path, "heartbeat", LOCAL, "--node", "gpu-9"), "(declared: local)")
