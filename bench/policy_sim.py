@@ -108,22 +108,31 @@ def protects_text(runs: list[dict], profiles: list[str], n: int) -> str:
     every_min = 30 * 24 * 60 / (pre_ck / pre_w) if pre_ck and pre_w else float("inf")
     kept = {name: sum(per(d, k, "kv_kept_gpu_s") for k in d) / H for name, d in (("p", proc), ("t", tt))}
     lost = {name: sum(per(d, k, "reprefill_gpu_s") for k in d) / H for name, d in (("p", proc), ("t", tt))}
-    turn = cost.turn_export_s_per_gib * cost.kv_gib(1, cfg.kv_bytes_per_token) * cost.prefill_tokens_s
-    sessions_pre = per(tt, "preemptible/long", "checkpoints")
+    from ckptflow.policies.sessions import ExportContext, new_session_threshold_tokens
+
+    def ctx(mtbf_h: float) -> ExportContext:
+        return ExportContext(mtbf_s=mtbf_h * H, kv_bytes_per_token=cfg.kv_bytes_per_token, at_turn_end=True,
+                             cost=cost)
+
+    def exports_per_worker(cls: str) -> float:
+        w = per(tt, f"{cls}/long", "workloads")
+        return per(tt, f"{cls}/long", "checkpoints") / w if w else 0.0
+
+    classes = [("preemptible", cfg.preemptible_mtbf_h), ("flaky", cfg.flaky_mtbf_h), ("healthy", cfg.mtbf_h)]
+    first = ", ".join(f"{new_session_threshold_tokens(ctx(m)):,.0f} tokens on {c} nodes ({m:,.0f} h)"
+                      for c, m in classes)
+    grown = ", ".join(f"{exports_per_worker(c):,.0f} on {c} nodes" for c, m in classes)
     return (
         "What the policy now protects, and why (two-tier-h200 against process-h200, mean per seed):\n"
-        f"- Every session from its first turn end: a session is exported as its turn ends (it is idle then, so "
-        f"the export holds it alone and the engine serves on: {cost.turn_export_fixed_s:.4f} GPU-s + "
-        f"{cost.turn_export_s_per_gib:.4f} GPU-s per GiB, bench/results/gpu_turn_export.json), and again at a "
-        f"later turn end where that pays.\n"
-        f"- Grown sessions on the preemptible nodes (24 h MTBF): {sessions_pre / max(pre_w, 1):,.0f} exports per "
-        f"worker in 30 days, about every {every_min:.1f} min of a worker's time across its sessions: each "
-        f"session at Young's interval for its own growth (sqrt(2 x fixed x M / re-prefill rate of its growth)).\n"
-        f"- Grown sessions on flaky (500 h) and healthy (6,000 h) nodes wait: exporting a token costs "
-        f"{turn:.2%} of re-prefilling it ({cfg.kv_bytes_per_token / 1024:.0f} KiB x "
-        f"{cost.turn_export_s_per_gib:.4f} s/GiB against 1/{cost.prefill_tokens_s:,.0f} s), against the chance "
-        f"that a failure needs it (a session's remaining life over the MTBF: 0.2 % and 0.02 %); the drain "
-        f"exports them at their last turn end before an announced window.\n"
+        f"- Sessions at their turn ends: a session is idle then, so its export holds it alone and the engine "
+        f"serves on ({cost.turn_export_fixed_s:.5f} GPU-s + {cost.turn_export_s_per_gib:.4f} GPU-s per GiB for "
+        f"the other sessions, bench/results/gpu_turn_export.json). A new session is exported at its first turn "
+        f"end once its KV pays for that fixed part against the chance a failure needs it: {first}; a smaller "
+        f"one is listed (named, its KV not moved).\n"
+        f"- Grown sessions: each at Young's interval for its own growth (re-prefill at risk x seconds since its "
+        f"export >= 2 x fixed x M), so the interval grows with the node's MTBF: exports per long-session worker "
+        f"in 30 days: {grown} (on preemptible nodes about every {every_min:.1f} min of a worker's time across its "
+        f"sessions). The drain exports every session at its last turn end before an announced window.\n"
         f"- Short-request workers: never (no session KV; the template restores them).\n"
         f"In all, ckptflow keeps {kept['t']:.1f} GPU-h of KV per seed across interruptions instead of "
         f"{kept['p']:.1f}, and re-prefills {lost['t']:.1f} instead of {lost['p']:.1f}."
@@ -265,19 +274,21 @@ KV, or a 70B-class bf16 model's per-GPU share at TP 8); weights half the footpri
 (≈ 2.1-2.6 s pause + 1.7 s weight export) is not charged, as the process profile's initialised
 checkpoint is not.
 
-Two tiers, sessions at turn boundaries (issue #25 item 3): each two-tier heartbeat weighs
-every session (policies/sessions.py ``decide_sessions``, the function the live heartbeat calls):
-its new KV is exported, pausing 0.036 s per GiB, when the re-prefill it would save times the
-chance an interruption hits the session while it lives (its expected remaining life, 1 h, over
-the node's MTBF; 1 when maintenance is announced) is larger, and otherwise waits; before a
-maintenance window the drain exports every changed session at the last turn boundary before it
-(30 s earlier) instead of at the tick that decided it. The `ckptflow / clairvoyant` column is
-the ratio the issue asks to bring within 1.5. What stands between them, per the class table
-below: clairvoyant pays no re-prefill at all (it exports right before each failure, knowing
-when); ckptflow re-prefills the KV of unannounced failures on healthy and flaky nodes, where
-moving every token (2.2 % of its re-prefill) costs 11-130 x more than the 0.02-0.2 % chance a
-failure needs it, and on preemptible nodes it moves every session's KV once (the pause column),
-while clairvoyant moves only what ~30 failures per worker hold.
+Two tiers, sessions at their turn ends (issue #25 item 3): a session is weighed when its turn
+ends (policies/sessions.py ``decide_export`` with ``at_turn_end``, the rule the live turn-end loop
+calls; ``sim.turn_exports_cost`` replays it, held to a turn-by-turn replay in
+tests/test_session_policy.py). It is idle then, so the export holds it alone and the engine
+serves on: CostModel.turn_export_fixed_s + turn_export_s_per_gib, from bench/gpu_turn_export.py
+(the other sessions' loss per export; the fixed part measured there is within that bench's
+noise, and it alone sets Young's interval below). Moving a session's new KV pays at all when a
+token's share of the export is below its chance-weighted re-prefill; then it moves once the
+re-prefill at risk x the seconds since its last export reach 2 x the fixed part x the node's
+MTBF (Young's interval, per session). Before a maintenance window the drain exports every
+changed session at its last turn end (30 s earlier). ``sessions at heartbeats instead`` is the
+same rule at the cadence's heartbeats, the engine held (0.036 s + 0.036 s per GiB). The
+``ckptflow / clairvoyant`` column is the ratio the issue asks to bring within 1.5: clairvoyant
+exports right before each failure, knowing when, so it pays for no export that a failure never
+needed and re-prefills nothing.
 
 What ckptflow's checkpoints protect, per node class and traffic (exponential failures, mean
 per seed over {n} seeds):
