@@ -356,3 +356,24 @@ def test_docstring_examples_run(module):
         runner.run(t, out=report.append)
     res = runner.summarize(verbose=False)
     assert res.failed == 0 and res.attempted > 0, "".join(report)
+
+
+def test_a_turn_export_waits_for_a_turn_that_ends_and_names_one_that_does_not():
+    """demo/protocol.py sessions_between_turns, what llm_worker's turn export holds."""
+    import threading
+    import time
+
+    from ckptflow.demo.protocol import sessions_between_turns
+
+    a, b = threading.Lock(), threading.Lock()
+    b.acquire()
+    threading.Timer(0.1, b.release).start()          # b's turn ends while the export waits
+    t0 = time.monotonic()
+    with sessions_between_turns({"a": a, "b": b}, 2.0):
+        assert a.locked() and b.locked() and time.monotonic() - t0 < 1.5
+    assert not a.locked() and not b.locked()
+    b.acquire()                                      # a turn that outlasts the wait
+    with pytest.raises(TimeoutError, match="session b is in a turn"):
+        with sessions_between_turns({"a": a, "b": b}, 0.1):
+            pass
+    assert not a.locked()                            # nothing kept: the next look tries again

@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -52,7 +52,8 @@ import torch
 from ckptflow.demo.chunkwriter import ChunkWriterGone
 from ckptflow.demo.gpuhash import SCHEME, KeyedChunkHash, gpu_checkable, state_sha256
 from ckptflow.demo.model import encode
-from ckptflow.demo.protocol import EngineSide, ExportRequest, ImportRequest, PrepareRequest, ResumeRequest
+from ckptflow.demo.protocol import (EngineSide, ExportRequest, ImportRequest, PrepareRequest, ResumeRequest,
+                                    sessions_between_turns)
 from ckptflow.demo.worker import Metrics, base_args, completion_response, parse_completion, serve
 
 D, HEADS, VOCAB, MAX_LEN, BLOCK = 4096, 32, 256, 4096, 16
@@ -76,6 +77,9 @@ STREAM_ORDERS = ("weights-first", "interleave")
 # after each piece and the decoder's copy goes next: its step stays at 4.7 ms at most, the export's
 # copy takes 21.7 ms instead of 19.8.
 TURN_COPY_PIECE = 16 << 20
+# How long a turn export waits for its sessions' turns in flight to end before it gives up on them
+# (the turn-end loop looks every 2 s: a session it saw idle that started a turn since is not at its end).
+TURN_WAIT_S = 1.0
 
 
 def _tensor_names(layers: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -616,17 +620,15 @@ class LlmEngine(EngineSide):
     def _hold(self, req: ExportRequest):
         """What an export holds while it fingerprints and copies, and the stream it does it on:
         the model (every session stops) on the current stream; or, for a turn export, only the
-        named sessions' turn locks (their turns in flight end first, new ones wait) on the side
-        stream. Either way it first waits for the held sessions' kernels still queued (the last
+        named sessions' turn locks (a turn in flight that ends within TURN_WAIT_S first, else the
+        export fails naming that session; new turns wait) on the side stream. Either way it first waits for the held sessions' kernels still queued (the last
         token of the turn just ended: the GPU is still serving it, so that is no hold)."""
         if not req.turn:
             with self.lock:
                 torch.cuda.current_stream().synchronize()
                 yield torch.cuda.current_stream()
             return
-        with ExitStack() as st:
-            for sid in sorted(req.only or ()):
-                st.enter_context(self._turn_lock(sid))
+        with sessions_between_turns({sid: self._turn_lock(sid) for sid in req.only or ()}, TURN_WAIT_S):
             with self.meta_lock:
                 done = [self.turn_done[sid] for sid in req.only or () if sid in self.turn_done]
             for ev in done:

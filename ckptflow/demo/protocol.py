@@ -21,8 +21,10 @@ Example:
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -34,6 +36,40 @@ PROTOCOL_POST = {"/v1/ckptflow/sessions/export": "sessions_export",
                  "/v1/ckptflow/template/prepare": "template_prepare",
                  "/v1/ckptflow/template/resume": "template_resume",
                  "/v1/ckptflow/template/warm": "template_warm"}
+
+
+@contextmanager
+def sessions_between_turns(locks: dict[str, threading.Lock], wait_s: float) -> Iterator[None]:
+    """Hold every session's turn lock (in name order, so two holders cannot deadlock) for a
+    turn-boundary export, or none: a session whose turn does not end within ``wait_s`` in all
+    fails the export with TimeoutError naming it (HTTP 400, one line), instead of holding the
+    export, and every export behind it, for a turn of unknown length. The turn-end loop weighs
+    it again at its next turn end.
+
+        >>> a, b = threading.Lock(), threading.Lock()
+        >>> with sessions_between_turns({"b": b, "a": a}, 0.1):
+        ...     a.locked() and b.locked()
+        True
+        >>> _ = b.acquire()          # "b" is in a turn
+        >>> with sessions_between_turns({"a": a, "b": b}, 0.05):
+        ...     pass
+        Traceback (most recent call last):
+        TimeoutError: session b is in a turn (still after 0.05 s): a turn export waits for none; it is weighed again at its next turn end
+        >>> a.locked()               # what it took, it gave back
+        False
+    """
+    taken: list[threading.Lock] = []
+    end = time.monotonic() + wait_s
+    try:
+        for sid in sorted(locks):
+            if not locks[sid].acquire(timeout=max(0.0, end - time.monotonic())):
+                raise TimeoutError(f"session {sid} is in a turn (still after {wait_s:g} s): a turn export waits "
+                                   f"for none; it is weighed again at its next turn end")
+            taken.append(locks[sid])
+        yield
+    finally:
+        for lk in reversed(taken):
+            lk.release()
 
 
 @dataclass(frozen=True)
