@@ -384,6 +384,7 @@ CONFIG = [
     (R, "free GPU memory ≥ footprint + 1 GiB first", "ckptflow/runners/cuda.py", r"RESTORE_MARGIN_GIB = 1\.0\b"),
     (R, "(48 MiB of weights", "tests/test_template_sessions.py", r"BALLAST_MIB = 48\b"),
     (R, "within the issue's 1.5×", "bench/policy_sim.py", r"ratio_c <= 1\.5\b"),
+    (R, "the export waits up to 1 s for that turn", "ckptflow/demo/llm_worker.py", r"TURN_WAIT_S = 1\.0\n"),
     (R, "one 16 MiB piece at a time", "ckptflow/demo/llm_worker.py", r"TURN_COPY_PIECE = 16 << 20\n"),
     (R, "(90 % pool)", "bench/gpu_two_tier.py", r'"--b-kv-fraction", type=float, default=0\.9\b'),
     (D, "vLLM's default 90 %", "bench/gpu_two_tier.py", r'"--b-kv-fraction", type=float, default=0\.9\b'),
