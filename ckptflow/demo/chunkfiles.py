@@ -24,10 +24,21 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+
+
+def write_chunk(out_dir: Path, digest: str, data) -> int:
+    """``data`` as ``out_dir/<digest>`` through a temporary name of this thread's (a reader never
+    sees a partial chunk, two writers of the same chunk never share a file); bytes written."""
+    tmp = out_dir / f".{digest}.{threading.get_ident()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, out_dir / digest)
+    return len(data)
 
 
 def export_tensor(name: str, a: np.ndarray, out_dir: Path, chunk_bytes: int, known: set[str],
@@ -42,12 +53,7 @@ def export_tensor(name: str, a: np.ndarray, out_dir: Path, chunk_bytes: int, kno
 
     def write(item: tuple[int, str]) -> int:
         off, d = item
-        piece = data[off:off + chunk_bytes]
-        tmp = out_dir / f".{d}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(piece)
-        os.replace(tmp, out_dir / d)
-        return len(piece)
+        return write_chunk(out_dir, d, data[off:off + chunk_bytes])
 
     with ThreadPoolExecutor(max(1, threads)) as ex:
         chunks = list(ex.map(digest, offsets))

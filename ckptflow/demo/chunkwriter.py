@@ -140,6 +140,8 @@ def _serve(fd: int, threads: int) -> None:
     import hashlib
     from concurrent.futures import ThreadPoolExecutor
 
+    from ckptflow.demo.chunkfiles import write_chunk
+
     mm = mmap.mmap(fd, 0)
     view = memoryview(mm)
 
@@ -147,13 +149,7 @@ def _serve(fd: int, threads: int) -> None:
         off, n = span
         chunk = view[off:off + n]
         d = hashlib.sha256(chunk).hexdigest()
-        if (out_dir / d).exists():
-            return d, 0
-        tmp = out_dir / f".{d}.{threading.get_ident()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(chunk)
-        os.replace(tmp, out_dir / d)
-        return d, n
+        return d, 0 if (out_dir / d).exists() else write_chunk(out_dir, d, chunk)
 
     with ThreadPoolExecutor(threads) as ex:
         for line in sys.stdin:

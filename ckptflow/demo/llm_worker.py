@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from ckptflow.demo.chunkwriter import ChunkWriterGone
+from ckptflow.demo.chunkwriter import THREADS, ChunkWriterGone
 from ckptflow.demo.gpuhash import SCHEME, KeyedChunkHash, gpu_checkable, state_sha256
 from ckptflow.demo.model import encode
 from ckptflow.demo.protocol import (EngineSide, ExportRequest, ImportRequest, PrepareRequest, ResumeRequest,
@@ -60,7 +60,6 @@ D, HEADS, VOCAB, MAX_LEN, BLOCK = 4096, 32, 256, 4096, 16
 DH = D // HEADS
 SLOT = 64 << 20                   # the weights' chunk size
 PIECE, RING = 8 << 20, 3          # pinned slots per thread: pinning costs ~1 s/GiB here, so few and small
-THREADS = max(4, min(14, (os.cpu_count() or 8) - 2))
 GRAPH_BATCHES = (1, 2, 4)   # each graph's scratch stays in the template image: 8 added 0.5 GiB
 RUN_BLOCKS = 512            # consecutive KV blocks fingerprinted in one launch, in place (5.5 GiB at 43 layers)
 # The one-pass resume's work list (``--stream-order``): "weights-first" (the 64 MiB weight chunks,
@@ -116,6 +115,16 @@ def read_header(path: Path) -> tuple[dict, int]:
         return json.loads(f.read(n)), 8 + n
 
 
+def _host_tensor(ptr: int, nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor over ``nbytes`` of host memory at ``ptr`` (pinned by the driver: the
+    caller frees it, after dropping the tensor)."""
+    import ctypes
+
+    import numpy as np
+
+    return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr)))
+
+
 class HostBuf:
     """Page-locked host memory from the driver (cuMemHostAlloc), freed when asked: torch's
     caching host allocator would keep it, and a template's image would carry it."""
@@ -125,9 +134,6 @@ class HostBuf:
 
     def ensure(self, nbytes: int) -> torch.Tensor:
         if self.n < nbytes:
-            import ctypes
-
-            import numpy as np
             from cuda.bindings import driver as cu
 
             from ckptflow.demo.vmm import _ok
@@ -135,7 +141,7 @@ class HostBuf:
             self.free()
             self.ptr = int(_ok(cu.cuMemHostAlloc(nbytes, 0)))
             self.n = nbytes
-            self.t = torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr)))
+            self.t = _host_tensor(self.ptr, nbytes)
         return self.t
 
     def free(self) -> None:
@@ -158,9 +164,6 @@ class SharedHostBuf(HostBuf):
 
     def ensure(self, nbytes: int) -> torch.Tensor:
         if self.n < nbytes:
-            import ctypes
-
-            import numpy as np
             from cuda.bindings import driver as cu
 
             from ckptflow.demo.chunkwriter import ChunkWriter
@@ -174,7 +177,7 @@ class SharedHostBuf(HostBuf):
                 writer.close()
                 raise
             self.writer, self.ptr, self.n = writer, writer.address, nbytes
-            self.t = torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(self.ptr)))
+            self.t = _host_tensor(self.ptr, nbytes)
         return self.t
 
     def free(self) -> None:
@@ -650,16 +653,15 @@ class LlmEngine(EngineSide):
             step = piece or n
             spans += [(dst + o, src + o, min(step, n - o)) for o in range(0, n, step)]
             j = k
-        in_flight: list[torch.cuda.Event] = []
+        prev: torch.cuda.Event | None = None   # the piece in flight
         with torch.cuda.stream(stream):
             for dst, src, n in spans:
-                if piece and in_flight:
-                    in_flight.pop(0).synchronize()
+                if prev is not None:
+                    prev.synchronize()
                 buf[dst:dst + n].copy_(pool[src:src + n], non_blocking=True)
                 if piece:
-                    ev = torch.cuda.Event()
-                    ev.record(stream)
-                    in_flight.append(ev)
+                    prev = torch.cuda.Event()
+                    prev.record(stream)
         stream.synchronize()
 
     def export_sessions(self, req: ExportRequest) -> dict:
