@@ -358,6 +358,10 @@ class Fingerprint(BaseModel):
     glibc: str | None = None
     criu: str | None = None
     python: str | None = None
+    cpu_features: list[str] | None = Field(
+        None, description="The CPU's instruction-set features a restored process may be using (/proc/cpuinfo "
+        "flags: SSE/AVX/AVX-512 families, AMX, ...), sorted. A restore needs all of them on the target CPU.",
+        examples=[["amx_bf16", "amx_tile", "avx2", "avx512_bf16", "avx512f"]])
     gpu_model: str | None = None
     gpu_count: int | None = None
     gpu_uuids: list[str] | None = None

@@ -26,9 +26,22 @@ fi
 
 work=$(mktemp -d /tmp/criu-build.XXXXXX)
 trap 'rm -rf "$work"' EXIT
-mirror=$({ cat /etc/apt/sources.list.d/*.sources /etc/apt/sources.list 2>/dev/null || true; } \
-         | grep -oE 'https?://[^ ]+/debian/?( |$)' | head -1 | tr -d ' ' || true)
-mirror=${mirror:-http://deb.debian.org/debian}
+# The Debian archive this machine's apt is configured with (its main suite, not -security or
+# -updates), as apt itself reports it: no host is written here.
+debian_archive() {
+  apt-get indextargets --format '$(ORIGIN) $(REPO_URI) $(RELEASE)' 2>/dev/null \
+    | awk '$1 == "Debian" && $3 !~ /-(security|updates|backports)$/ { print $2; exit }'
+}
+mirror=$(debian_archive)
+if [ -z "$mirror" ]; then  # the origin is known once the lists are there
+  apt-get update -qq
+  mirror=$(debian_archive)
+fi
+if [ -z "$mirror" ]; then
+  echo "install-criu: none of this machine's apt sources is a Debian archive ('apt-get indextargets' lists none);" \
+       "add one to /etc/apt/sources.list.d/, or install CRIU >= 4.2 on PATH yourself" >&2
+  exit 1
+fi
 mkdir -p "$work/lists/partial" "$work/cache/archives/partial" "$work/src"
 cat > "$work/src.sources" <<SRC
 Types: deb-src

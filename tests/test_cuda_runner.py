@@ -3,6 +3,7 @@
 The real driver path runs in bench/gpu_checkpoint.py on the H200 (results in bench/RESULTS.md).
 """
 
+import os
 import threading
 
 import pytest
@@ -296,24 +297,89 @@ def test_an_nvml_error_refuses_the_footprint_instead_of_reading_0(nvml, fail):
         process_gpu_bytes([100])
 
 
-@pytest.mark.fault
-def test_a_gpu_checkpoint_whose_footprint_nvml_cannot_see_is_refused_before_the_lock(tmp_path, nvml, monkeypatch):
+def _gate_node(tmp_path, monkeypatch, pids):
     import ckptflow.runners.cuda as cuda_mod
     from ckptflow.runners import node as node_mod
 
-    nvml([30] * 8, {0: [(100, 20 * GIB)]})          # NVML lists rank 0 only (e.g. another PID namespace)
-    monkeypatch.setattr(cuda_mod, "cuda_pids", lambda root: [100, 101])
+    monkeypatch.setattr(cuda_mod, "cuda_pids", lambda root: list(pids))
     monkeypatch.setattr(node_mod, "tp_unsupported", lambda w, pids: None)
     node = _node(tmp_path)
-    node.cuda.backend.st.update({100: ProcessState.RUNNING, 101: ProcessState.RUNNING})
+    node.cuda.backend.st.update({p: ProcessState.RUNNING for p in pids})
 
-    class Proc:
-        pid = 100
+    class Criu:  # the dump after the lock: recorded, not run
+        dumped = []
 
-    w = _tp8_workload().model_copy(update={"tensor_parallel": 2})
-    with pytest.raises(RunnerUnavailable, match=r"NVML attributes no GPU memory to PID\(s\) 101"):
-        node._dump_gpu(w, Proc(), tmp_path / "img", leave_running=True)
+        def dump(self, w, images_dir, leave_running, proc):
+            self.dumped.append(proc.pid)
+            return type("R", (), {"pid": proc.pid, "seconds": 0.01})()
+
+    node.criu = Criu()
+    return node
+
+
+class _Proc:
+    def __init__(self, pid):
+        self.pid = pid
+
+
+@pytest.fixture
+def other_pidns():
+    """A process in a PID namespace of its own (root: unshare), its host PID."""
+    import shutil
+    import subprocess
+    import time
+
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare for a second PID namespace")
+    outer = subprocess.Popen(["unshare", "--pid", "--fork", "sleep", "60"])
+    try:
+        for _ in range(200):
+            kids = [int(x) for x in open(f"/proc/{outer.pid}/task/{outer.pid}/children").read().split()]
+            if kids and os.readlink(f"/proc/{kids[0]}/ns/pid") != os.readlink("/proc/self/ns/pid"):
+                yield kids[0]
+                break
+            time.sleep(0.01)
+        else:
+            pytest.fail("unshare started no process in a new PID namespace")
+    finally:
+        outer.kill()
+        outer.wait()
+
+
+@pytest.mark.fault
+def test_a_device_pid_nvml_lists_no_memory_for_counts_0_when_its_namespace_is_seen(tmp_path, nvml, monkeypatch):
+    """vLLM's tree on the H200: the API server holds a device context, NVML lists memory only for
+    EngineCore. The footprint covers what the tree holds; the checkpoint goes on (it was refused
+    before, so no vLLM could be checkpointed on a GPU)."""
+    api, core = os.getpid(), os.getppid()            # two PIDs of one namespace
+    nvml([30] * 8, {0: [(core, 20 * GIB)]})
+    node = _gate_node(tmp_path, monkeypatch, [api, core])
+    d = node._dump_gpu(_tp8_workload(), _Proc(api), tmp_path / "img", leave_running=True)
+    assert d.footprint == 20 * GIB and d.per_gpu == {"GPU-00000000": 20 * GIB}
+    assert node.criu.dumped == [api]
+    steps = [c[0] for c in node.cuda.backend.calls]
+    assert steps.count("lock") == 2 and steps.count("unlock") == 2   # both device PIDs locked and let go
+
+
+@pytest.mark.fault
+def test_a_gpu_checkpoint_whose_footprint_nvml_cannot_see_is_refused_before_the_lock(tmp_path, nvml, monkeypatch):
+    api, core = os.getpid(), os.getppid()
+    nvml([30] * 8, {0: [(99999999, 20 * GIB)]})      # NVML lists PIDs of another namespace only
+    node = _gate_node(tmp_path, monkeypatch, [api, core])
+    with pytest.raises(RunnerUnavailable, match=rf"NVML attributes no GPU memory to any of PID\(s\) {api}, {core}"):
+        node._dump_gpu(_tp8_workload(), _Proc(api), tmp_path / "img", leave_running=True)
     assert node.cuda.backend.calls == []            # nothing locked
+
+
+@pytest.mark.fault
+def test_a_rank_in_a_pid_namespace_nvml_does_not_see_is_refused_though_another_is_seen(tmp_path, nvml, monkeypatch,
+                                                                                      other_pidns):
+    me = os.getpid()
+    nvml([30] * 8, {0: [(me, 20 * GIB)]})            # the rank in the other namespace is not listed
+    node = _gate_node(tmp_path, monkeypatch, [me, other_pidns])
+    with pytest.raises(RunnerUnavailable, match=rf"no GPU memory to any of PID\(s\) {other_pidns} \(of {me}, {other_pidns}\)"):
+        node._dump_gpu(_tp8_workload(), _Proc(me), tmp_path / "img", leave_running=True)
+    assert node.cuda.backend.calls == []
 
 
 @pytest.mark.fault

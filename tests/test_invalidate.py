@@ -11,7 +11,8 @@ from ckptflow.runners.fingerprint import workload_fingerprint
 from ckptflow.store.fleetstate import LocalFleetState
 from ckptflow.store.local import LocalStore
 
-BASE = Fingerprint(arch="x86_64", kernel="6.18.44", glibc="2.36", criu="4.2.1", python="3.12.3",
+BASE = Fingerprint(arch="x86_64", kernel="6.18.44", glibc="2.36", criu="4.2.1",
+                   cpu_features=["amx_tile", "avx2", "avx512f"], python="3.12.3",
                    gpu_model="NVIDIA H200", gpu_count=8, driver="580.159.04", cuda_driver="13.0", ckptflow="0.1.0")
 H100 = BASE.model_copy(update={"gpu_model": "NVIDIA H100"})
 

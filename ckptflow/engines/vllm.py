@@ -50,6 +50,7 @@ from ckptflow.engines.adapter import EngineAdapter, register
 from ckptflow.errors import CkptflowError, RunnerUnavailable, StoreError
 from ckptflow.models import GoldenRequest, Manifest, ProcessFinder, TrafficClass, Workload
 from ckptflow.policies.load import metric_names
+from ckptflow.runners import xcomp
 from ckptflow.runners.engine import http, wait_url
 from ckptflow.settings import settings
 from ckptflow.store.local import LocalStore
@@ -201,7 +202,9 @@ def server_args(inst: VllmInstall, model: Path, port: int, *, served_name: str =
 
 
 # The CPU build's KV space in GiB, and OpenMP left unpinned (2 shared cores, several engines).
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+# On an AMX CPU, oneDNN held below AMX: CRIU cannot carry AMX state, so a vLLM whose worker used
+# it is refused before a dump (runners/xcomp.py); with the cap it is checkpointed like any other.
+CPU_ENV = xcomp.amx_cap_env({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
 
 
 def start_command(args: list[str], env: dict[str, str], pid_file: Path, log_file: Path) -> list[str]:

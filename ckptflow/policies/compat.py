@@ -5,6 +5,7 @@ Gated fields (any difference refuses the restore before a CRIU or CUDA call):
 | group    | fields                                    | why                                          |
 |----------|-------------------------------------------|----------------------------------------------|
 | host     | arch, kernel, glibc, criu                 | CRIU images and mapped libraries are tied to them |
+| host     | cpu_features (a subset test: the target CPU has every feature the checkpoint's CPU had) | a restored process keeps running the code it dispatched at start-up (AVX-512, AMX kernels) |
 | gpu      | gpu_model, gpu_count, driver, cuda_driver | the driver restores device state it wrote    |
 | workload | engine, engine_version, model_id, model_revision | a restored engine would serve the old model |
 | container | container_runtime, oci_runtime (container workloads) | the runtime writes and reads its own export format |
@@ -30,8 +31,11 @@ from dataclasses import dataclass, field
 
 from ckptflow.models import Fingerprint, Manifest
 
+# Gated as a subset, not an equality: a CPU with more features runs the restored process as well.
+SUBSET = frozenset({"cpu_features"})
+
 GATED = {
-    "host": ("arch", "kernel", "glibc", "criu"),
+    "host": ("arch", "kernel", "glibc", "criu", "cpu_features"),
     "gpu": ("gpu_model", "gpu_count", "driver", "cuda_driver"),
     "workload": ("engine", "engine_version", "model_id", "model_revision"),
     "container": ("container_runtime", "oci_runtime"),
@@ -69,7 +73,13 @@ class Compat:
         return not self.differences
 
     def reason(self) -> str:
-        return "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in self.differences.items())
+        return "; ".join(_say(k, a, b) for k, (a, b) in self.differences.items())
+
+
+def _say(field: str, a: object, b: object) -> str:
+    if field in SUBSET and a is not None and b is not None:
+        return f"{field}: this CPU lacks {', '.join(sorted(set(a) - set(b)))}"  # type: ignore[arg-type]
+    return f"{field}: {a!r} -> {b!r}"
 
 
 def diff(old: Fingerprint | None, new: Fingerprint, overrides: frozenset[str] | set[str] = frozenset(),
@@ -83,6 +93,10 @@ def diff(old: Fingerprint | None, new: Fingerprint, overrides: frozenset[str] | 
     Example:
         >>> diff(Fingerprint(), Fingerprint(driver="580.1"), groups=("gpu",)).differences
         {'driver': (None, '580.1')}
+        >>> diff(Fingerprint(cpu_features=["avx2"]), Fingerprint(cpu_features=["amx_tile", "avx2"]), groups=("host",)).ok
+        True
+        >>> diff(Fingerprint(cpu_features=["amx_tile", "avx2"]), Fingerprint(cpu_features=["avx2"]), groups=("host",)).reason()
+        'cpu_features: this CPU lacks amx_tile'
     """
     out = Compat()
     old = old if old is not None else Fingerprint()
@@ -91,6 +105,9 @@ def diff(old: Fingerprint | None, new: Fingerprint, overrides: frozenset[str] | 
             a, b = getattr(old, f, None), getattr(new, f, None)
             if a is None and b is None:
                 out.skipped.append(f)
+            elif f in SUBSET and a is not None and b is not None:
+                if not set(a) <= set(b):
+                    (out.overridden if f in overrides else out.differences)[f] = (a, b)
             elif a != b:
                 (out.overridden if f in overrides else out.differences)[f] = (a, b)
     return out

@@ -25,6 +25,9 @@ Facts this module relies on (measured, see README "CRIU"):
   for appending, with `--inherit-fd` instead of letting CRIU reopen and size-check it.
 - CRIU cannot dump io_uring (uvloop's libuv in vLLM's API server maps a ring): refused
   before the dump, with the node setting that avoids it.
+- CRIU 4.2 saves neither a process's AMX permission nor its tile state: a restored process
+  that had AMX enabled died of SIGILL (vLLM's CPU worker on an AMX Xeon). Asked inside each
+  process (runners/xcomp.py) and refused before the dump, with the oneDNN cap that avoids it.
 - The dump's own flags (link-remap, external UNIX sockets, file locks) must be repeated on
   restore: they are recorded beside the image (CRIU_FLAGS_FILE) and read back from there.
 """
@@ -52,7 +55,7 @@ import psutil
 from ckptflow.errors import CriuError, CriuTimeout, PidBusy, RunnerUnavailable, UnsupportedWorkload
 from ckptflow.models import CriuOptions, Workload
 from ckptflow.poll import PollTimeout, poll
-from ckptflow.runners import devshm
+from ckptflow.runners import devshm, xcomp
 from ckptflow.runners.isolate import is_isolated, nspid
 from ckptflow.runners.process import DeclaredProcess, pid_alive, pid_taken, recheck, resolve, tree
 from ckptflow.settings import settings
@@ -289,13 +292,7 @@ class CriuRunner:
         """
         proc = recheck(workload, proc) if proc else resolve(workload)
         pids = tree(proc.pid)
-        holder = io_uring_holder(pids)
-        if holder:  # before any freeze: CRIU would fail half-way with a cryptic mapfile error
-            raise UnsupportedWorkload(
-                f"workload {workload.name}: PID {holder[0]} ({holder[1]}) holds an io_uring instance, which "
-                "CRIU cannot dump", fix="run `sysctl -w kernel.io_uring_disabled=2` on the node and restart the "
-                "worker (uvloop/libuv then falls back to epoll; docs/engines/vllm.md); for torch.distributed's "
-                "TCPStore start it with USE_LIBUV=0")
+        refuse_uncarriable(workload.name, pids)
         images_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         isolated = is_isolated(proc.pid)
         _record(images_dir, workload.criu, written_files(pids), pids, isolated)
@@ -528,16 +525,43 @@ def _rbind_root(parent: Path):
             root.rmdir()
 
 
+def refuse_uncarriable(name: str, pids: list[int]) -> None:
+    """Refuse, before anything is frozen or locked, a tree holding state CRIU cannot carry.
+
+    Raises:
+        UnsupportedWorkload: a process holds io_uring (CRIU would fail half-way with a cryptic
+            mapfile error) or has AMX enabled (the restore would die of SIGILL later), with the fix.
+    """
+    holder = io_uring_holder(pids)
+    if holder:
+        raise UnsupportedWorkload(
+            f"workload {name}: PID {holder[0]} ({holder[1]}) holds an io_uring instance, which "
+            "CRIU cannot dump", fix="run `sysctl -w kernel.io_uring_disabled=2` on the node and restart the "
+            "worker (uvloop/libuv then falls back to epoll; docs/engines/vllm.md); for torch.distributed's "
+            "TCPStore start it with USE_LIBUV=0")
+    amx = xcomp.amx_holder(pids)
+    if amx is not None:
+        raise UnsupportedWorkload(
+            f"workload {name}: PID {amx} ({_comm(amx)}) has AMX enabled (it asked the kernel for AMX tile state, as "
+            "oneDNN does for bf16 work on this CPU); CRIU saves neither that permission nor the tile registers, so "
+            "its restore would die of SIGILL; not checkpointing",
+            fix=f"restart the worker with {'='.join(xcomp.ONEDNN_ISA_CAP)} in its environment (ckptflow's launch "
+            "helpers set it on AMX CPUs; docs/engines/vllm.md \"AMX CPUs\")")
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
 def io_uring_holder(pids: list[int]) -> tuple[int, str] | None:
     """(PID, name) of the first process of ``pids`` with an io_uring fd or mapping, or None."""
     for pid in pids:
         links = devshm.open_paths(pid)
         if any("io_uring" in link for link in links):
-            try:
-                name = Path(f"/proc/{pid}/comm").read_text().strip()
-            except OSError:
-                name = "?"
-            return pid, name
+            return pid, _comm(pid)
     return None
 
 

@@ -3,6 +3,7 @@
 Example:
     >>> fp = node_fingerprint()          # doctest: +SKIP
     >>> fp.kernel, fp.criu, fp.driver    # ('6.18.44', '4.2.1', None) on a CPU node
+    >>> fp.cpu_features                  # ['abm', 'adx', 'aes', 'amx_bf16', 'amx_int8', 'amx_tile', ...]
     >>> fp.notes["gpu"]                  # why the GPU fields are empty (the node's GPU backend says)
 """
 
@@ -16,6 +17,7 @@ import ckptflow
 from ckptflow.models import Fingerprint, Workload
 from ckptflow.runners.criu import find_criu, parse_version
 from ckptflow.runners.gpu import get_backend
+from ckptflow.runners.xcomp import isa_features
 
 
 def _criu_version(criu_bin: str) -> tuple[str | None, str | None]:
@@ -43,7 +45,7 @@ def node_fingerprint(criu_bin: str | None = None, gpu_backend: str | None = None
     libc = platform.libc_ver()
     from ckptflow.runners.container import runtime_versions  # podman and runc, where installed
 
-    return Fingerprint(arch=platform.machine(), kernel=platform.release(),
+    return Fingerprint(arch=platform.machine(), kernel=platform.release(), cpu_features=isa_features() or None,
                        glibc=libc[1] if libc[0] == "glibc" else None, criu=criu,
                        python=platform.python_version(), ckptflow=ckptflow.__version__, notes=notes, **gpu,
                        **runtime_versions())

@@ -32,7 +32,7 @@ from ckptflow.policies.multigpu import FIX as TP_FIX
 from ckptflow.policies.tiers import LocalCopy, restore_order
 from ckptflow.poll import PollTimeout, poll
 from ckptflow.runners import devshm, engine, process
-from ckptflow.runners.criu import CriuRunner, SandboxCopy, copy_pids, image_isolated
+from ckptflow.runners.criu import CriuRunner, SandboxCopy, copy_pids, image_isolated, refuse_uncarriable
 from ckptflow.runners.digests import compare_sessions
 from ckptflow.runners.engine import probe, read_load
 from ckptflow.runners.facts import tp_unsupported
@@ -166,6 +166,7 @@ class NodeRunner:
             res = self.criu.dump(w, images_dir, leave_running=leave_running, proc=proc)
             return Dumped(res.pid, {"dump": round(res.seconds, 4), "pause": round(res.seconds, 4)})
         t: dict[str, float] = {}
+        refuse_uncarriable(w.name, process.tree(proc.pid))  # before the prepare hook and any lock
         why = tp_unsupported(w, pids)
         if why:  # before the prepare hook and any lock: nothing touched
             raise UnsupportedWorkload(f"workload {w.name} (tensor_parallel: {w.tensor_parallel}) cannot be "
@@ -176,14 +177,17 @@ class NodeRunner:
         url = quiesced.get("ranks_url")
         try:
             usage = gpu.usage(pids)
-            unseen = [p for p in pids if not sum(usage.get(p, {}).values())]
-            if unseen:  # a footprint read as 0 would let any restore of this checkpoint through the gate
+            blind = unseen_namespaces(pids, usage)
+            if blind:  # a footprint read as 0 would let any restore of this checkpoint through the gate
                 raise RunnerUnavailable(
-                    f"workload {w.name}: {gpu.usage_source} attributes no GPU memory to PID(s) {', '.join(map(str, unseen))} "
-                    f"(of {', '.join(map(str, pids))}), so a restore could not be checked against free GPU memory; "
-                    "not checkpointing", fix="run ckptflow's worker in the worker's PID namespace (hostPID for a pod), "
-                    "where NVML's PIDs are the worker's")
-            footprints = {pid: sum(usage[pid].values()) for pid in pids}
+                    f"workload {w.name}: {gpu.usage_source} attributes no GPU memory to any of PID(s) "
+                    f"{', '.join(map(str, blind))} (of {', '.join(map(str, pids))}), so a restore could not be "
+                    "checked against free GPU memory; not checkpointing",
+                    fix="run ckptflow's worker in the worker's PID namespace (hostPID for a pod), where NVML's PIDs "
+                    "are the worker's")
+            # A PID with a device context and no memory the driver attributes (vLLM's API server,
+            # measured on the H200: NVML lists only EngineCore) holds nothing to count: 0.
+            footprints = {pid: sum(usage.get(pid, {}).values()) for pid in pids}
             per_gpu: dict[str, int] = {}
             for per in usage.values():
                 for uuid, n in per.items():
@@ -508,6 +512,32 @@ class NodeRunner:
         if not c.equal:
             raise RestoreFailed(f"workload {w.name}: restored from {m.id} but sessions differ from the "
                                 f"checkpoint: {c.named()}", fix="mark the checkpoint bad and run verify")
+
+
+def unseen_namespaces(pids: list[int], usage: dict[int, dict[str, int]]) -> list[int]:
+    """The device PIDs of every PID namespace of which the driver attributes memory to none.
+
+    What the footprint gate must know is whether the recorded footprint covers the device memory
+    the tree holds. A driver that sees a namespace's PIDs sees all of them, so a PID of a seen
+    namespace without memory holds none (a context only); a namespace none of whose PIDs is seen
+    is one the driver's PIDs do not name (a container without hostPID): unknown, not 0.
+
+    Example:
+        >>> import os
+        >>> me = os.getpid()
+        >>> unseen_namespaces([me, me], {me: {"GPU-0": 1}})
+        []
+        >>> unseen_namespaces([me], {}) == [me]
+        True
+    """
+    by_ns: dict[str, list[int]] = {}
+    for p in pids:
+        try:
+            ns = os.readlink(f"/proc/{p}/ns/pid")
+        except OSError:
+            ns = "?"  # gone or unreadable: grouped together, judged like any namespace
+        by_ns.setdefault(ns, []).append(p)
+    return [p for group in by_ns.values() if not any(sum(usage.get(q, {}).values()) for q in group) for p in group]
 
 
 def probe_for_checkpoint(w: Workload, read=probe) -> ManifestProbe:
