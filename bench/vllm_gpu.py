@@ -483,6 +483,12 @@ def row_ab(a, model: dict, work: Path, res: dict) -> None:
 
         rb["tree_pids"] = len(tree(eng.pid))
         rb["cuda_pids"] = len(cuda_pids(eng.pid))
+        # Issue #35: whether this host's CPU has AMX and whether any vLLM process enabled it (the
+        # runner refuses a tree that did: CRIU cannot carry AMX state).
+        from ckptflow.runners import xcomp
+
+        rb["cpu_amx"] = xcomp.cpu_has_amx()
+        rb["amx_enabled_pids"] = [p for p in tree(eng.pid) if xcomp.uses_amx(p)]
         t1 = time.perf_counter()
         m = checkpoint(node, w, leave_running=False)
         rb["checkpoint_wall_s"] = round(time.perf_counter() - t1, 2)
