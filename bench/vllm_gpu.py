@@ -489,8 +489,10 @@ def row_ab(a, model: dict, work: Path, res: dict) -> None:
 
         rb["cpu_amx"] = xcomp.cpu_has_amx()
         rb["amx_enabled_pids"] = [p for p in tree(eng.pid) if xcomp.uses_amx(p)]
+        log("row b: checkpoint", json.dumps({k: rb[k] for k in ("tree_pids", "cuda_pids", "cpu_amx", "amx_enabled_pids")}))
         t1 = time.perf_counter()
         m = checkpoint(node, w, leave_running=False)
+        log("row b: restore")
         rb["checkpoint_wall_s"] = round(time.perf_counter() - t1, 2)
         rb["pause_s"] = m.timings.get("pause")
         rb["checkpoint_phases"] = m.timings

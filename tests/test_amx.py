@@ -255,3 +255,21 @@ def test_the_modules_examples_run():
     for mod in (xcomp, compat):
         res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
         assert res.attempted and not res.failed, mod.__name__
+
+
+@root
+def test_asking_a_child_whose_parent_waits_on_it_does_not_hang(asker):
+    """bench/vllm_gpu.py on the H200: the launcher reaps its engine from a thread (Popen.wait), and
+    a ptrace stop is reported to the parent's waitpid too; asked from the launcher's own process,
+    the query never saw its stop and waited for ever."""
+    import threading
+
+    p = asker("plain")
+    waiter = threading.Thread(target=p.wait, daemon=True)
+    waiter.start()
+    time.sleep(0.1)
+    t0 = time.perf_counter()
+    assert xcomp.xcomp_perm(p.pid) is not None
+    assert time.perf_counter() - t0 < xcomp.QUERY_TIMEOUT_S / 2
+    assert waiter.is_alive() and p.poll() is None           # the parent's wait saw no stop of ours
+    _alive_and_counting(p)

@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import platform
 import signal
+import subprocess
+import sys
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -189,37 +192,61 @@ def _arch_prctl_in(pid: int, code: int, arg: int | None) -> tuple[int, int]:
                 pass  # it ended meanwhile
 
 
-def xcomp_perm(pid: int) -> int | None:
-    """The XSAVE features ``pid`` may use (``ARCH_GET_XCOMP_PERM`` asked inside it), or None when
-    that cannot be asked here: not x86-64, not root, the process traced by another, or gone."""
-    if platform.machine() != "x86_64":
-        return None
+QUERY_TIMEOUT_S = 10  # one query takes ~1 ms; a thread that never stops (a zombie leader) must not hold a dump
+
+
+def _perms_here(pids: list[int]) -> dict[int, int | None]:
+    out: dict[int, int | None] = {}
+    for pid in pids:
+        try:
+            ret, mask = _arch_prctl_in(pid, ARCH_GET_XCOMP_PERM, None)
+            out[pid] = mask if ret == 0 else None
+        except OSError:
+            out[pid] = None
+    return out
+
+
+def xcomp_perms(pids: list[int]) -> dict[int, int | None]:
+    """The XSAVE features each of ``pids`` may use (``ARCH_GET_XCOMP_PERM`` asked inside it);
+    None where that cannot be asked: not x86-64, not root, traced by another, gone, or no answer
+    within QUERY_TIMEOUT_S.
+
+    Asked from a child process of ours, never from this one: a ptrace stop of a process is also
+    reported to its parent's ``waitpid``. Where the caller is the worker's parent with a thread
+    waiting on it (a launcher reaping its engine), that thread took the stop and the query waited
+    for ever (seen on the H200 in bench/vllm_gpu.py). The child is nobody's parent."""
+    if platform.machine() != "x86_64" or not pids:
+        return {p: None for p in pids}
     try:
-        ret, mask = _arch_prctl_in(pid, ARCH_GET_XCOMP_PERM, None)
-    except OSError:
-        return None
-    return mask if ret == 0 else None
+        r = subprocess.run([sys.executable, "-m", __name__, *map(str, pids)], capture_output=True, text=True,
+                           timeout=QUERY_TIMEOUT_S)
+        answers = json.loads(r.stdout) if r.returncode == 0 else {}
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        answers = {}
+    return {p: answers.get(str(p)) for p in pids}
+
+
+def xcomp_perm(pid: int) -> int | None:
+    """The XSAVE features ``pid`` may use, or None (see :func:`xcomp_perms`)."""
+    return xcomp_perms([pid])[pid]
+
+
+def _has_amx(mask: int | None) -> bool:
+    return mask is not None and bool(mask >> XFEATURE_XTILEDATA & 1)
 
 
 def uses_amx(pid: int) -> bool:
     """Whether ``pid`` has AMX's tile data enabled (it asked for it, or inherited the permission)."""
-    mask = xcomp_perm(pid)
-    return mask is not None and bool(mask >> XFEATURE_XTILEDATA & 1)
+    return _has_amx(xcomp_perm(pid))
 
 
 def amx_holder(pids: list[int]) -> int | None:
     """The first of ``pids`` that has AMX enabled, or None (always None on a CPU without AMX)."""
     if not cpu_has_amx():
         return None
-    return next((p for p in pids if uses_amx(p)), None)
+    perms = xcomp_perms(pids)
+    return next((p for p in pids if _has_amx(perms[p])), None)
 
 
-def grant_amx(pid: int) -> bool:
-    """Ask for AMX inside ``pid`` (``ARCH_REQ_XCOMP_PERM``); True when the kernel granted it.
-    For tests and tools: a restored process gets back the permission this way, never its tiles."""
-    if platform.machine() != "x86_64":
-        return False
-    try:
-        return _arch_prctl_in(pid, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)[0] == 0
-    except OSError:
-        return False
+if __name__ == "__main__":  # the asking child of xcomp_perms: PIDs in, {pid: mask or null} out
+    print(json.dumps(_perms_here([int(a) for a in sys.argv[1:]])))
