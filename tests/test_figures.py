@@ -37,7 +37,10 @@ MiB = 2**20
 
 
 def same(*values):
-    """One figure the doc quotes for several rows: they must agree, or the doc cannot."""
+    """One figure the doc quotes for several rows: they must agree, or the doc cannot. No rows at
+    all is a run that does not hold the figure (an S-only standby run for an S and SB figure): passed over."""
+    if not values:
+        raise KeyError("no rows for this figure")
     if len(set(values)) != 1:
         raise ValueError(f"rows disagree: {values}")
     return values[0]
