@@ -60,9 +60,9 @@ from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError
 from ckptflow.models import CheckpointState, ContainerRecord, Fingerprint, Manifest, VerifyOutcome, Workload
 from ckptflow.policies.compat import diff
 from ckptflow.runners import engine
-from ckptflow.runners.criu import _fix_for
+from ckptflow.runners.criu import _fix_for, refuse_uncarriable
 from ckptflow.runners.fingerprint import workload_fingerprint
-from ckptflow.runners.process import DeclaredProcess, start_time
+from ckptflow.runners.process import DeclaredProcess, start_time, tree
 
 if TYPE_CHECKING:
     from ckptflow.runners.node import NodeRunner, RestoreResult
@@ -342,6 +342,8 @@ class ContainerRunner:
         pm = self.podman(w)
         spec = _spec(w)
         proc = resolve_container(w, pm)
+        if proc.pid > 0:  # the container's processes as the host sees them (a pod's are on its kubelet's node)
+            refuse_uncarriable(w.name, tree(proc.pid))  # runc's CRIU carries them no better than ours
         from ckptflow.runners.node import probe_for_checkpoint
 
         state = probe_for_checkpoint(w, engine.probe)
