@@ -76,6 +76,14 @@ def checks() -> list[tuple[str, bool | None, str]]:
     out.append(("podman + runc (container workloads)", True if len(rt) == 2 else None,
                 ", ".join(rt.values()) if len(rt) == 2 else
                 "not installed; for container workloads: ./scripts/setup.sh as root (apt-get install podman runc)"))
+    from ckptflow.runners import xcomp
+
+    feats = xcomp.isa_features()
+    cap = "=".join(xcomp.ONEDNN_ISA_CAP)
+    out.append(("CPU features (fingerprint)", True if feats else None,
+                f"{len(feats)} recorded in every manifest; AMX: "
+                + (f"yes: start workers with {cap} (CRIU cannot carry AMX; a worker that enabled it is refused)"
+                   if xcomp.cpu_has_amx() else "no") if feats else "/proc/cpuinfo lists no features here"))
     try:
         import pynvml
 

@@ -15,7 +15,7 @@ def demo_worker(**kw) -> WorkloadFacts:
     and a long session of ~2,100 tokens, on the demo node (MTBF 6000 h), no GPU."""
     base = dict(name="demo-chat", traffic="long_sessions", footprint_gib=17.7e6 / 2**30, measured_pause_s=0.66,
                 mtbf_s=6000 * 3600.0, live_tokens=2100, growth_tokens_s=20, tokens_since_ckpt=600,
-                seconds_since_ckpt=30.0, device="cpu")
+                seconds_since_ckpt=90.0, device="cpu")
     return WorkloadFacts(**{**base, **kw})
 
 
@@ -97,3 +97,23 @@ def test_live_facts_of_a_cpu_worker_are_cpu_facts_and_a_restarted_worker_has_new
             from tests.conftest import kill_pid_file
 
             kill_pid_file(w.pid_file, "ckptflow.demo.worker")
+
+
+def test_min_interval_holds_back_a_cpu_burst_until_it_has_passed():
+    """Issue #36 finding 7: min_interval_s 60 and a heartbeat 11 s after the last checkpoint decided
+    checkpoint_now, because the CPU burst rule ran before the minimum was applied."""
+    d = decide(demo_worker(seconds_since_ckpt=11.0), params=DEMO_RULE)
+    assert d.action == Action.protect and not d.due and d.interval_s == 60
+    assert d.reason.startswith("burst held back: the last checkpoint is 11 s old < min_interval_s 1.0 min (CPU worker: ")
+    later = decide(demo_worker(seconds_since_ckpt=61.0), params=DEMO_RULE)
+    assert later.action == Action.checkpoint_now and later.due
+
+
+def test_min_interval_holds_back_a_gpu_burst_too():
+    rule = {"min_interval_s": 600, "max_interval_s": 86400}
+    gpu = dict(device="gpu", mtbf_s=24 * 3600.0, footprint_gib=20.0, measured_pause_s=5.0, growth_tokens_s=1.0,
+               live_tokens=400_000, tokens_since_ckpt=390_000)
+    burst = decide(demo_worker(seconds_since_ckpt=3600.0, **gpu), params=rule)
+    assert burst.action == Action.checkpoint_now and burst.reason.startswith("burst: ")
+    held = decide(demo_worker(seconds_since_ckpt=120.0, **gpu), params=rule)
+    assert held.action == Action.protect and not held.due and "burst held back" in held.reason

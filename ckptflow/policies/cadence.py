@@ -431,10 +431,10 @@ def decide_cost_based(f: WorkloadFacts, params: CostBasedParams, cost: CostModel
         # Judged before the steady-state skip, unlike a GPU worker's burst: the pause holds no
         # accelerator and costs the worker well under a second, while the recompute is its own
         # seconds at CPU prefill speed; an MTBF-weighted rate said skip at every heartbeat.
-        return Decision(workload=f.name, action=Action.checkpoint_now, due=True,
-                        reason=f"CPU worker: {at_risk_s:.1f} s of recompute at risk ({at_risk_tokens:.0f} new KV "
-                               f"tokens at {cost.cpu_prefill_tokens_s:.0f} tokens/s) > {burst_factor:g} x "
-                               f"{c:.2f} s pause")
+        return _not_before_min(f, min_s, Decision(
+            workload=f.name, action=Action.checkpoint_now, due=True,
+            reason=f"CPU worker: {at_risk_s:.1f} s of recompute at risk ({at_risk_tokens:.0f} new KV "
+                   f"tokens at {cost.cpu_prefill_tokens_s:.0f} tokens/s) > {burst_factor:g} x {c:.2f} s pause"))
     tau, why = cost_based_interval(f, cost, min_s, max_s)
     if f.newest_invalidated and at_risk_s > 0 and tau != INF:
         return Decision(workload=f.name, action=Action.checkpoint_now, interval_s=tau, due=True,
@@ -447,11 +447,30 @@ def decide_cost_based(f: WorkloadFacts, params: CostBasedParams, cost: CostModel
         return Decision(workload=f.name, action=Action.skip, reason=why)
     g = f.growth_tokens_s / cost.prefill_rate(f.device)
     if f.tokens_since_ckpt is not None and at_risk_s > burst_factor * max(g * tau, c):
-        return Decision(workload=f.name, action=Action.checkpoint_now, interval_s=tau, due=True,
-                        reason=f"burst: {at_risk_s:.0f} s of new KV since the last checkpoint "
-                               f"> {burst_factor:g} x {max(g * tau, c):.0f} s")
+        return _not_before_min(f, min_s, Decision(
+            workload=f.name, action=Action.checkpoint_now, interval_s=tau, due=True,
+            reason=f"burst: {at_risk_s:.0f} s of new KV since the last checkpoint > {burst_factor:g} x "
+                   f"{max(g * tau, c):.0f} s"))
     due = f.seconds_since_ckpt is None or f.seconds_since_ckpt >= tau
     return Decision(workload=f.name, action=Action.protect, interval_s=tau, due=due, reason=why)
+
+
+def _not_before_min(f: WorkloadFacts, min_s: float, d: Decision) -> Decision:
+    """A burst's checkpoint, held back while the last checkpoint is younger than ``min_interval_s``
+    ("never protect more often than this" holds for bursts too; the next heartbeat after the
+    minimum takes it, the KV still at risk then).
+
+    Example:
+        >>> f = WorkloadFacts(name="w", seconds_since_ckpt=11.0)
+        >>> d = _not_before_min(f, 60.0, Decision(workload="w", action=Action.checkpoint_now, due=True, reason="burst"))
+        >>> d.action.value, d.due, d.reason
+        ('protect', False, 'burst held back: the last checkpoint is 11 s old < min_interval_s 1.0 min (burst)')
+    """
+    if f.seconds_since_ckpt is None or f.seconds_since_ckpt >= min_s:
+        return d
+    return Decision(workload=f.name, action=Action.protect, interval_s=min_s, due=False,
+                    reason=f"burst held back: the last checkpoint is {_fmt(f.seconds_since_ckpt)} old < "
+                           f"min_interval_s {_fmt(min_s)} ({d.reason})")
 
 
 def forced(d: Decision) -> Decision:

@@ -89,7 +89,8 @@ def cpu_flags() -> frozenset[str]:
 # features like xsaves, power management) says nothing about what a restored process executes.
 ISA_PREFIXES = ("sse", "ssse3", "avx", "fma", "f16c", "bmi", "adx", "aes", "pclmulqdq", "sha", "vaes",
                 "vpclmulqdq", "gfni", "movbe", "popcnt", "abm", "amx", "xsave", "rdrand", "rdseed", "clflushopt",
-                "clwb", "cx16", "erms", "fsrm", "movdir", "serialize", "lahf_lm", "rdpid")
+                "clwb", "cx16", "erms", "fsrm", "movdir", "serialize", "lahf_lm", "rdpid", "rtm", "hle",
+                "tsxldtrk", "3dnowprefetch", "cldemote", "fsgsbase")
 ISA_EXCLUDE = frozenset({"xsaves", "xsaveerptr"})  # the kernel's own, or not an instruction a process runs
 
 
