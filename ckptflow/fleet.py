@@ -375,8 +375,9 @@ class _PathErrors(ValueError):
 # URL fields an engine client or the alerter will open: without a scheme and a host they only
 # fail later, at the first heartbeat, as an unreadable "no KV growing" or a silent probe error.
 _WORKLOAD_URLS = ("health_url", "metrics_url", "probe_url", "prepare_url")
-_CROSS_FIELDS = {"nodes": {"__all__": {"name"}},
-                 "workloads": {"__all__": {"name", "node", "golden", "find", "engine", *_WORKLOAD_URLS}},
+_CROSS_FIELDS = {"nodes": {"__all__": {"name", "gpus"}},
+                 "workloads": {"__all__": {"name", "node", "golden", "find", "engine", "gpu", "tensor_parallel",
+                                           "container", *_WORKLOAD_URLS}},
                  "storage": {"endpoint_url", "path"}, "slack": {"base_url"}, "prefect_ui_url": True}
 # Fields that name one worker: two workloads declaring the same one would checkpoint, probe or
 # restore each other's process (a loopback URL or a pid file is per node).
@@ -432,6 +433,8 @@ def cross_field_problems(data: dict) -> list[tuple[tuple, str]]:
             urls.append((("golden", "url"), w["golden"].get("url")))
         out += [(("workloads", i, *k), why) for k, v in urls if (why := _url_problem(v))]
     out += _shared_worker_problems(items("workloads"))  # a checkpoint mode's own refusals: ckptflow.modes
+    out += _port_problems(items("workloads"))
+    out += _gpu_problems(items("nodes"), items("workloads"))
     out += _engine_problems(items("workloads"))
     storage = data.get("storage")
     if isinstance(storage, dict) and isinstance(storage.get("path"), str):
@@ -466,6 +469,59 @@ def _engine_problems(workloads: list[tuple[int, dict]]) -> list[tuple[tuple, str
             engine, mapped = adapter.name, ", ".join(n for n in known if ADAPTERS[n].metrics)
             out.append((("workloads", i, "metrics_url"), f"engine: {engine} has no metrics mapping, so its "
                         f"/metrics cannot be read: declare the engine ({mapped}) or drop metrics_url"))
+    return out
+
+
+def _port_problems(workloads: list[tuple[int, dict]]) -> list[tuple[tuple, str]]:
+    """A container's published host port that another workload of its node also claims: published by
+    another container, or the port another workload's loopback URL serves on. The restore would fail
+    to publish it (``bind: address already in use``), or one worker's traffic would reach the other."""
+    from urllib.parse import urlsplit
+
+    claims: dict[tuple, tuple[tuple, str]] = {}   # (node, port) -> (where, what claims it)
+    for i, w in workloads:
+        node, name = w.get("node"), w.get("name")
+        if not isinstance(node, str):
+            continue
+        for k in _WORKLOAD_URLS:
+            try:
+                u = urlsplit(w[k]) if isinstance(w.get(k), str) else None
+                port = u.port if u is not None and (u.hostname or "") in _LOOPBACK else None
+            except ValueError:
+                continue  # reported as a bad URL
+            if port:
+                claims.setdefault((node, port), (("workloads", i, k), f"the {k} of workloads[{i}] ({name!r})"))
+    out: list[tuple[tuple, str]] = []
+    for i, w in workloads:
+        c, node, name = w.get("container"), w.get("node"), w.get("name")
+        ports = c.get("ports") if isinstance(c, dict) else None
+        if not isinstance(ports, list) or not isinstance(node, str):
+            continue
+        for j, pm in enumerate(ports):
+            port = pm.get("host") if isinstance(pm, dict) else None
+            if not isinstance(port, int):
+                continue
+            where = ("workloads", i, "container", "ports", j, "host")
+            held = claims.get((node, port))
+            if held is not None and held[0][1] != i:
+                out.append((where, f"host port {port} on node {node!r} is also {held[1]}: published here, "
+                            "the restore could not bind it; give each workload its own port"))
+            else:
+                claims[(node, port)] = (where, f"published by workloads[{i}] ({name!r}).container.ports[{j}]")
+    return out
+
+
+def _gpu_problems(nodes: list[tuple[int, dict]], workloads: list[tuple[int, dict]]) -> list[tuple[tuple, str]]:
+    """A GPU workload whose tensor-parallel ranks outnumber the GPUs its node declares: each rank
+    holds a GPU of its own, and a restore would find none for the rest."""
+    gpus = {n.get("name"): n.get("gpus") for _, n in nodes}
+    out: list[tuple[tuple, str]] = []
+    for i, w in workloads:
+        have, need = gpus.get(w.get("node")), w.get("tensor_parallel") or 1
+        if w.get("gpu") and isinstance(have, int) and have > 0 and isinstance(need, int) and need > have:
+            out.append((("workloads", i, "tensor_parallel"), f"tensor_parallel {need} needs {need} GPUs, but its node "
+                        f"{w.get('node')!r} declares gpus: {have}; lower tensor_parallel or place it on a node with "
+                        f"{need} GPUs"))
     return out
 
 

@@ -104,6 +104,20 @@ MISTAKES = [
      "storage.path", "unknown placeholder {nod} in '/var/lib/ckptflow/{nod}' (known: {node})"),
     ("two tiers for llama.cpp", lambda d: d["workloads"][0].update(engine="llamacpp", checkpoint="template-sessions"),
      "workloads[0].checkpoint", "template-sessions is not supported with engine: llamacpp"),
+    # Issue #36 item 1: contradictions between workloads and their node.
+    ("a container publishes the port another workload serves on", lambda d: d["workloads"].append(
+        {"name": "c2", "node": "n1", "container": {"name": "c2", "ports": [{"host": 8000, "container": 8000}]}}),
+     "workloads[1].container.ports[0].host",
+     "host port 8000 on node 'n1' is also the metrics_url of workloads[0] ('w1'): published here, the restore "
+     "could not bind it"),
+    ("two containers publish one host port", lambda d: d["workloads"].extend([
+        {"name": "c1", "node": "n1", "container": {"name": "c1", "ports": [{"host": 18101, "container": 8000}]}},
+        {"name": "c2", "node": "n1", "container": {"name": "c2", "ports": [{"host": 18101, "container": 9000}]}}]),
+     "workloads[2].container.ports[0].host",
+     "host port 18101 on node 'n1' is also published by workloads[1] ('c1').container.ports[0]"),
+    ("more ranks than the node has GPUs", lambda d: (d["nodes"][0].update(gpus=2), d["workloads"][0].update(
+        gpu=True, tensor_parallel=4)),
+     "workloads[0].tensor_parallel", "tensor_parallel 4 needs 4 GPUs, but its node 'n1' declares gpus: 2"),
 ]
 
 
@@ -119,6 +133,19 @@ def test_mistake_names_file_path_and_expectation(tmp_path, what, edit, path, tex
     assert f"{f}: {path}" in msg, msg
     assert text in msg, msg
     assert "(line " in msg
+
+
+def test_the_same_host_port_on_two_nodes_and_a_containers_own_health_url_are_no_clash(tmp_path):
+    data = yaml.safe_load(GOOD)
+    data["nodes"].append({"name": "n2", "work_pool": "n2", "gpus": 8})
+    data["workloads"] += [
+        {"name": "c1", "node": "n1", "container": {"name": "c1", "ports": [{"host": 18101, "container": 8000}]},
+         "health_url": "http://127.0.0.1:18101/health"},                       # its own published port
+        {"name": "c2", "node": "n2", "container": {"name": "c2", "ports": [{"host": 18101, "container": 8000}]}},
+        {"name": "g8", "node": "n2", "find": {"pid_file": "/run/g8.pid"}, "gpu": True, "tensor_parallel": 8}]
+    f = tmp_path / "fleet.yaml"
+    f.write_text(yaml.safe_dump(data, sort_keys=False))
+    assert [w.name for w in load_fleet(f).workloads] == ["w1", "c1", "c2", "g8"]
 
 
 def test_the_same_loopback_url_and_pid_file_on_two_nodes_are_two_workers(tmp_path):

@@ -8,6 +8,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from ckptflow.flows.steps import move, run_step, wait_step
 from ckptflow.render import render
+from ckptflow.tasks import events
 from ckptflow.tasks.common import open_fleet
 from ckptflow.tasks.fleet import record_placement
 from ckptflow.tasks.move import need_shared_tier
@@ -42,6 +43,8 @@ def migrate(fleet_file: str, workload: str, target_node: str, via_deployments: b
             back=back, error=str(e).splitlines()[0]))
         raise
     record_placement(fleet.scope(), workload, target_node, out["checkpoint"])  # heartbeats follow it there
+    events.emit("workload.migrated", workload=workload, node=target_node, fleet=fleet.fleet, checkpoint=out["checkpoint"],
+                source=source, target=target_node)
     create_markdown_artifact(key=f"migrate-{workload}", markdown=render(
         "migrate_report.md.j2", workload=workload, source=source, target=target_node, out=out, inn=inn,
         back=None, error=None))

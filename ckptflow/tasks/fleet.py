@@ -17,6 +17,7 @@ from ckptflow.policies.compat import stale
 from ckptflow.runners.fingerprint import node_fingerprint, workload_fingerprint
 from ckptflow.runners.gpu import get_backend
 from ckptflow.store import open_fleet_state, open_store
+from ckptflow.tasks import events
 from ckptflow.tasks.common import alerter, fingerprints, tier, transient
 from ckptflow.tasks.node import checkpoint_batch
 
@@ -99,6 +100,9 @@ def invalidate_stale(scope: FleetScope, node: str | None, workloads: list[Worklo
                 t.set_state(m, CheckpointState.invalidated, why)
                 rows.append({"workload": w.name, "node": m.node, "checkpoint": m.id, "reason": why,
                              "copy": t.copy_tier.value})
+    for r in rows:
+        events.emit("checkpoint.invalidated", workload=r["workload"], node=r["node"], fleet=scope.fleet,
+                    checkpoint=r["checkpoint"], reason=r["reason"], copy=r["copy"])
     return rows
 
 
@@ -165,4 +169,5 @@ def record_placement(scope: FleetScope, workload: str, node: str, checkpoint: st
 @task(name="mark-node-drained")
 def mark_drained(scope: FleetScope, node: str, rows: list[dict]) -> str:
     """Record on the node's own store that ``node`` was drained, and what went where."""
+    events.emit("node.drained", node=node, fleet=scope.fleet, moved=[r.get("workload") for r in rows])
     return str(open_store(scope.storage, node).mark_drained(node, {"flow_run": str(flow_run.get_id()), "rows": rows}))

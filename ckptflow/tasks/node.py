@@ -16,6 +16,7 @@ from ckptflow.policies.sessions import export_context
 from ckptflow.report import checkpoint_bytes
 from ckptflow.runners.facts import collect_facts, node_mtbf_s
 from ckptflow.runners.modes import manifest_runner, mode_runner
+from ckptflow.tasks import events
 from ckptflow.tasks.common import alerter, fingerprints, node_runner, node_slot, retry_if_retryable
 from ckptflow.tasks.common import tier as fleet_tier
 
@@ -94,6 +95,8 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
                     pushed = {"upload_error": str(e).splitlines()[0]}
             out.append({**row, "ok": True, "checkpoint": m.id, "bytes": size, **pushed,
                         **{f"{k}_s": v for k, v in m.timings.items()}})
+    for row in out:
+        events.checkpoint_row(row, scope.fleet)
     return out
 
 

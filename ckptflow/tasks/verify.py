@@ -10,6 +10,7 @@ from ckptflow.fleet import FleetScope
 from ckptflow.models import CheckpointState, VerifyOutcome, Workload
 from ckptflow.runners.coldstart import cold_start
 from ckptflow.runners.modes import manifest_runner
+from ckptflow.tasks import events
 from ckptflow.tasks.common import alerter, node_runner, node_slot, open_fleet
 
 
@@ -30,6 +31,8 @@ def verify_workload(scope: FleetScope, w: Workload) -> dict:
         get_run_logger().warning("verify of %s %s: %s", workload, res.state.value, res.reason)
         return row
     node.store.set_state(m, CheckpointState(res.state.value), res.reason, verify_timings=res.timings)
+    events.emit(f"verify.{res.state.value}", workload=workload, node=w.node, fleet=scope.fleet, checkpoint=m.id,
+                reason=res.reason)
     a = alerter(scope)
     if res.state == VerifyOutcome.verify_failed:
         a.send(AlertKind.verify_failed, workload=workload, key=m.id, node=w.node, checkpoint=m.id,
@@ -58,6 +61,8 @@ def alert_restore_failed(scope: FleetScope, workload: str, node: str, reason: st
                          fix: str | None = None) -> bool:
     """Open (or re-post) the workload's restore-failed alert; ``node``: where it runs now;
     ``checkpoint``: the one tried; ``cause``: the first error line of CRIU's log; ``fix``: ckptflow's."""
+    events.emit("restore.failed", workload=workload, node=node, fleet=scope.fleet, checkpoint=checkpoint,
+                reason=reason, cause=cause, fix=fix, fallback=fallback)
     return alerter(scope).send(AlertKind.restore_failed, workload=workload, key=reason, node=node,
                                checkpoint=checkpoint, reason=reason, fallback=fallback, log_tail=log_tail,
                                cause=cause, fix=fix, flow_run_id=flow_run.get_id())
@@ -67,5 +72,7 @@ def alert_restore_failed(scope: FleetScope, workload: str, node: str, reason: st
 def alert_recovered(scope: FleetScope, workload: str, node: str, how: str, checkpoint: str | None,
                     skipped: list[dict]) -> bool:
     """One "recovered" message for a successful recover; it closes the workload's open alert."""
+    events.emit("restore.succeeded", workload=workload, node=node, fleet=scope.fleet, checkpoint=checkpoint, how=how,
+                skipped=[s.get("id") for s in skipped] or None)
     return alerter(scope).resolve(workload, always=True, node=node, how=how, checkpoint=checkpoint,
                                   skipped=skipped, flow_run_id=flow_run.get_id())
