@@ -514,10 +514,11 @@ def _port_problems(workloads: list[tuple[int, dict]]) -> list[tuple[tuple, str]]
 def _gpu_problems(nodes: list[tuple[int, dict]], workloads: list[tuple[int, dict]]) -> list[tuple[tuple, str]]:
     """A GPU workload whose tensor-parallel ranks outnumber the GPUs its node declares: each rank
     holds a GPU of its own, and a restore would find none for the rest."""
-    gpus = {n.get("name"): n.get("gpus") for _, n in nodes}
+    gpus = {n["name"]: n.get("gpus") for _, n in nodes if isinstance(n.get("name"), str)}  # others: the schema's
     out: list[tuple[tuple, str]] = []
     for i, w in workloads:
-        have, need = gpus.get(w.get("node")), w.get("tensor_parallel") or 1
+        node = w.get("node")
+        have, need = gpus.get(node) if isinstance(node, str) else None, w.get("tensor_parallel") or 1
         if w.get("gpu") and isinstance(have, int) and have > 0 and isinstance(need, int) and need > have:
             out.append((("workloads", i, "tensor_parallel"), f"tensor_parallel {need} needs {need} GPUs, but its node "
                         f"{w.get('node')!r} declares gpus: {have}; lower tensor_parallel or place it on a node with "

@@ -121,7 +121,8 @@ def test_two_tier_workload_through_heartbeat_and_recover_flows(tmp_path, prefect
     from ckptflow.flows.verify import verify
 
     w, ref = demo_worker("tt", ballast_mib=16), demo_worker("ref", ballast_mib=16)
-    w.workload = w.workload.model_copy(update={"checkpoint": CheckpointMode.template_sessions})
+    # engine: demo, the protocol's server (a vLLM does not serve it: refused at load); vLLM's CRIU options stay
+    w.workload = w.workload.model_copy(update={"checkpoint": CheckpointMode.template_sessions, "engine": "demo"})
     fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store")
     store = LocalStore(tmp_path / "store")
     for x in (w, ref):

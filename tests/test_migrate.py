@@ -135,7 +135,8 @@ def test_a_two_tier_workload_of_a_lost_node_comes_back_on_another_from_s3(tmp_pa
     from ckptflow.models import CheckpointMode
 
     w, ref = demo_worker("tt", ballast_mib=16), demo_worker("ref", ballast_mib=16)
-    w.workload = w.workload.model_copy(update={"checkpoint": CheckpointMode.template_sessions})
+    # engine: demo, the protocol's server (a vLLM does not serve it: refused at load); vLLM's CRIU options stay
+    w.workload = w.workload.model_copy(update={"checkpoint": CheckpointMode.template_sessions, "engine": "demo"})
     fleet = _two_node_fleet(tmp_path, s3, [w.workload], "ckpt-2t-node")
     for x in (w, ref):
         x.complete("a long agent transcript " * 30, 16, "agent")
