@@ -86,6 +86,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def tear_pages(images: Path, offset: int = 4096) -> Path:
+    """Flip one byte of the largest pages image under ``images``: a checkpoint whose checksum fails."""
+    pages = max(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    with open(pages, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return pages
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

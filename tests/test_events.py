@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import write_fleet
+from conftest import tear_pages, write_fleet
 from ckptflow.store.local import LocalStore
 
 pytestmark = pytest.mark.criu
@@ -75,12 +75,7 @@ def test_checkpoint_restore_and_failed_restore_are_events_with_workload_and_node
 
     # The only checkpoint torn: the restore fails (recover then cold-starts), and says why in its event.
     m = store.get("evchat", first["checkpoint"])
-    pages = max((store.root / "evchat" / m.id / "images").glob("pages-*.img"), key=lambda p: p.stat().st_size)
-    with open(pages, "r+b") as f:
-        f.seek(4096)
-        b = f.read(1)
-        f.seek(4096)
-        f.write(bytes([b[0] ^ 0xFF]))
+    tear_pages(store.root / "evchat" / m.id / "images")
     os.kill(w.pid, signal.SIGKILL)
     assert recover(str(fleet), "evchat")["cold_start"]
     [fail] = _events("evchat", since, {"ckptflow.restore.failed"})["ckptflow.restore.failed"]

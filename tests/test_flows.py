@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from conftest import write_fleet
+from conftest import tear_pages, write_fleet
 from ckptflow.models import CheckpointMode, CheckpointState
 from ckptflow.store.local import LocalStore
 
@@ -47,12 +47,7 @@ def test_recover_falls_back_past_a_corrupt_checkpoint(tmp_path, prefect_harness,
     digests_at_old = w.digests()
     w.complete("second", 8, "s")
     new = heartbeat(str(fleet), force=True)[0]["checkpoint"]
-    pages = max((store.root / "chat" / new / "images").glob("pages-*.img"), key=lambda p: p.stat().st_size)
-    with open(pages, "r+b") as f:
-        f.seek(4096)
-        b = f.read(1)
-        f.seek(4096)
-        f.write(bytes([b[0] ^ 0xFF]))
+    tear_pages(store.root / "chat" / new / "images")
 
     os.kill(w.pid, signal.SIGKILL)
     res = recover(str(fleet), "chat")

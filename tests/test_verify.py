@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SlackCapture, write_fleet
+from conftest import SlackCapture, tear_pages, write_fleet
 from ckptflow.models import CheckpointState, EngineProbe
 from ckptflow.store.fleetstate import LocalFleetState
 from ckptflow.store.local import LocalStore
@@ -109,12 +109,7 @@ def test_slack_outage_never_fails_the_flow(tmp_path, prefect_harness, demo_worke
 
 
 def _corrupt(store, workload, ckpt):
-    pages = max((store.root / workload / ckpt / "images").glob("pages-*.img"), key=lambda p: p.stat().st_size)
-    with open(pages, "r+b") as f:
-        f.seek(100)
-        b = f.read(1)
-        f.seek(100)
-        f.write(bytes([b[0] ^ 0xFF]))
+    tear_pages(store.root / workload / ckpt / "images", offset=100)
 
 
 def test_recover_corrupt_newest_falls_back_and_alerts_once(tmp_path, prefect_harness, demo_worker, slack):
