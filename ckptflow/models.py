@@ -156,6 +156,12 @@ class CriuOptions(BaseModel):
         False, description="Carry the /dev/shm files the tree maps (vLLM's shared-memory rings, its "
         "semaphore) in the image, as they were at the dump, and put them back before a restore: "
         "another node has none, and after a SIGKILL the node's copies are newer than the image.")
+    amx_unused: bool = Field(
+        False, description="On a CPU with AMX: the tree may hold the kernel's AMX permission but never runs AMX "
+        "instructions, so it is checkpointed anyway. torch asks for the permission whenever it probes the CPU "
+        "(vLLM's CPU worker always does), and a worker served in float32, or with ONEDNN_MAX_CPU_ISA capped "
+        "below AMX, never uses it. CRIU carries no AMX state: a restored process that ran AMX would die of "
+        "SIGILL, which is why a tree holding the permission is refused without this (runners/xcomp.py).")
 
 
 VLLM_CRIU = CriuOptions(link_remap=True, ext_unix_sk=True, file_locks=True, devshm=True)

@@ -273,3 +273,26 @@ def test_asking_a_child_whose_parent_waits_on_it_does_not_hang(asker):
     assert time.perf_counter() - t0 < xcomp.QUERY_TIMEOUT_S / 2
     assert waiter.is_alive() and p.poll() is None           # the parent's wait saw no stop of ours
     _alive_and_counting(p)
+
+
+@root
+def test_a_tree_whose_amx_permission_is_declared_unused_is_let_through_and_only_then(asker):
+    """vLLM's CPU worker holds the permission whatever it computes: torch asks for it when it probes the
+    CPU (``torch.cpu._is_amx_tile_supported``). Served in float32 it never runs AMX, and its workload
+    says so (``criu.amx_unused``, set by engines.vllm's helpers on AMX CPUs)."""
+    from ckptflow.runners.criu import refuse_uncarriable
+
+    if not AMX:
+        pytest.skip(NO_AMX)
+    p = asker("amx")
+    find = ProcessFinder(pid_file="/nonexistent.pid")
+    with pytest.raises(UnsupportedWorkload, match=rf"PID {p.pid} \(python[^)]*\) has AMX enabled"):
+        refuse_uncarriable(Workload(name="w", node="n", find=find), [p.pid])
+    refuse_uncarriable(Workload(name="w", node="n", find=find, criu={"amx_unused": True}), [p.pid])
+
+
+def test_vllms_helpers_serve_float32_and_declare_the_permission_unused_exactly_on_amx_cpus():
+    from ckptflow.engines import vllm
+
+    assert vllm.CPU_DTYPE == ("float32" if AMX else "bfloat16")
+    assert vllm.VLLM_CRIU.model_copy(update={"amx_unused": vllm.CPU_AMX}).amx_unused == AMX

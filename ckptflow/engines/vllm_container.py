@@ -35,7 +35,7 @@ from pathlib import Path
 from ckptflow.container_models import ContainerSpec, Mount, PortMap
 from ckptflow.engines import vllm
 from ckptflow.errors import CkptflowError, RunnerUnavailable
-from ckptflow.models import GoldenRequest, Workload
+from ckptflow.models import VLLM_CRIU, GoldenRequest, Workload
 
 REPO_NAME = "localhost/ckptflow-vllm-base"
 CPORT = 8000                       # vLLM's port inside the container
@@ -165,6 +165,7 @@ def container_workload(name: str, image: str, inst: vllm.VllmInstall, model: vll
                     # rendezvous): measured. (True works too: an in-place restore then keeps the
                     # exported name, since podman 4.3 refuses --tcp-established with --name.)
                     metrics_url=url + "/metrics", tcp_established=False,
+                    criu=VLLM_CRIU.model_copy(update={"amx_unused": vllm.CPU_AMX}),  # float32 on AMX CPUs
                     golden=GoldenRequest(url=url + "/v1/completions", field="choices.0.token_ids",
                                          body=vllm.golden_body()))
 

@@ -343,7 +343,7 @@ class ContainerRunner:
         spec = _spec(w)
         proc = resolve_container(w, pm)
         if proc.pid > 0:  # the container's processes as the host sees them (a pod's are on its kubelet's node)
-            refuse_uncarriable(w.name, tree(proc.pid))  # runc's CRIU carries them no better than ours
+            refuse_uncarriable(w, tree(proc.pid))  # runc's CRIU carries them no better than ours
         from ckptflow.runners.node import probe_for_checkpoint
 
         state = probe_for_checkpoint(w, engine.probe)

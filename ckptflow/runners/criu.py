@@ -292,7 +292,7 @@ class CriuRunner:
         """
         proc = recheck(workload, proc) if proc else resolve(workload)
         pids = tree(proc.pid)
-        refuse_uncarriable(workload.name, pids)
+        refuse_uncarriable(workload, pids)
         images_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         isolated = is_isolated(proc.pid)
         _record(images_dir, workload.criu, written_files(pids), pids, isolated)
@@ -525,13 +525,15 @@ def _rbind_root(parent: Path):
             root.rmdir()
 
 
-def refuse_uncarriable(name: str, pids: list[int]) -> None:
+def refuse_uncarriable(workload: Workload, pids: list[int]) -> None:
     """Refuse, before anything is frozen or locked, a tree holding state CRIU cannot carry.
 
     Raises:
         UnsupportedWorkload: a process holds io_uring (CRIU would fail half-way with a cryptic
-            mapfile error) or has AMX enabled (the restore would die of SIGILL later), with the fix.
+            mapfile error) or has AMX enabled while the workload does not declare it unused
+            (``criu.amx_unused``; the restore of an AMX user would die of SIGILL later), with the fix.
     """
+    name = workload.name
     holder = io_uring_holder(pids)
     if holder:
         raise UnsupportedWorkload(
@@ -539,14 +541,15 @@ def refuse_uncarriable(name: str, pids: list[int]) -> None:
             "CRIU cannot dump", fix="run `sysctl -w kernel.io_uring_disabled=2` on the node and restart the "
             "worker (uvloop/libuv then falls back to epoll; docs/engines/vllm.md); for torch.distributed's "
             "TCPStore start it with USE_LIBUV=0")
-    amx = xcomp.amx_holder(pids)
+    amx = None if workload.criu.amx_unused else xcomp.amx_holder(pids)
     if amx is not None:
         raise UnsupportedWorkload(
             f"workload {name}: PID {amx} ({_comm(amx)}) has AMX enabled (it asked the kernel for AMX tile state, as "
             "oneDNN does for bf16 work on this CPU); CRIU saves neither that permission nor the tile registers, so "
             "its restore would die of SIGILL; not checkpointing",
-            fix=f"restart the worker with {'='.join(xcomp.ONEDNN_ISA_CAP)} in its environment (ckptflow's launch "
-            "helpers set it on AMX CPUs; docs/engines/vllm.md \"AMX CPUs\")")
+            fix=f"keep the worker off AMX and say so: restart it with {'='.join(xcomp.ONEDNN_ISA_CAP)} in its "
+            "environment (vLLM on the CPU: also --dtype float32, its bf16 attention runs AMX kernels of its own), "
+            "then declare criu: {amx_unused: true} for it (docs/engines/vllm.md \"AMX CPUs\")")
 
 
 def _comm(pid: int) -> str:

@@ -166,7 +166,7 @@ class NodeRunner:
             res = self.criu.dump(w, images_dir, leave_running=leave_running, proc=proc)
             return Dumped(res.pid, {"dump": round(res.seconds, 4), "pause": round(res.seconds, 4)})
         t: dict[str, float] = {}
-        refuse_uncarriable(w.name, process.tree(proc.pid))  # before the prepare hook and any lock
+        refuse_uncarriable(w, process.tree(proc.pid))  # before the prepare hook and any lock
         why = tp_unsupported(w, pids)
         if why:  # before the prepare hook and any lock: nothing touched
             raise UnsupportedWorkload(f"workload {w.name} (tensor_parallel: {w.tensor_parallel}) cannot be "
