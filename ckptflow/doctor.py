@@ -82,7 +82,8 @@ def checks() -> list[tuple[str, bool | None, str]]:
     cap = "=".join(xcomp.ONEDNN_ISA_CAP)
     out.append(("CPU features (fingerprint)", True if feats else None,
                 f"{len(feats)} recorded in every manifest; AMX: "
-                + (f"yes: start workers with {cap} (CRIU cannot carry AMX; a worker that enabled it is refused)"
+                + (f"yes: CRIU cannot carry AMX, so a worker holding it is refused; keep CPU workers off it ({cap}, "
+                   "vLLM with --dtype float32) and declare criu: {amx_unused: true}"
                    if xcomp.cpu_has_amx() else "no") if feats else "/proc/cpuinfo lists no features here"))
     try:
         import pynvml

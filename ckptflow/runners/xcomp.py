@@ -10,9 +10,11 @@ restored process that used AMX dies: of SIGILL at its next tile instruction (vLL
 The permission is visible only to the process itself (``ARCH_GET_XCOMP_PERM``; no /proc file
 shows it), so :func:`xcomp_perm` asks there: it stops one thread with ptrace, runs that one
 syscall in it and puts registers and memory back, as CRIU's own parasite does for its dump. The
-runner refuses such a tree before it freezes anything (``criu.CriuRunner.dump``), naming the
-cap that keeps oneDNN off AMX (:data:`ONEDNN_ISA_CAP`, which ckptflow's launch helpers set on
-AMX CPUs: :func:`amx_cap_env`).
+runner refuses such a tree before it freezes anything (``criu.refuse_uncarriable``) unless its
+workload declares the permission unused (``criu.amx_unused``: torch asks for it whenever it probes
+the CPU, so holding it does not mean running AMX). What keeps a worker off AMX: the oneDNN cap
+(:data:`ONEDNN_ISA_CAP`, :func:`amx_cap_env`) and, for vLLM on the CPU, float32 (its bf16
+attention has AMX kernels of its own); ckptflow's vLLM helpers do both on AMX CPUs.
 
 Example:
     >>> amx_cap_env({"PATH": "/bin"}, cpu_flags={"avx512f"})          # no AMX: nothing to cap
