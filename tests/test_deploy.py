@@ -398,7 +398,7 @@ def test_a_two_tier_workload_gets_a_turn_end_exporter_unit_on_its_node(tmp_path,
     data = yaml.safe_load(example.read_text())
     w = data["workloads"][0]
     w["checkpoint"] = "template-sessions"
-    w.setdefault("engine", "demo")
+    w["engine"] = "demo"  # a worker that serves the protocol (a vLLM is refused at load: it serves none)
     w["gpu"] = False
     f = tmp_path / "tt.yaml"
     f.write_text(yaml.safe_dump(data))
