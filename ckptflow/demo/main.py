@@ -1,7 +1,9 @@
 """`ckptflow demo`: checkpoint a live worker, kill it like a node failure, recover, and prove it.
 
 Runs entirely on this machine on embedded defaults: Prefect's temporary server on SQLite
-under ./.ckptflow/prefect, the local store under ./.ckptflow/store.
+under ./.ckptflow/prefect, and a namespace of its own under ./.ckptflow/demo (its fleet file, store
+and pid files), so that a worker started from deployments/local.yaml, and its checkpoints in
+./.ckptflow/store, are never touched by a demo run.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 FLEET_FILE = "deployments/local.yaml"
+DEMO_DIR = Path(".ckptflow/demo")  # the demo's own fleet file, store and pid files
 PORT = 18001  # demo-chat's port in FLEET_FILE; the reference twin listens on the next one
 LONG_PROMPT = ("You are an agent working through a long task. Keep notes of every step. " * 40)[:1900]
 N_CONT = 64
@@ -32,16 +35,23 @@ def _prefect_env(home: Path) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
-def _fleet_file(port: int, run_dir: Path) -> str:
-    """FLEET_FILE with demo-chat's URLs on ``port`` (heartbeat and recover find the worker
-    through them), written under ``run_dir``; FLEET_FILE itself for the port it names.
+def _fleet_file(port: int, demo_dir: Path) -> str:
+    """FLEET_FILE's fleet in the demo's own namespace: its store and demo-chat's pid file under
+    ``demo_dir``, demo-chat's URLs on ``port`` (heartbeat and recover find the worker through them).
+    A user's worker started from FLEET_FILE keeps its pid file and its checkpoints.
 
-    Example: _fleet_file(18101, Path(".ckptflow/run")) == ".ckptflow/run/local-18101.yaml"
+    Example: _fleet_file(18101, Path(".ckptflow/demo")) == ".ckptflow/demo/local-18101.yaml"
     """
-    if port == PORT:
-        return FLEET_FILE
-    out = run_dir / f"local-{port}.yaml"
-    out.write_text(Path(FLEET_FILE).read_text().replace(f"127.0.0.1:{PORT}/", f"127.0.0.1:{port}/"))
+    import yaml
+
+    text = Path(FLEET_FILE).read_text().replace(f"127.0.0.1:{PORT}/", f"127.0.0.1:{port}/")
+    data = yaml.safe_load(text)
+    data["storage"]["path"] = str(demo_dir / "store")
+    for w in data["workloads"]:
+        w["find"]["pid_file"] = str(demo_dir / "run" / Path(w["find"]["pid_file"]).name)
+    out = demo_dir / f"local-{port}.yaml"
+    out.write_text(f"# Written by `ckptflow demo` from {FLEET_FILE}: the demo's own store and pid files.\n"
+                   + yaml.safe_dump(data, sort_keys=False))
     return str(out)
 
 
@@ -51,7 +61,7 @@ def run_demo(console: Console | None = None, port: int = PORT) -> bool:
     console = console or Console()
     ref_port = port + 1
     state = Path(".ckptflow")
-    (state / "run").mkdir(parents=True, exist_ok=True)
+    (DEMO_DIR / "run").mkdir(parents=True, exist_ok=True)
     _prefect_env(state / "prefect")
 
     from prefect import flow
@@ -68,12 +78,13 @@ def run_demo(console: Console | None = None, port: int = PORT) -> bool:
     CriuRunner().check()  # fail before starting anything, with the fix
     launch.require_free_port(port)
     launch.require_free_port(ref_port)
-    fleet_file = _fleet_file(port, state / "run")
+    fleet_file = _fleet_file(port, DEMO_DIR)
     fleet = load_fleet(fleet_file)
     w = fleet.workload("demo-chat")
     pid_file = Path(w.find.pid_file)
     procs = []
-    # Checkpoints of an earlier demo run belong to a worker that no longer exists.
+    # Checkpoints of an earlier demo run belong to a worker that no longer exists; the demo's store
+    # holds nothing else (it is not the fleet file's).
     shutil.rmtree(Path(fleet.storage.path) / w.name, ignore_errors=True)
 
     @flow(name="ckptflow-demo")
@@ -86,7 +97,7 @@ def run_demo(console: Console | None = None, port: int = PORT) -> bool:
 
         t0 = time.perf_counter()
         procs.append(launch.start_worker(port, pid_file))
-        procs.append(launch.start_worker(ref_port, state / "run" / "reference.pid"))
+        procs.append(launch.start_worker(ref_port, DEMO_DIR / "run" / "reference.pid"))
         step("start demo worker + uninterrupted reference twin", time.perf_counter() - t0)
 
         def both(prompt: str, n: int, sid: str | None) -> list[int]:
