@@ -309,7 +309,7 @@ def _gate_node(tmp_path, monkeypatch, pids):
     class Criu:  # the dump after the lock: recorded, not run
         dumped = []
 
-        def dump(self, w, images_dir, leave_running, proc):
+        def dump(self, w, images_dir, leave_running, proc, refused=False):
             self.dumped.append(proc.pid)
             return type("R", (), {"pid": proc.pid, "seconds": 0.01})()
 

@@ -280,7 +280,8 @@ class CriuRunner:
         return args + _recorded(images_dir).get("flags", [])
 
     def dump(self, workload: Workload, images_dir: Path, *, leave_running: bool,
-             proc: DeclaredProcess | None = None, timeout_s: float | None = None) -> DumpResult:
+             proc: DeclaredProcess | None = None, timeout_s: float | None = None,
+             refused: bool = False) -> DumpResult:
         """Dump the workload's process tree into ``images_dir``.
 
         The process is found from the declaration (or ``proc`` from an earlier resolve) and
@@ -292,7 +293,8 @@ class CriuRunner:
         """
         proc = recheck(workload, proc) if proc else resolve(workload)
         pids = tree(proc.pid)
-        refuse_uncarriable(workload, pids)
+        if not refused:  # the caller ran refuse_uncarriable before its own lock (NodeRunner's GPU path)
+            refuse_uncarriable(workload, pids)
         images_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         isolated = is_isolated(proc.pid)
         _record(images_dir, workload.criu, written_files(pids), pids, isolated)

@@ -203,7 +203,7 @@ class NodeRunner:
                 t0 = time.perf_counter()
                 gpu.checkpoint(procs)
                 t[DEVICE_CHECKPOINT] = time.perf_counter() - t0
-                res = self.criu.dump(w, images_dir, leave_running=leave_running, proc=proc)
+                res = self.criu.dump(w, images_dir, leave_running=leave_running, proc=proc, refused=True)
                 t["dump"] = res.seconds
                 if leave_running:
                     t0 = time.perf_counter()

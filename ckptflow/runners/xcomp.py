@@ -41,7 +41,6 @@ from pathlib import Path
 
 XFEATURE_XTILEDATA = 18  # the bit of AMX's tile data in an XSAVE feature mask
 ARCH_GET_XCOMP_PERM = 0x1022
-ARCH_REQ_XCOMP_PERM = 0x1023
 SYS_ARCH_PRCTL = 158  # x86-64
 # oneDNN's strongest ISA below AMX: bf16 stays on AVX-512 (one would-be AMX kernel measured
 # ~2x slower on the CPU; a GPU worker's CPU does no bf16 matmuls worth the name).
@@ -73,6 +72,7 @@ def _ptrace(req: int, tid: int, addr: int = 0, data: int = 0) -> None:
         raise OSError(e, f"ptrace({req:#x}, {tid}): {os.strerror(e)}")
 
 
+@lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags as /proc/cpuinfo lists them (``flags`` on x86, ``Features`` on
     Arm; empty where it lists none)."""
@@ -143,9 +143,9 @@ def _stop(tid: int) -> int:
     return 0 if (status >> 16) or sig == signal.SIGTRAP else sig
 
 
-def _arch_prctl_in(pid: int, code: int, arg: int | None) -> tuple[int, int]:
-    """Run ``arch_prctl(code, arg)`` inside ``pid`` (one of its threads); with ``arg`` None the
-    argument is the address of 8 scratch bytes, read back after. Returns (return value, scratch)."""
+def _arch_prctl_in(pid: int, code: int) -> tuple[int, int]:
+    """Run ``arch_prctl(code, &scratch)`` inside ``pid`` (one of its threads), ``scratch`` 8 bytes
+    below its stack, read back after. Returns (return value, scratch)."""
     tid = pid if Path(f"/proc/{pid}/task/{pid}").exists() else int(sorted(os.listdir(f"/proc/{pid}/task"))[0])
     _ptrace(_PTRACE_SEIZE, tid)
     pending = 0
@@ -161,13 +161,10 @@ def _arch_prctl_in(pid: int, code: int, arg: int | None) -> tuple[int, int]:
         regs.rip = _syscall_insn(pid, mem)
         regs.rax, regs.rdi = SYS_ARCH_PRCTL, code
         regs.orig_rax = 2**64 - 1  # not in a syscall: the kernel must not restart the interrupted one over ours
-        if arg is None:
-            scratch_at = (saved.rsp - _SCRATCH_BELOW_SP) & ~0xF
-            scratch_old = os.pread(mem, 8, scratch_at)
-            os.pwrite(mem, bytes(8), scratch_at)
-            regs.rsi = scratch_at
-        else:
-            regs.rsi = arg
+        scratch_at = (saved.rsp - _SCRATCH_BELOW_SP) & ~0xF
+        scratch_old = os.pread(mem, 8, scratch_at)
+        os.pwrite(mem, bytes(8), scratch_at)
+        regs.rsi = scratch_at
         _ptrace(_PTRACE_SETREGS, tid, 0, ctypes.addressof(regs))
         for _ in range(8):  # a signal arriving first stops it before the step: hand it back later
             _ptrace(_PTRACE_SINGLESTEP, tid)
@@ -177,8 +174,7 @@ def _arch_prctl_in(pid: int, code: int, arg: int | None) -> tuple[int, int]:
             pending = pending or sig
         _ptrace(_PTRACE_GETREGS, tid, 0, ctypes.addressof(regs))
         ret = ctypes.c_longlong(regs.rax).value
-        value = int.from_bytes(os.pread(mem, 8, scratch_at), "little") if scratch_at else 0
-        return ret, value
+        return ret, int.from_bytes(os.pread(mem, 8, scratch_at), "little")
     finally:
         # Whatever failed above, the thread gets back its memory and registers, then goes on.
         try:
@@ -202,7 +198,7 @@ def _perms_here(pids: list[int]) -> dict[int, int | None]:
     out: dict[int, int | None] = {}
     for pid in pids:
         try:
-            ret, mask = _arch_prctl_in(pid, ARCH_GET_XCOMP_PERM, None)
+            ret, mask = _arch_prctl_in(pid, ARCH_GET_XCOMP_PERM)
             out[pid] = mask if ret == 0 else None
         except OSError:
             out[pid] = None
