@@ -152,7 +152,7 @@ def _template_sessions_refusal(w: Mapping[str, Any]) -> str | None:
         return ("checkpoint: template-sessions is not supported with tensor_parallel > 1 yet (no "
                 "templates for TP groups); use checkpoint: process for this workload")
     engine = getattr(w.get("engine"), "value", w.get("engine"))
-    if engine in ("vllm", "sglang"):
+    if engine == "sglang":
         return (f"checkpoint: template-sessions is not supported with engine: {engine} yet ({engine} does not serve "
                 "ckptflow's engine protocol: docs/engines/protocol.md): use checkpoint: process, which checkpoints "
                 "its whole tree; a worker that serves the protocol (ckptflow's demo engines) is declared engine: demo")

@@ -104,8 +104,9 @@ MISTAKES = [
      "storage.path", "unknown placeholder {nod} in '/var/lib/ckptflow/{nod}' (known: {node})"),
     ("two tiers for llama.cpp", lambda d: d["workloads"][0].update(engine="llamacpp", checkpoint="template-sessions"),
      "workloads[0].checkpoint", "template-sessions is not supported with engine: llamacpp"),
-    ("two tiers for a vLLM that serves no protocol", lambda d: d["workloads"][0].update(checkpoint="template-sessions"),
-     "workloads[0].checkpoint", "template-sessions is not supported with engine: vllm yet (vllm does not serve "
+    ("two tiers for an SGLang, which serves no protocol", lambda d: d["workloads"][0].update(
+        engine="sglang", checkpoint="template-sessions"),
+     "workloads[0].checkpoint", "template-sessions is not supported with engine: sglang yet (sglang does not serve "
      "ckptflow's engine protocol"),
     # Issue #36 item 1: contradictions between workloads and their node.
     ("a container publishes the port another workload serves on", lambda d: d["workloads"].append(

@@ -326,6 +326,112 @@ def test_connector_blocks_carry_the_kv_a_wrong_block_changes_the_answer(servers,
     assert a["external_hits"] >= 1792 and a["token_ids"] != b["token_ids"]
 
 
+def _kill_mid_generation(srv: vllm.Server, chat: Chat) -> list[int]:
+    """SIGKILL ``srv``'s tree while a long turn of ``chat`` is generating; the PIDs, gone."""
+    from ckptflow.runners.process import tree
+
+    err: list[BaseException] = []
+
+    def long_turn():
+        try:
+            chat.turn(srv, n=3000)
+        except BaseException as e:  # noqa: BLE001 - the kill cuts the connection
+            err.append(e)
+
+    t = threading.Thread(target=long_turn)
+    t.start()
+    deadline = time.time() + 120
+    while vllm.counter(vllm.metrics_text(srv.url), "vllm:num_requests_running") < 1:
+        assert time.time() < deadline, "the long generation never started"
+        time.sleep(0.1)
+    time.sleep(0.5)
+    pids = tree(srv.pid)
+    vllm.kill_tree(srv.pid)
+    t.join(timeout=60)
+    assert err, "the generation finished before the kill: nothing was in flight"
+    _wait_gone(pids)
+    return pids
+
+
+@pytest.mark.criu
+def test_template_sessions_served_by_vllm_heartbeat_kill_recover_continues_like_reference(
+        servers, ref, vllm_install, vllm_model, store):
+    """vLLM serving ckptflow's protocol (its middleware + connector, issue #31): the template is
+    the paused engine, a session heartbeat moves only the blocks that are new, and after a
+    SIGKILL mid-generation and the loss of the node's KV files the workload comes back from its
+    template and its sessions, continuing like an engine that was never interrupted, with the
+    session's KV loaded through the connector instead of prefilled."""
+    import shutil
+
+    from ckptflow.errors import ChecksumMismatch
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.runners.process import pid_alive
+    from ckptflow.runners.template_sessions import TemplateSessionsRunner
+    from ckptflow.store.chunks import ChunkStore
+
+    live = servers.start("live", protocol=True)
+    w = _workload("chat-tt", live, vllm_install, vllm_model, golden=False, checkpoint="template-sessions")
+    chat = Chat(21, session="s21")
+    chat.turn(live)
+    with NodeRunner(store) as node:
+        tt = TemplateSessionsRunner(node)
+        m1 = tt.heartbeat(w)                          # captures the template, exports the session
+        tmpl = store.get(m1.probe.template.workload, m1.probe.template.id)
+        assert m1.kind == "sessions" and tmpl.kind == "engine_template" and tmpl.pid == live.pid
+        first = tt._records(m1)["sessions"]["s21"]
+        assert first["tokens"] >= 1792 and m1.probe.export.moved_bytes == first["total_bytes"] > 0
+        # The engine serves on after its capture.
+        assert len(vllm.complete(live.url, [5, 6, 7], 4)["token_ids"]) == 4
+
+        # The session grows by two blocks; the next heartbeat writes those and nothing else.
+        chat.turn(live, n=16, user=256)
+        m2 = tt.heartbeat(w)
+        second = tt._records(m2)["sessions"]["s21"]
+        new = second["tensors"][0]["chunks"][len(first["tensors"][0]["chunks"]):]
+        assert second["tokens"] > first["tokens"] and len(new) >= 2
+        assert second["tensors"][0]["chunks"][:len(first["tensors"][0]["chunks"])] == first["tensors"][0]["chunks"]
+        assert m2.probe.export.moved_bytes == sum(ChunkStore(store.root).path(d).stat().st_size for d in new)
+        assert m2.timings["pause"] == 0.0             # the blocks were on disk: the engine was not held
+
+        twin, reference = chat.copy(), chat.copy()
+        _kill_mid_generation(live, chat)
+        shutil.rmtree(live.chunk_dir)                 # the node's KV files are gone too: only the store has them
+        live.chunk_dir.mkdir(mode=0o700)
+
+        # A torn chunk is refused, named, before any CRIU call.
+        victim = ChunkStore(store.root).path(new[0])
+        good = victim.read_bytes()
+        victim.chmod(0o600)
+        victim.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+        with pytest.raises(ChecksumMismatch, match=new[0][:12]):
+            tt.restore(w)
+        assert not pid_alive(tmpl.pid)                # nothing was restored
+        victim.write_bytes(good)
+
+        res = tt.restore(w)
+        assert res.pid == tmpl.pid and res.manifest.id == m2.id
+
+    got, want = twin.turn(live, n=32), reference.turn(ref, n=32)
+    assert got["token_ids"] == want["token_ids"] and len(set(got["token_ids"])) > 1
+    # Not prefilled again: the restored template loaded the session's blocks through the connector.
+    assert got["external_hits"] >= second["tokens"] - 128, got
+    assert got["hits"] == 0                           # the template holds no session of its own
+
+
+def test_a_vllm_without_the_middleware_is_refused_at_the_first_heartbeat_naming_the_flags(ref, vllm_install,
+                                                                                          vllm_model, store):
+    from ckptflow.errors import EngineProtocolError
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.runners.template_sessions import TemplateSessionsRunner
+
+    w = _workload("chat-plain", ref, vllm_install, vllm_model, golden=False, checkpoint="template-sessions")
+    with NodeRunner(store) as node, pytest.raises(EngineProtocolError) as e:
+        TemplateSessionsRunner(node).heartbeat(w)
+    assert "does not serve /v1/ckptflow/engine" in e.value.message
+    assert f"--middleware {vllm.MIDDLEWARE}" in e.value.fix and "CkptflowConnector" in e.value.fix
+    assert store.list("chat-plain") == []
+
+
 @pytest.mark.criu
 def test_a_worker_holding_io_uring_is_refused_before_any_dump(vllm_install, store, tmp_path):
     """uvloop (as vLLM's API server runs it) maps an io_uring ring unless the node disables it."""

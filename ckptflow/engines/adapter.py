@@ -75,6 +75,8 @@ class EngineAdapter:
     health_path: ClassVar[str] = "/health"
     protocol: ClassVar[int | None] = 1          # ckptflow protocol version served (None: none)
     no_protocol_fix: ClassVar[str] = "use checkpoint: process (the whole worker) for this engine"
+    # An engine that could serve the protocol but answered 404: how to start it so that it does.
+    protocol_missing_fix: ClassVar[str] = "use the whole-process checkpoint for engines without the protocol"
 
     # --- pure parts: no engine needed ------------------------------------------------------
     def parse_metrics(self, text: str) -> WorkloadLoad:

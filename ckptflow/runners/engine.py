@@ -273,7 +273,7 @@ def call(w: Workload, path: str, body: dict | None = None, timeout_s: float = EX
         return got["ok"]
     if got.get("code") == 404:
         raise EngineProtocolError(f"workload {w.name}: the engine does not serve {path}",
-                                  fix="use the whole-process checkpoint for engines without the protocol")
+                                  fix=get_adapter(w.engine).protocol_missing_fix)
     if "code" in got:
         try:
             reason = json.loads(got["error"]).get("error", got["error"])

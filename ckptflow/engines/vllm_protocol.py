@@ -1,0 +1,355 @@
+"""ckptflow's engine protocol (docs/engines/protocol.md) served by vLLM itself, as ASGI middleware
+of its OpenAI server, over the sessions ckptflow's KV connector writes (engines/vllm_connector.py).
+
+Loaded by vLLM (it runs inside the API server process, so it imports only vLLM's own packages,
+starlette and the standard library)::
+
+    python -m vllm.entrypoints.openai.api_server ... --enable-prefix-caching \\
+      --kv-transfer-config '{"kv_connector": "CkptflowConnector",
+                             "kv_connector_module_path": "ckptflow.engines.vllm_connector",
+                             "kv_role": "kv_both",
+                             "kv_connector_extra_config": {"chunk_dir": "/var/lib/ckptflow/kv/chat-a"}}' \\
+      --middleware ckptflow.engines.vllm_protocol.ckptflow_protocol
+
+Why middleware and not a worker extension: a session's KV is already on the node's disk, block
+by block, written by the connector while the engine served (each block once); exporting a
+session is then naming those files and copying the new ones, which the API server process can
+do without touching the engine. The engine calls it needs (pause, prefix-cache reset, sleep,
+wake, ``reload_weights``) are the engine client's own methods: vLLM's dev-mode endpoints
+(``VLLM_SERVER_DEV_MODE``) are not needed, and are refused here to any client not on loopback.
+
+What each call does:
+- ``GET /v1/ckptflow/engine``: the sessions the connector has listed (a session is listed when
+  a request carrying ``kv_transfer_params: {"ckptflow_session": NAME}`` finishes: a turn end),
+  their tokens (full blocks), and the template key.
+- ``sessions/export``: one record per session, its chunks the session's block files in order
+  (a chunk's name is the sha256 of the file's bytes); only chunks the runner does not hold are
+  written. Nothing is held: ``held_s`` 0, ``turn`` true.
+- ``sessions/import``: every chunk checked against its name first, then the blocks written under
+  their keys and the session listed again (all or nothing). The next turn of the session loads
+  them as external prefix-cache hits instead of prefilling.
+- ``template/prepare``: new requests wait, the one in flight finishes, the prefix cache is
+  emptied (``pause_generation(mode="wait", clear_cache=True)``); with ``--enable-sleep-mode``
+  (GPU) the engine then sleeps at level 2 (weights and KV released, its allocator keeps the
+  addresses). Weights are not written as chunks: after a GPU template restore they are read
+  back from the model directory (``reload_weights``). On CPU vLLM has no sleep mode, and the
+  template keeps its weights in its image.
+- ``template/resume``: wake (weights, ``reload_weights``, KV) when asleep, imports the sessions
+  given, then generation resumes.
+
+Control calls answer only clients on loopback (the runner's own calls): an inference client
+that reaches the serving port from another host gets 403, for ckptflow's calls and for vLLM's
+dev-mode control endpoints alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from ckptflow.engines.vllm_layout import BLOCKS, SESSIONS, safe_name
+
+PROTOCOL = 1
+PREFIX = "/v1/ckptflow/"
+# vLLM's control endpoints (dev mode, sleep mode, weight updates): never for inference clients.
+VLLM_CONTROL = ("/sleep", "/wake_up", "/is_sleeping", "/collective_rpc", "/reset_prefix_cache",
+                "/reset_mm_cache", "/reset_encoder_cache", "/pause", "/resume", "/is_paused",
+                "/update_weights", "/init_weight_transfer_engine", "/scale_elastic_ep", "/server_info")
+# Generation answers 503 while parked (instead of waiting in the paused scheduler for as long
+# as the dump takes).
+GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate", "/inference/")
+
+
+class _State:
+    """What the middleware knows across calls (one API server process: one engine)."""
+
+    def __init__(self) -> None:
+        self.parked = False
+        self.asleep = False
+        self.lost: set[str] = set()
+        self.digests: dict[str, str] = {}      # block key -> sha256 of its file (a key's bytes never change)
+
+
+STATE = _State()
+
+
+def is_loopback(host: str | None) -> bool:
+    """Whether an ASGI client address is this machine's loopback.
+
+        >>> is_loopback("127.0.0.1"), is_loopback("::1"), is_loopback("10.0.0.5"), is_loopback(None)
+        (True, True, False, False)
+    """
+    try:
+        return ipaddress.ip_address(host or "").is_loopback
+    except ValueError:
+        return False
+
+
+async def ckptflow_protocol(request: Request, call_next):
+    """vLLM ``--middleware``: the protocol's routes, the control guard, the parked state."""
+    path = request.url.path
+    control = path.startswith(PREFIX) or path.startswith(VLLM_CONTROL)
+    if control and not is_loopback(request.client.host if request.client else None):
+        return _error(403, f"{path} answers only on loopback (ckptflow's node runner); inference clients "
+                           "cannot reach control calls")
+    if path.startswith(PREFIX):
+        try:
+            return JSONResponse(await _route(request, path[len(PREFIX):]))
+        except KeyError as e:
+            return _error(404, f"no ckptflow call {path}") if e.args == (path,) else _error(400, f"missing field {e}")
+        except (ValueError, OSError) as e:
+            return _error(400, str(e))
+    if STATE.parked and path.startswith(GENERATION):
+        return _error(503, "the engine is parked for a template checkpoint; retry in a few seconds")
+    if STATE.lost and path.startswith(GENERATION):
+        sid = await _session_of(request)
+        if sid in STATE.lost:
+            STATE.lost.discard(sid)
+            return _error(410, f"session {sid} was lost in a restore (its KV was not checkpointed): send its "
+                               "whole history again to start it afresh")
+    return await call_next(request)
+
+
+def _error(code: int, msg: str) -> JSONResponse:
+    return JSONResponse({"error": msg}, status_code=code)
+
+
+async def _session_of(request: Request) -> str | None:
+    try:
+        body = json.loads(await request.body() or b"{}")
+        return (body.get("kv_transfer_params") or {}).get("ckptflow_session")
+    except (ValueError, AttributeError):
+        return None
+
+
+async def _route(request: Request, call: str) -> dict:
+    app = request.app
+    if request.method == "GET" and call == "engine":
+        return await asyncio.to_thread(_info, app)
+    if request.method != "POST":
+        raise KeyError(request.url.path)
+    body = await request.json()
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    if call == "sessions/export":
+        return await asyncio.to_thread(_export, _chunk_dir(app), body)
+    if call == "sessions/import":
+        return await asyncio.to_thread(_import, _chunk_dir(app), body)
+    if call == "template/prepare":
+        return await _prepare(app)
+    if call == "template/resume":
+        return await _resume(app, body)
+    raise KeyError(request.url.path)
+
+
+# --- where things are ---------------------------------------------------------------------------
+def _config(app) -> Any:
+    return app.state.vllm_config
+
+
+def _chunk_dir(app) -> Path:
+    kv = _config(app).kv_transfer_config
+    if kv is None or kv.kv_connector != "CkptflowConnector":
+        raise ValueError("this vLLM runs without ckptflow's KV connector: add --kv-transfer-config with "
+                         "kv_connector CkptflowConnector (docs/engines/vllm.md)")
+    return Path(kv.get_from_extra_config("chunk_dir", "/tmp/ckptflow-kv"))
+
+
+def _template_key(app) -> str:
+    """What a template of this engine holds: the model, its dtype and length, the KV layout."""
+    import vllm
+
+    cfg = _config(app)
+    m, c = cfg.model_config, cfg.cache_config
+    key = {"model": str(m.model), "dtype": str(m.dtype), "max_model_len": m.max_model_len,
+           "block_size": c.block_size, "vllm": vllm.__version__,
+           "tp": cfg.parallel_config.tensor_parallel_size}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _sessions(chunk_dir: Path) -> dict[str, dict]:
+    out = {}
+    for f in sorted((chunk_dir / SESSIONS).glob("*.json")):
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue  # being replaced (the connector writes through a temporary name)
+        out[doc["session"]] = doc
+    return out
+
+
+def _info(app) -> dict:
+    cfg = _config(app)
+    try:
+        sessions = {sid: d["tokens"] for sid, d in _sessions(_chunk_dir(app)).items()}
+    except ValueError:
+        sessions = {}
+    names = cfg.model_config.served_model_name
+    return {"protocol": PROTOCOL, "engine": "vllm", "model": names if isinstance(names, str) else str(names),
+            "template_key": _template_key(app), "parked": STATE.parked, "sessions": sessions,
+            "lost": sorted(STATE.lost), "sleep_mode": bool(getattr(cfg.model_config, "enable_sleep_mode", False))}
+
+
+# --- sessions -----------------------------------------------------------------------------------
+def _block_file(chunk_dir: Path, key: str) -> Path:
+    if len(key) != 64 or not all(ch in "0123456789abcdef" for ch in key):
+        raise ValueError(f"not a block key: {key!r}")
+    return chunk_dir / BLOCKS / f"{key}.safetensors"
+
+
+def _digest_of(chunk_dir: Path, key: str) -> str:
+    d = STATE.digests.get(key)
+    if d is None:
+        d = hashlib.sha256(_block_file(chunk_dir, key).read_bytes()).hexdigest()
+        STATE.digests[key] = d
+    return d
+
+
+def session_digest(chunks: list[str], tokens: int) -> str:
+    """A session's digest: its tokens and its chunks in order (each chunk named by its bytes).
+
+        >>> session_digest(["ab" * 32], 16)[:12]
+        'ff4ab0a05eaf'
+    """
+    return hashlib.sha256(json.dumps([tokens, chunks]).encode()).hexdigest()
+
+
+def _export(chunk_dir: Path, body: dict) -> dict:
+    out_dir = Path(body["dir"])
+    known = {sid: set(ds) for sid, ds in (body.get("known") or {}).items()}
+    listed = _sessions(chunk_dir)
+    wanted = body.get("sessions")
+    missing = sorted(set(wanted or ()) - set(listed))
+    if missing:
+        raise ValueError(f"no session {missing[0]!r} here (a session is listed when a request carrying "
+                         "kv_transfer_params.ckptflow_session finishes)")
+    t0 = time.perf_counter()
+    recs = {}
+    for sid, doc in listed.items():
+        if wanted is not None and sid not in wanted:
+            continue
+        chunks, written, total = [], 0, 0
+        for key in doc["blocks"]:
+            src = _block_file(chunk_dir, key)
+            d = _digest_of(chunk_dir, key)
+            size = src.stat().st_size
+            total += size
+            if d not in known.get(sid, ()) and not (out_dir / d).exists():
+                tmp = out_dir / f".{d}.{os.getpid()}.tmp"
+                tmp.write_bytes(src.read_bytes())
+                os.replace(tmp, out_dir / d)
+                written += size
+            chunks.append(d)
+        recs[sid] = {"tokens": doc["tokens"], "digest": session_digest(chunks, doc["tokens"]),
+                     "tensors": [{"name": "kv_blocks", "dtype": "uint8", "shape": [total], "nbytes": total,
+                                  "chunks": chunks}],
+                     "blocks": list(doc["blocks"]), "block_size": doc["block_size"],
+                     "written_bytes": written, "total_bytes": total}
+    # The blocks were on disk already: the engine was not held.
+    return {"sessions": recs, "held_s": 0.0, "turn": True, "seconds": round(time.perf_counter() - t0, 4)}
+
+
+def _chunk_path(root: Path, digest: str) -> Path:
+    nested = root / digest[:2] / digest   # the runner's store layout, or flat (a staging directory)
+    return nested if nested.exists() else root / digest
+
+
+def _import(chunk_dir: Path, body: dict) -> dict:
+    """All or nothing: every chunk of every session is checked before any block is written."""
+    root = Path(body["dir"])
+    checked: dict[str, tuple[dict, list[tuple[str, bytes]]]] = {}
+    for sid, rec in (body.get("sessions") or {}).items():
+        chunks = [d for t in rec["tensors"] for d in t["chunks"]]
+        keys = rec["blocks"]
+        if len(keys) != len(chunks):
+            raise ValueError(f"session {sid}: {len(keys)} block keys for {len(chunks)} chunks")
+        blocks = []
+        for key, d in zip(keys, chunks):
+            try:
+                data = _chunk_path(root, d).read_bytes()
+            except FileNotFoundError:
+                raise ValueError(f"session {sid}: chunk {d[:12]}… is missing") from None
+            if hashlib.sha256(data).hexdigest() != d:
+                raise ValueError(f"session {sid}: chunk {d[:12]}… is torn")
+            _block_file(chunk_dir, key)   # a well-formed key, before anything is written
+            blocks.append((key, data))
+        checked[sid] = (rec, blocks)
+    (chunk_dir / BLOCKS).mkdir(parents=True, exist_ok=True, mode=0o700)
+    (chunk_dir / SESSIONS).mkdir(parents=True, exist_ok=True, mode=0o700)
+    digests = {}
+    for sid, (rec, blocks) in checked.items():
+        for key, data in blocks:
+            dst = _block_file(chunk_dir, key)
+            if not dst.exists():
+                tmp = dst.with_name(f".{key}.{os.getpid()}.import")
+                tmp.write_bytes(data)
+                os.chmod(tmp, 0o600)
+                os.replace(tmp, dst)   # the connector never sees half a block
+            STATE.digests[key] = hashlib.sha256(data).hexdigest()
+        doc = {"session": sid, "block_size": rec["block_size"], "tokens": rec["tokens"], "blocks": rec["blocks"]}
+        path = chunk_dir / SESSIONS / f"{safe_name(sid)}.json"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, path)
+        digests[sid] = session_digest([d for t in rec["tensors"] for d in t["chunks"]], rec["tokens"])
+    STATE.lost |= set(body.get("lost") or ()) - set(checked)
+    return {"imported": sorted(checked), "digests": digests}
+
+
+# --- template -----------------------------------------------------------------------------------
+async def _prepare(app) -> dict:
+    client = app.state.engine_client
+    t0 = time.perf_counter()
+    STATE.parked = True
+    try:
+        # The request in flight ends, new ones wait; the prefix cache is emptied (a template
+        # holds no session), the connector's files stay.
+        await client.pause_generation(mode="wait", clear_cache=True)
+        phases = {"drain": round(time.perf_counter() - t0, 4)}
+        if getattr(_config(app).model_config, "enable_sleep_mode", False):
+            t1 = time.perf_counter()
+            await client.sleep(level=2)
+            STATE.asleep = True
+            phases["sleep"] = round(time.perf_counter() - t1, 4)
+    except BaseException:
+        await _unpause(client)
+        raise
+    return {"tensors": [], "written_bytes": 0, "total_bytes": 0, "phases": phases,
+            "weights": "reload_weights" if STATE.asleep else "kept in the image (no sleep mode)"}
+
+
+async def _unpause(client) -> None:
+    await client.resume_generation()
+    STATE.parked = False
+
+
+async def _resume(app, body: dict) -> dict:
+    client = app.state.engine_client
+    phases: dict[str, float] = {}
+    if STATE.asleep:
+        for key, step in (("wake_weights", lambda: client.wake_up(["weights"])),
+                          ("reload_weights", lambda: client.collective_rpc("reload_weights")),
+                          ("wake_kv_cache", lambda: client.wake_up(["kv_cache"]))):
+            t0 = time.perf_counter()
+            await step()
+            phases[key] = round(time.perf_counter() - t0, 4)
+        STATE.asleep = False
+    out: dict[str, Any] = {"loaded_bytes": 0}
+    if "sessions" in body:
+        t0 = time.perf_counter()
+        # A torn chunk fails the call and the engine stays parked (the runner kills it).
+        out.update(await asyncio.to_thread(_import, _chunk_dir(app), body))
+        phases["sessions"] = round(time.perf_counter() - t0, 4)
+    if STATE.parked:
+        await _unpause(client)
+    out["phases"] = phases
+    return out
