@@ -697,6 +697,97 @@ def attempt_c(a, model: dict, work: Path, res: dict, rc: dict, kind: str) -> boo
             node.close()
 
 
+def row_p(a, model: dict, work: Path, res: dict) -> None:
+    """Two tiers driven by ckptflow's own runner through the protocol vLLM serves (its middleware
+    and ckptflow's connector): heartbeat (template capture + session export), SIGKILL, the node's
+    KV files removed, recover; no bench code between the runner and the engine."""
+    from ckptflow.engines.vllm import kill_tree, protocol_args
+    from ckptflow.runners.process import pid_alive, tree
+    from ckptflow.runners.template_sessions import TemplateSessionsRunner
+
+    rp: dict = {"row": "p", "what": "template + sessions through the protocol vLLM serves (--middleware "
+                "ckptflow.engines.vllm_protocol + ckptflow's KV connector), driven by TemplateSessionsRunner: "
+                "template = pause + sleep level 2 + CUDA checkpoint + CRIU dump", "gpu_memory_utilization": a.gpu_util}
+    res["rows"]["p"] = rp
+    chunk_dir = work / "kv-p"
+    shutil.rmtree(chunk_dir, ignore_errors=True)
+    chunk_dir.mkdir(mode=0o700, parents=True)
+    repo = Path(__file__).resolve().parents[1]
+    eng = Engine("e3", work, Path(model["path"]), a.port + 2, a.gpu_util, work / "cache-a",
+                 ["--enable-sleep-mode", *protocol_args(chunk_dir)],
+                 env={"PYTHONPATH": os.environ.get("PYTHONPATH", "") + ":" + str(repo)})
+    node = None
+    try:
+        t0 = eng.start()
+        wait_health(eng.url, a.start_timeout, eng.proc)
+        complete(eng.url, [128000, 9906, 1917, 0, 1], 1)
+        rp["start_to_first_token_s"] = round(time.perf_counter() - t0, 2)
+        rp["start_phases"] = phases(eng.watch)
+        session, user = prompts()
+        sid = "s-long"
+        turn = complete(eng.url, session, TURN_TOKENS, session=sid)
+        nxt = session + turn + user
+        ref = complete(eng.url, nxt, TURN_TOKENS)
+        rp["distinct_tokens"] = len(set(ref))
+        node = node_runner(a.store / "store-p")
+        w = workload("vllm-p", eng, model).model_copy(update={"checkpoint": "template-sessions"})
+        tt = TemplateSessionsRunner(node)
+        t1 = time.perf_counter()
+        m = tt.heartbeat(w)
+        rp["heartbeat_with_capture_s"] = round(time.perf_counter() - t1, 2)
+        tmpl = node.store.get(m.probe.template.workload, m.probe.template.id)
+        rp["template_timings"] = tmpl.timings
+        rp["template_image_gib"] = round(tmpl.bytes / GiB, 2)
+        rp["template_gpu_gib"] = round((tmpl.gpu_footprint_bytes or 0) / GiB, 2)
+        rp["session_tokens"] = tt._records(m)["sessions"][sid]["tokens"]
+        rp["session_bytes"] = m.probe.export.total_bytes
+        again = complete(eng.url, nxt, TURN_TOKENS)    # served on after the capture (weights back from disk)
+        rp["served_after_capture_equal"] = again == ref
+        t1 = time.perf_counter()
+        m2 = tt.heartbeat(w)                           # a session heartbeat alone
+        rp["session_heartbeat_s"] = round(time.perf_counter() - t1, 3)
+        rp["session_heartbeat_pause_s"] = m2.timings.get("pause")
+        pids = tree(eng.pid)
+        kill_tree(eng.pid)
+        deadline = time.time() + 60
+        while any(pid_alive(p) for p in pids) and time.time() < deadline:
+            time.sleep(0.05)
+        shutil.rmtree(chunk_dir)                       # only the store holds the session now
+        for d in (chunk_dir / "blocks", chunk_dir / "sessions"):
+            d.mkdir(mode=0o700, parents=True)
+        t1 = time.perf_counter()
+        r = tt.restore(w)
+        rp["restore_to_ready_s"] = round(time.perf_counter() - t1, 2)
+        rp["restore_phases"] = r.timings
+        m0 = metrics(eng.url)
+        t2 = time.perf_counter()
+        after = complete(eng.url, nxt, TURN_TOKENS)
+        rp["next_turn_after_restore_s"] = round(time.perf_counter() - t2, 3)
+        rp["restore_to_first_token_s"] = round(time.perf_counter() - t1, 2)
+        m1 = metrics(eng.url)
+        for k in ("vllm:external_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"):
+            rp[k.split(":")[1].replace("_total", "") + "_next_turn"] = m1.get(k, 0) - m0.get(k, 0)
+        rp["prompt_tokens_next_turn"] = len(nxt)
+        rp["next_tokens"] = ref
+        rp["next_tokens_equal"] = after == ref
+        if after != ref:
+            rp["next_tokens_after"] = after
+        log("row p", json.dumps({k: v for k, v in rp.items() if k != "next_tokens"}))
+    except Exception as e:
+        rp["error"] = f"{type(e).__name__}: {e}"
+        rp["traceback"] = traceback.format_exc()[-3000:]
+        rp["log_tail"] = _errors(eng)
+        rp.setdefault("next_tokens_equal", None)
+        log("row p failed", rp["traceback"], rp["log_tail"][-2500:])
+    finally:
+        eng.kill()
+        if eng.log_file.exists():
+            shutil.copyfile(eng.log_file, work / "e3.log")
+        if node is not None:
+            node.close()
+        save(res)
+
+
 def _errors(eng: Engine) -> str:
     """The engine log's error lines (the root cause sits above the API server's own traceback)."""
     try:
@@ -713,7 +804,7 @@ def save(res: dict) -> None:
     STATE.write_text(json.dumps(res, indent=1))
     if OUT:
         (OUT / "vllm_gpu.json").write_text(json.dumps(res, indent=1))
-        for name in ("e1.log", "e2-ckptflow-bench.log", "e2-example.log"):
+        for name in ("e1.log", "e2-ckptflow-bench.log", "e2-example.log", "e3.log"):
             src = Path(res.get("work", "/nonexistent")) / name
             if src.exists():
                 data = src.read_bytes()
@@ -722,7 +813,7 @@ def save(res: dict) -> None:
 
 def table(res: dict) -> str:
     rows = res["rows"]
-    a, b, c = rows.get("a", {}), rows.get("b", {}), rows.get("c", {})
+    a, b, c, pr = rows.get("a", {}), rows.get("b", {}), rows.get("c", {}), rows.get("p", {})
     hdr = ["row", "what", "cold start / pause s", "restore-to-ready s", "first token after restore s", "image GiB",
            "next_tokens_equal", "notes"]
     out = []
@@ -744,6 +835,15 @@ def table(res: dict) -> str:
                     c.get("error") or f"ratio to (a) {c.get('ratio_to_cold_start')} (target <= 0.1: "
                                       f"{c.get('target_met')}); external prefix hits "
                                       f"{c.get('external_prefix_cache_hits_next_turn')}"])
+    if pr:
+        out.append(["p", "two tiers through the protocol vLLM serves (runner-driven)",
+                    pr.get("heartbeat_with_capture_s", "—"), pr.get("restore_to_ready_s", "—"),
+                    pr.get("restore_to_first_token_s", "—"), pr.get("template_image_gib", "—"),
+                    pr.get("next_tokens_equal"),
+                    pr.get("error") or f"session heartbeat {pr.get('session_heartbeat_s')} s (pause "
+                                       f"{pr.get('session_heartbeat_pause_s')} s); external prefix hits "
+                                       f"{pr.get('external_prefix_cache_hits_next_turn')} of "
+                                       f"{pr.get('session_tokens')} session tokens"])
     return md_table(hdr, out)
 
 
@@ -826,6 +926,8 @@ def main() -> None:
             row_ab(a, model, a.work, res)
         if "c" in a.rows:
             row_c(a, model, a.work, res)
+        if "p" in a.rows:
+            row_p(a, model, a.work, res)
     finally:
         Path("/proc/sys/kernel/io_uring_disabled").write_text(old)
         if a.store and str(a.store).startswith("/dev/shm/"):
