@@ -1,5 +1,8 @@
 """vLLM's OpenAI server as a ckptflow workload: install, launch, health, golden request, and its
 KV-connector interface as the session tier (ckptflow's connector: engines/vllm_connector.py).
+Started with ``protocol_args`` too (the connector and ckptflow's middleware,
+engines/vllm_protocol.py), vLLM serves ckptflow's engine protocol, and ``checkpoint:
+template-sessions`` works for it (docs/engines/vllm.md, "Two tiers served by vLLM itself").
 
 A fleet file declares it like this (``engine: vllm`` turns on the CRIU options vLLM's process
 tree needs: models.VLLM_CRIU; docs/engines/vllm.md says why each one):
