@@ -149,3 +149,43 @@ def test_a_two_tier_restore_clears_a_worker_an_interrupted_restore_left_stopped(
             TemplateSessionsRunner(node).restore(w)
     assert f"PID {proc.pid} is stopped, left by an interrupted restore; killing it" in caplog.text
     assert not process.pid_alive(proc.pid)                                       # killed and reaped
+
+
+# --- a restore is done when the worker has served real work ----------------------------------------
+@pytest.mark.parametrize("broken", [True, False])
+def test_a_restored_worker_that_dies_on_its_first_request_is_a_failed_restore(tmp_path, broken):
+    """Issue #36, finding 1: a restored vLLM answered /health and died on its first completion,
+    and ckptflow said "recovered". The golden request runs after /health; a worker that cannot
+    serve it fails the restore and is stopped. A worker that serves it passes (both ways)."""
+    from conftest import free_port
+    from ckptflow.models import GoldenRequest
+    from ckptflow.runners.engine import http
+
+    port, pid_file, flag = free_port(), tmp_path / "b.pid", tmp_path / "broken"
+    log = open(tmp_path / "b.log", "w")
+    subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "helpers", "brittle_engine.py"),
+                      str(port), str(pid_file), str(flag)], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                     start_new_session=True)
+    poll(lambda: pid_file.exists(), 10, 0.02, what="the engine's pid file")
+    url = f"http://127.0.0.1:{port}"
+    poll(lambda: http().get(url + "/health", timeout=1).status_code == 200, 10, 0.05, what="health")
+    w = Workload(name="b", node="n", find=ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="brittle_engine"),
+                 health_url=url + "/health",
+                 golden=GoldenRequest(url=url + "/v1/completions", body={"prompt": [1]}, field="choices.0.tokens"))
+    with NodeRunner(LocalStore(tmp_path / "s")) as node:
+        m = node.checkpoint(w, leave_running=False)
+        node.criu.wait_pid_free(m.pid)
+        if broken:
+            flag.touch()                              # what the restored process will hit: its model dies
+            with pytest.raises(RestoreFailed) as e:
+                node.restore(w, manifest=m)
+            msg = e.value.message
+            assert msg.startswith(f"workload b: restored from {m.id} and healthy, but it could not serve its golden "
+                                  "request (") and msg.endswith("); the restored worker was stopped"), msg
+            assert "cold start" in e.value.fix
+            poll(lambda: not process.pid_alive(m.pid), 10, 0.05, what="the broken worker gone")
+        else:
+            r = node.restore(w, manifest=m)
+            assert r.pid == m.pid and "golden" in r.timings
+            assert http().post(url + "/v1/completions", json={}).json()["choices"][0]["tokens"] == [1, 2, 3]
+            os.kill(r.pid, signal.SIGKILL)

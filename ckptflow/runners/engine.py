@@ -75,6 +75,40 @@ def probe(w: Workload) -> EngineProbe:
     return out
 
 
+def answers_real_work(w: Workload, pid: int, what: str) -> None:
+    """A restored worker is done when it has served real work, not when ``/health`` answers: its
+    golden request (which runs the model) must come back with its field. A worker that cannot is
+    stopped (its tree killed: it holds the port a cold start needs) and the restore fails.
+    Without a golden request there is nothing to run; ``/health`` and the probe are all.
+
+    Measured (issue #36): a CPU vLLM restored on an AMX machine answered ``/health`` and died of
+    SIGILL on its first completion; ckptflow had reported it recovered.
+
+    Raises:
+        RestoreFailed: the golden request failed or its answer lacks the field.
+    """
+    if w.golden is None:
+        return
+    try:
+        answer = _post(w.golden.url, json.dumps(w.golden.body).encode(), timeout_s=HEALTH_TIMEOUT_S).json()
+        golden_digest(answer, w.golden.field)
+        return
+    except (httpx.HTTPError, KeyError, ValueError, IndexError, TypeError) as e:
+        reason = http_reason(e) if isinstance(e, httpx.HTTPError) else f"no {w.golden.field} in its answer ({e})"
+    import signal
+
+    from ckptflow.runners import process
+
+    for p in process.tree(pid):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    raise RestoreFailed(f"workload {w.name}: {what} and healthy, but it could not serve its golden request "
+                        f"({reason}); the restored worker was stopped",
+                        fix="cold start the worker and run verify on this checkpoint (`ckptflow verify`)")
+
+
 def golden_digest(answer: dict, field: str) -> str:
     """sha256 of the answer's field at a dotted path (``choices.0.text``)."""
     import hashlib

@@ -442,6 +442,10 @@ class NodeRunner:
                 _write_pid_file(Path(w.find.pid_file), pid)
             timings["health"] = round(engine.wait_healthy(w), 4)
             self._check_state(w, m)
+            t0 = time.perf_counter()
+            engine.answers_real_work(w, pid, f"restored from {m.id}")
+            if w.golden is not None:
+                timings["golden"] = round(time.perf_counter() - t0, 4)
             total = round(sum(v for k, v in timings.items() if k != "restore_and_checksum"), 4)
             m = self.store.set_state(m, m.state, m.state_reason, restores=m.probe.restores.adding(total))
             return RestoreResult(manifest=m, pid=pid, timings=timings, skipped=skipped, downloaded_bytes=downloaded)

@@ -432,6 +432,7 @@ class TemplateSessionsRunner:
                 raise
             t["health"] = engine.wait_healthy(w)
             _check_sessions(w, recs, got, f"restored from template {tmpl.id} + sessions {m.id}")
+            engine.answers_real_work(w, pid, f"restored from template {tmpl.id} + sessions {m.id}")
             # Counted where status and the exporter read restores, as a whole-process restore is.
             m = self.store.set_state(m, m.state, m.state_reason,
                                      restores=m.probe.restores.adding(round(sum(t.values()), 4)))
