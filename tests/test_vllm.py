@@ -418,6 +418,64 @@ def test_template_sessions_served_by_vllm_heartbeat_kill_recover_continues_like_
     assert got["hits"] == 0                           # the template holds no session of its own
 
 
+@pytest.mark.criu
+def test_vllm_standby_is_promoted_after_the_kill_and_a_lost_node_restores_from_s3(servers, ref, vllm_install,
+                                                                                   vllm_model, store, tmp_path, s3):
+    """The two tiers' failover paths on a real vLLM (issue #31): a standby (the template restored
+    beside the live engine, in its own PID and network namespaces, parked) is promoted after the
+    worker is killed and continues like an uninterrupted engine; then the node is lost, and
+    another node restores the workload from the S3 tier alone (template + sessions pulled)."""
+    import shutil
+
+    from ckptflow.runners import engine
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.runners.template_sessions import TemplateSessionsRunner
+    from ckptflow.runners.verify import del_netns, new_netns
+    from ckptflow.store.local import LocalStore
+    from ckptflow.store.s3 import S3Tier
+
+    live = servers.start("live", protocol=True)
+    w = _workload("chat-sb", live, vllm_install, vllm_model, golden=False, checkpoint="template-sessions")
+    chat = Chat(31, session="s31")
+    chat.turn(live)
+    tier = S3Tier(s3.bucket("ckpt-vllm-2t"), endpoint_url=s3.endpoint)
+    with NodeRunner(store) as node:
+        tt = TemplateSessionsRunner(node)
+        tt.heartbeat(w)
+        ns = new_netns("ckvs")
+        try:
+            sb = tt.standby(w, ns)
+            try:
+                assert engine.call(w, "/v1/ckptflow/engine", base=sb.base, netns=ns)["parked"] is True
+                chat.turn(live, n=16, user=140)        # the session grows after the standby was taken
+                m = tt.heartbeat(w)
+                pushed = tt.push(m, tier)
+                assert pushed["template_uploaded_bytes"] > 100 << 20 and pushed["uploaded_bytes"] > 0
+                twin, reference, again = chat.copy(), chat.copy(), chat.copy()
+                _kill_mid_generation(live, chat)
+                r = tt.promote(w, sb)
+                assert r.manifest.id == m.id and r.pid == sb.copy.pid
+                tokens = tt._records(m)["sessions"]["s31"]["tokens"]
+                prompt = twin.tokens + [twin.rnd.randrange(3, 4000) for _ in range(12)]
+                got = engine.call(w, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 32,
+                                                         "temperature": 0, "return_token_ids": True},
+                                  base=sb.base, netns=ns)["choices"][0]["token_ids"]
+                assert got == reference.turn(ref, n=32)["token_ids"]
+            finally:
+                sb.copy.stop()
+        finally:
+            del_netns(ns)
+
+    # The node is lost (its store and KV files with it): another node has only the bucket.
+    shutil.rmtree(live.chunk_dir)
+    live.chunk_dir.mkdir(mode=0o700)
+    with NodeRunner(LocalStore(tmp_path / "node-b")) as other:
+        r = TemplateSessionsRunner(other).restore(w, tier=tier)
+        assert r.manifest.id == m.id and "fetch" in r.timings
+    a = again.turn(live, n=32)
+    assert a["token_ids"] == got and a["external_hits"] >= tokens - 128, a
+
+
 def test_a_vllm_without_the_middleware_is_refused_at_the_first_heartbeat_naming_the_flags(ref, vllm_install,
                                                                                           vllm_model, store):
     from ckptflow.errors import EngineProtocolError
