@@ -487,10 +487,17 @@ class RestoreHistory(BaseModel):
 
     seconds: list[float] = Field(default_factory=list, description="How long each restore took, oldest first.",
                                  examples=[[3.2, 2.9]])
+    failures: list[str] = Field(default_factory=list, description="Why each failed restore from it failed (one "
+                                "line each, oldest first); at MAX_FAILED_RESTORES it is marked verify_failed.",
+                                examples=[["CRIU restore failed: Can't open cwd"]])
 
     def adding(self, took_s: float) -> "RestoreHistory":
         """This history with one more restore."""
-        return RestoreHistory(seconds=[*self.seconds, took_s])
+        return RestoreHistory(seconds=[*self.seconds, took_s], failures=list(self.failures))
+
+    def failing(self, why: str) -> "RestoreHistory":
+        """This history with one more failed restore."""
+        return RestoreHistory(seconds=list(self.seconds), failures=[*self.failures, why])
 
 
 # Probe keys of manifests written before the probe was typed (one flat dict): old key -> (new

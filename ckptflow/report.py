@@ -90,6 +90,12 @@ def _merge(a: Manifest | None, b: Manifest) -> Manifest:
         return b
     for c in b.copies:
         a = a.with_copy(c.tier, c.location)
+    # A restore is recorded where it ran: a checkpoint migrated to another node was restored
+    # there, and the source's copy says 0. Each copy's history starts from the one it was copied
+    # with, so the longest is the whole of it (issue #36, finding 10).
+    ra, rb = a.probe.restores, b.probe.restores
+    if len(rb.seconds) + len(rb.failures) > len(ra.seconds) + len(ra.failures):
+        a = a.model_copy(update={"probe": a.probe.updated(restores=rb)})
     return a
 
 

@@ -475,3 +475,38 @@ def test_a_zombie_is_not_alive_but_holds_its_pid_until_reaped(tmp_path, criu):
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_restore_whose_working_directory_is_gone_names_it_and_the_fix(tmp_path):
+    """Issue #36 finding 10: CRIU's `Can't open cwd` reached the operator as `fix | -`. The
+    directory is named, with what to do."""
+    import shutil
+
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.store.local import LocalStore
+
+    cwd, pid_file = tmp_path / "workdir", tmp_path / "c.pid"
+    cwd.mkdir()
+    log = open(tmp_path / "c.log", "w")
+    proc = subprocess.Popen([sys.executable, "-c", "import os, time\nopen(os.environ['PF'], 'w').write(str(os.getpid()))"
+                             "\nwhile True: time.sleep(0.1)  # ckptflow-cwd"], cwd=cwd,
+                            env={**os.environ, "PF": str(pid_file)}, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                            start_new_session=True)
+    deadline = time.time() + 10
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.time() < deadline
+        time.sleep(0.02)
+    w = Workload(name="c", node="n", find=ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="ckptflow-cwd"))
+    with NodeRunner(LocalStore(tmp_path / "s")) as node:
+        m = node.checkpoint(w, leave_running=False)
+        proc.wait()
+        shutil.rmtree(cwd)
+        with pytest.raises(CriuError) as e:
+            node.restore(w)
+        assert e.value.fix == (f"the directory the worker ran in ({cwd}) is gone since the checkpoint; recreate it "
+                               "(same path) or start workers from a directory that stays, then checkpoint again")
+        assert len(node.store.get("c", m.id).probe.restores.failures) == 1    # counted against the checkpoint
+        node.criu.wait_pid_free(m.pid)
+        cwd.mkdir()                                                          # the fix, followed
+        r = node.restore(w)
+        os.kill(r.pid, signal.SIGKILL)

@@ -107,3 +107,26 @@ def test_ls_shows_template_sessions_sizes_with_their_chunks_and_the_template(tmp
     rows = {line.split("│")[2].strip(): line for line in out.stdout.splitlines() if "│" in line}
     assert "3.0 MiB (0.0 image + 3.0 chunks)" in rows[second.id]
     assert tmpl.workload in rows[tmpl.id] and "10.0 MiB (2.0 image + 8.0 chunks)" in rows[tmpl.id]
+
+
+def test_status_counts_the_restore_a_migrate_made_on_the_new_node(tmp_path):
+    """Issue #36 finding 10: restored on node-b after a migrate, the checkpoint's restore is in
+    node-b's copy of the manifest; status read node-a's first and said 0."""
+    import shutil
+
+    import yaml
+
+    from ckptflow.models import RestoreHistory
+
+    w = Workload(name="chat", node="node-a", find=ProcessFinder(pid_file=str(tmp_path / "w.pid")))
+    f = write_fleet(tmp_path / "fleet.yaml", [w], tmp_path / "store" / "{node}")
+    data = yaml.safe_load(f.read_text())
+    data["nodes"] = [{"name": "node-a", "work_pool": "a"}, {"name": "node-b", "work_pool": "b"}]
+    f.write_text(yaml.safe_dump(data))
+    a, b = LocalStore(tmp_path / "store" / "node-a"), LocalStore(tmp_path / "store" / "node-b")
+    m = _commit(a, "chat", "migrate", [], {})
+    shutil.copytree(a.root / "chat" / m.id, b.root / "chat" / m.id)   # what the pull on node-b wrote
+    there = b.get("chat", m.id)
+    b.set_state(there, there.state, None, restores=RestoreHistory(seconds=[3.1]))
+    row = fleet_status(load_fleet(f))[0]
+    assert row["restores"] == [3.1] and row["checkpoints"] == 1

@@ -158,7 +158,7 @@ def test_a_restored_worker_that_dies_on_its_first_request_is_a_failed_restore(tm
     and ckptflow said "recovered". The golden request runs after /health; a worker that cannot
     serve it fails the restore and is stopped. A worker that serves it passes (both ways)."""
     from conftest import free_port
-    from ckptflow.models import GoldenRequest
+    from ckptflow.models import CheckpointState, GoldenRequest
     from ckptflow.runners.engine import http
 
     port, pid_file, flag = free_port(), tmp_path / "b.pid", tmp_path / "broken"
@@ -177,13 +177,22 @@ def test_a_restored_worker_that_dies_on_its_first_request_is_a_failed_restore(tm
         node.criu.wait_pid_free(m.pid)
         if broken:
             flag.touch()                              # what the restored process will hit: its model dies
-            with pytest.raises(RestoreFailed) as e:
-                node.restore(w, manifest=m)
-            msg = e.value.message
-            assert msg.startswith(f"workload b: restored from {m.id} and healthy, but it could not serve its golden "
-                                  "request (") and msg.endswith("); the restored worker was stopped"), msg
-            assert "cold start" in e.value.fix
-            poll(lambda: not process.pid_alive(m.pid), 10, 0.05, what="the broken worker gone")
+            for n in (1, 2, 3):
+                with pytest.raises(RestoreFailed) as e:
+                    node.restore(w)
+                msg = e.value.message
+                assert msg.startswith(f"workload b: restored from {m.id} and healthy, but it could not serve its "
+                                      "golden request (") and msg.endswith("); the restored worker was stopped"), msg
+                assert "cold start" in e.value.fix
+                poll(lambda: not process.pid_alive(m.pid), 10, 0.05, what="the broken worker gone")
+                node.criu.wait_pid_free(m.pid)
+                now = node.store.get("b", m.id)
+                assert len(now.probe.restores.failures) == n and now.probe.restores.seconds == []
+            # Finding 10: not tried a fourth time: marked, with why, and recover says none is left.
+            assert now.state == CheckpointState.verify_failed and now.state_reason.startswith(
+                "3 restores from it failed (the last: workload b: restored from")
+            with pytest.raises(CheckpointNotFound):
+                node.restore(w)
         else:
             r = node.restore(w, manifest=m)
             assert r.pid == m.pid and "golden" in r.timings

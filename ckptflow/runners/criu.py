@@ -634,6 +634,13 @@ def _fix_for(log_tail: str) -> str | None:
     """Map the CRIU failures we have met to what the operator should do."""
     hints = [
         ("No space left", "free space on the checkpoint volume or lower retention"),
+        # The worker's working directory (or root) is gone since the dump: a temporary directory
+        # it was started from, removed (the new-user trial, issue #36).
+        ("Can't open cwd", "the directory the worker ran in is gone since the checkpoint; recreate it (same path) "
+                           "or start workers from a directory that stays, then checkpoint again"),
+        ("Can't restore cwd", "the directory the worker ran in is gone since the checkpoint; recreate it (same "
+                              "path) or start workers from a directory that stays, then checkpoint again"),
+        ("Can't open root", "the root directory the worker ran in is gone since the checkpoint; recreate it"),
         ("Can't fork for", "the PID the image needs is taken; stop that process or restore in a sandbox"),
         ("File exists", "the PID the image needs is taken; stop that process or restore in a sandbox"),
         ("Can't get 1:16 opt", "CRIU older than 4.2 on a >= 6.16 kernel; run ./scripts/setup.sh"),
@@ -649,8 +656,14 @@ def _fix_for(log_tail: str) -> str | None:
     ]
     for needle, fix in hints:
         if needle in log_tail:
-            return fix
+            gone = _GONE_CWD.search(log_tail) if "cwd" in needle else None
+            return fix.replace("the directory the worker ran in", f"the directory the worker ran in (/{gone[1]})",
+                               1) if gone else fix
     return None
+
+
+# CRIU names the missing directory on the line before "Can't open cwd" (relative to /).
+_GONE_CWD = re.compile(r"Can't open file (\S+) on restore: No such file or directory")
 
 
 _RESTORE_SOCK = re.compile(r"^\(\S+\)\s+(\d+): inet: \s*Restore: .* port (\d+) state TCP_LISTEN")

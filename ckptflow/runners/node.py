@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError, CriuError, EngineProtocolError,
-                             IncompatibleCheckpoint, RestoreFailed, RunnerUnavailable,
+                             IncompatibleCheckpoint, NotEnoughGpuMemory, RestoreFailed, RunnerUnavailable,
                              StorageUnavailable, UndeclaredProcess, UnsupportedWorkload, WorkloadNotFound,
                              WorkloadRunning)
 from ckptflow.models import CheckpointKind, CheckpointState, Fingerprint, Manifest, ManifestProbe, Workload
@@ -47,6 +47,9 @@ log = logging.getLogger("ckptflow")
 # The timing keys of the device steps, whatever the backend: manifests, bench results and the
 # cadence facts (runners/facts.py) read these names.
 DEVICE_CHECKPOINT, DEVICE_RESTORE = "cuda_checkpoint", "cuda_restore"
+# Restores of one checkpoint that may fail before it is passed over: one more than a retry of a
+# flaky node, few enough that recover does not loop on an image that cannot come back.
+MAX_FAILED_RESTORES = 3
 
 
 @dataclass
@@ -437,15 +440,22 @@ class NodeRunner:
                 if not fallback:
                     raise
                 continue
-            timings.update(self.resume_devices(w, pid, m, gpu_pairs))
-            if w.find.pid_file:
-                _write_pid_file(Path(w.find.pid_file), pid)
-            timings["health"] = round(engine.wait_healthy(w), 4)
-            self._check_state(w, m)
-            t0 = time.perf_counter()
-            engine.answers_real_work(w, pid, f"restored from {m.id}")
-            if w.golden is not None:
-                timings["golden"] = round(time.perf_counter() - t0, 4)
+            except CkptflowError as e:
+                self._failed_restore(w, m, e)
+                raise
+            try:
+                timings.update(self.resume_devices(w, pid, m, gpu_pairs))
+                if w.find.pid_file:
+                    _write_pid_file(Path(w.find.pid_file), pid)
+                timings["health"] = round(engine.wait_healthy(w), 4)
+                self._check_state(w, m)
+                t0 = time.perf_counter()
+                engine.answers_real_work(w, pid, f"restored from {m.id}")
+                if w.golden is not None:
+                    timings["golden"] = round(time.perf_counter() - t0, 4)
+            except CkptflowError as e:
+                self._failed_restore(w, m, e)
+                raise
             total = round(sum(v for k, v in timings.items() if k != "restore_and_checksum"), 4)
             m = self.store.set_state(m, m.state, m.state_reason, restores=m.probe.restores.adding(total))
             return RestoreResult(manifest=m, pid=pid, timings=timings, skipped=skipped, downloaded_bytes=downloaded)
@@ -458,6 +468,27 @@ class NodeRunner:
                                fix="cold start the worker; the store volume may be failing")
         err.checkpoint = ", ".join(dict.fromkeys(s["id"] for s in skipped))
         raise err
+
+    def _failed_restore(self, w: Workload, m: Manifest, e: CkptflowError) -> None:
+        """Count a failed restore on its checkpoint; at MAX_FAILED_RESTORES it is marked
+        verify_failed, so the next recover falls back to an older one (or says none is left)
+        instead of trying the same image in a loop. A failure that is not the checkpoint's (a
+        retryable one, the worker running, no room on the GPU) is not counted."""
+        if e.retryable or isinstance(e, (WorkloadRunning, NotEnoughGpuMemory)):
+            return
+        why = (e.message if hasattr(e, "message") else str(e)).splitlines()[0][:300]
+        try:
+            cur = self.store.get(m.workload, m.id)
+        except CheckpointNotFound:
+            return
+        history = cur.probe.restores.failing(why)
+        state, reason = cur.state, cur.state_reason
+        if len(history.failures) >= MAX_FAILED_RESTORES and state.restorable:
+            state = CheckpointState.verify_failed
+            reason = (f"{len(history.failures)} restores from it failed (the last: {why}); not tried again: "
+                      "`ckptflow verify` it, or recover from an older checkpoint")
+            log.warning("workload %s: checkpoint %s marked verify_failed: %s", w.name, m.id, reason)
+        self.store.set_state(cur, state, reason, restores=history)
 
     def _restore_verified(self, w: Workload, m: Manifest, timings: dict[str, float]) -> int:
         """CRIU restore (left stopped) while the image checksums are verified in parallel; the
