@@ -103,3 +103,61 @@ def test_stale_link_remap_files_are_removed_unless_something_maps_them(tmp_path)
     with open(shm / "link_remap.8", "r+b") as f, mmap.mmap(f.fileno(), 4096):
         assert devshm.remove_stale_link_remaps(shm) == ["link_remap.7"]
         assert sorted(os.listdir(shm)) == ["link_remap.8", "psm_keep"]
+
+
+def test_a_worker_that_died_by_itself_leaves_nothing_in_dev_shm_after_the_next_heartbeat(tmp_path):
+    """Issue #36 finding 11: a worker that dies on its own (not killed by ckptflow) left its
+    segment and semaphore in /dev/shm. The heartbeat that finds it gone removes what its
+    checkpoints carry and no live process uses; a file another process still maps stays."""
+    import json
+    import mmap
+
+    from ckptflow.errors import WorkloadNotFound
+    from ckptflow.runners import devshm
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.runners.process import pid_alive, tree
+    from ckptflow.store.local import LocalStore
+
+    pid_file, name_file = tmp_path / "w.pid", tmp_path / "shm.name"
+    (tmp_path / "w.py").write_text(WORKER)
+    subprocess.Popen(["/bin/sh", "-c", f"exec {sys.executable} {tmp_path / 'w.py'} {pid_file} {name_file} "
+                      f"</dev/null >>{tmp_path / 'w.log'} 2>&1"], start_new_session=True)
+    deadline = time.time() + 20
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert time.time() < deadline
+        time.sleep(0.05)
+    pid = int(pid_file.read_text())
+    seg = Path("/dev/shm") / name_file.read_text().lstrip("/")
+    w = Workload(name="w", node="local", find=ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="w.py"),
+                 criu=CriuOptions(link_remap=True, devshm=True))
+    keep = Path("/dev/shm") / f"ckptflow-test-keep-{os.getpid()}"
+    left: set[str] = set()
+    try:
+        with NodeRunner(LocalStore(tmp_path / "s")) as node:
+            m = node.checkpoint(w)
+            carried = {f["name"] for f in devshm.saved(node.store.images_dir(m))}
+            assert seg.name in carried and any(n.startswith(devshm.LINK_REMAP) for n in carried)
+            pids = tree(pid)
+            left = devshm.held(pids)
+            for p in pids:                      # it dies by itself: nothing of ckptflow's cleans up
+                os.kill(p, signal.SIGKILL)
+            while any(pid_alive(p) for p in pids):
+                time.sleep(0.02)
+            assert seg.exists() and left
+            # A carried name that a live process maps now (a new worker's file under that name).
+            keep.write_bytes(b"\0" * 4096)
+            f = open(keep, "r+b")
+            held_map = mmap.mmap(f.fileno(), 4096)
+            index = node.store.images_dir(m) / devshm.INDEX
+            doc = json.loads(index.read_text())
+            doc["files"].append({**doc["files"][0], "name": keep.name})
+            index.write_text(json.dumps(doc))
+            with pytest.raises(WorkloadNotFound):
+                node.checkpoint(w)
+            assert not seg.exists() and not any((Path("/dev/shm") / n).exists() for n in left)
+            assert keep.exists()                                 # still mapped by this process
+            held_map.close()
+            f.close()
+    finally:
+        for n in {seg.name, keep.name} | left:
+            (Path("/dev/shm") / n).unlink(missing_ok=True)

@@ -132,7 +132,8 @@ def save(images_dir: Path, root_pid: int, before: set[str], shm: Path = SHM) -> 
     """Write the tree's /dev/shm files and this dump's link-remap files into ``images_dir``."""
     names = files_of(tree(root_pid), shm)
     names |= {n for n in os.listdir(shm) if n.startswith(LINK_REMAP) and n not in before}
-    index = {"files": []}
+    index: dict = {"files": []}
+    inodes: set[int] = set()
     with open(images_dir / DATA, "wb") as out:
         os.fchmod(out.fileno(), 0o600)
         for name in sorted(names):
@@ -156,11 +157,22 @@ def save(images_dir: Path, root_pid: int, before: set[str], shm: Path = SHM) -> 
             finally:
                 os.close(fd)
             index["files"].append(entry)
+            inodes.add(st.st_ino)
+    # Other names of the same files (glibc's semaphore under its own name, whose link-remap the
+    # image carries): what a worker that dies by itself leaves behind besides the carried names.
+    index["aliases"] = sorted(n for n in os.listdir(shm) if n not in names and _ino(shm / n) in inodes)
     tmp = images_dir / (INDEX + ".tmp")
     tmp.write_text(json.dumps(index))
     os.chmod(tmp, 0o600)
     os.replace(tmp, images_dir / INDEX)
     return index
+
+
+def _ino(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
 
 
 def saved(images_dir: Path) -> list[dict]:
@@ -208,6 +220,28 @@ def remove(images_dir: Path, shm: Path = SHM) -> None:
             (shm / entry["name"]).unlink()
         except OSError:
             pass
+
+
+def remove_orphans(images_dir: Path, shm: Path = SHM) -> list[str]:
+    """Remove the files an image carries that no live process uses: what a worker that died by
+    itself (not killed by ckptflow, which cleans after itself) left in ``shm`` (vLLM: ~400 MiB
+    apparent of ``psm_*`` rings and its semaphore). A file some process still holds stays.
+    Returns the names removed."""
+    names = {e["name"] for e in saved(images_dir)}
+    try:
+        names |= set(json.loads((images_dir / INDEX).read_text()).get("aliases", []))
+    except (OSError, ValueError):
+        pass
+    if not names:
+        return []
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    left = sorted((names & {n for n in os.listdir(shm)}) - held(pids, shm)) if shm.is_dir() else []
+    for n in left:
+        try:
+            (shm / n).unlink()
+        except OSError:
+            pass
+    return left
 
 
 def remove_link_remaps(names: list[str], shm: Path = SHM) -> None:

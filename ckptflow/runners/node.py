@@ -238,7 +238,11 @@ class NodeRunner:
             return self._checkpoint(w, leave_running, kind)
 
     def _checkpoint(self, w: Workload, leave_running: bool, kind: str | None = None) -> Manifest:
-        proc = process.resolve(w)
+        try:
+            proc = process.resolve(w)
+        except WorkloadNotFound:
+            self.remove_devshm_leftovers(w)
+            raise
         state = probe_for_checkpoint(w, probe)
         pending = self.store.begin(w.name, node=w.node)
         try:
@@ -468,6 +472,23 @@ class NodeRunner:
                                fix="cold start the worker; the store volume may be failing")
         err.checkpoint = ", ".join(dict.fromkeys(s["id"] for s in skipped))
         raise err
+
+    def remove_devshm_leftovers(self, w: Workload, newest: int = 3) -> list[str]:
+        """The worker is gone: remove the /dev/shm files its newest checkpoints carry that no
+        live process uses (a restore puts them back from the image; a cold start makes new
+        ones). Returns the names removed (issue #36, finding 11)."""
+        removed: list[str] = []
+        for m in self.store.list(w.name)[:newest]:
+            images = self.store.images_dir(m)
+            if m.kind == CheckpointKind.sessions and m.probe.template:  # the template's image holds them
+                try:
+                    images = self.store.images_dir(self.store.get(m.probe.template.workload, m.probe.template.id))
+                except CheckpointNotFound:
+                    continue
+            removed += devshm.remove_orphans(images)
+        if removed:
+            log.info("workload %s is gone: removed what it left in /dev/shm: %s", w.name, ", ".join(removed[:8]))
+        return removed
 
     def _failed_restore(self, w: Workload, m: Manifest, e: CkptflowError) -> None:
         """Count a failed restore on its checkpoint; at MAX_FAILED_RESTORES it is marked
