@@ -81,10 +81,11 @@ def check_verify(before: int) -> list[dict]:
 
 
 # (step, its results name: its runs are counted before it runs, command)
+# Run from the repository root with relative paths: each bench records its command line.
 STEPS = [
-    ("vllm", "vllm_gpu", [sys.executable, str(BENCH / "vllm_gpu.py"), "--rows", "b,p"]),
-    ("standby", "gpu_two_tier", [sys.executable, str(BENCH / "gpu_two_tier.py"), "--rows", "S"]),
-    ("verify", "gpu_isolated_verify", [sys.executable, str(BENCH / "gpu_isolated_verify.py"), "--ballast-gib", "2",
+    ("vllm", "vllm_gpu", ["python3", "bench/vllm_gpu.py", "--rows", "b,p"]),
+    ("standby", "gpu_two_tier", ["python3", "bench/gpu_two_tier.py", "--rows", "S"]),
+    ("verify", "gpu_isolated_verify", ["python3", "bench/gpu_isolated_verify.py", "--ballast-gib", "2",
                                        "--images", "/dev/shm"]),
 ]
 
@@ -97,7 +98,7 @@ def main() -> None:
     unknown = only - {name for name, _, _ in STEPS}
     if unknown:
         raise SystemExit(f"gpu_regress: unknown step(s) {', '.join(sorted(unknown))} (known: vllm, standby, verify)")
-    t_start = time.monotonic()
+    t_start, started = time.monotonic(), time.time()
     state = HOME / "vllm_gpu_state.json"
     state.unlink(missing_ok=True)        # this run's rows only
     claims: list[dict] = []
@@ -108,7 +109,7 @@ def main() -> None:
         left = BUDGET_S - (time.monotonic() - t_start)
         t0 = time.monotonic()
         try:
-            r = subprocess.run(cmd, timeout=max(30, left), capture_output=True, text=True)
+            r = subprocess.run(cmd, timeout=max(30, left), capture_output=True, text=True, cwd=BENCH.parent)
             tail = (r.stdout + r.stderr)[-1500:]
             failed = r.returncode != 0
         except subprocess.TimeoutExpired:
@@ -134,10 +135,13 @@ def main() -> None:
     print(table)
     out = os.environ.get("OUT")
     if out:
+        # Only what this run changed: the device returns a limited number of files, and a
+        # run that copied every results file lost its own (2026-12-02).
         dest = Path(out) / "bench"
         (dest / "results").mkdir(parents=True, exist_ok=True)
         for f in (BENCH / "results").glob("*.json"):
-            shutil.copy(f, dest / "results" / f.name)
+            if f.stat().st_mtime >= started:
+                shutil.copy(f, dest / "results" / f.name)
         shutil.copy(RESULTS_MD, dest / "RESULTS.md")
         if state.exists():
             shutil.copy(state, dest / "vllm_gpu.json")   # for bench/vllm_gpu.py --append-results here
