@@ -55,16 +55,6 @@ def test_a_forced_run_says_forced_and_keeps_the_policys_view(action):
     assert f.reason == f"forced (policy said {action.value}: {d.reason})"
 
 
-def test_the_live_heartbeat_reports_forced_rows_through_forced():
-    # The heartbeat task's row for a --force run is this function's reason (one place for the text).
-    import inspect
-
-    import ckptflow.tasks.node as node
-
-    src = inspect.getsource(node.checkpoint_batch)
-    assert 'row["decision"] = "forced"' in src and "forced(d).reason" in src
-
-
 def test_live_facts_of_a_cpu_worker_are_cpu_facts_and_a_restarted_worker_has_new_work(demo_worker, tmp_path):
     """On a node with a GPU backend object (every node has one) a CPU workload is still costed in
     CPU seconds; and a worker restarted since the newest checkpoint (its token counter went back)

@@ -57,7 +57,9 @@ def test_drain_moves_long_sessions_and_stops_short_ones(tmp_path, prefect_harnes
     rows = {r["workload"]: r for r in drain(fleet, "node-a", via_deployments=False)}
     assert rows["chat"]["action"] == "migrated" and rows["chat"]["target"] == "node-b"
     assert rows["api"]["action"] == "stopped (short requests)"
-    assert short_w.proc.wait(timeout=30) is not None
+    short_w.proc.wait(timeout=30)                         # it exited (raises if still running) ...
+    with pytest.raises(OSError):                          # ... and nothing answers on its port
+        short_w.complete("still there?", 4)
     assert long_w.complete("go on", 24, "s") == ref.complete("go on", 24, "s")
     assert (tmp_path / "store" / "node-a" / ".nodes" / "node-a.drained").exists()
 
