@@ -122,7 +122,7 @@ class FileStateMode(ModeRunner):
 
     params: FileStateParams
 
-    def checkpoint(self, w: Workload) -> Manifest:
+    def checkpoint(self, w: Workload, context=None) -> Manifest:
         store = self.node.store
         pending = store.begin(w.name, node=w.node)
         shutil.copyfile(self.params.state_file, pending.images_dir / "state")
@@ -192,3 +192,39 @@ def test_the_modes_modules_examples_run():
 
     res = doctest.testmod(ckptflow.modes, optionflags=doctest.ELLIPSIS)
     assert res.failed == 0 and res.attempted > 0
+
+
+def test_a_registered_mode_runs_through_the_real_heartbeat_and_restore_tasks(tmp_path, file_state_mode, monkeypatch):
+    """The contract goes through the callers, not around them: the heartbeat task calls
+    ``mode.checkpoint(w, context)`` and the restore task ``mode.restore(w, tier=...)``; a toy whose
+    ``checkpoint`` took only ``w`` passed the test above and raised TypeError here (#33 item 6)."""
+    import logging
+    from contextlib import contextmanager
+
+    from ckptflow.fleet import FleetScope, Node, PolicyChoice, Storage
+    from ckptflow.models import Fingerprint
+    from ckptflow.policies.cadence import WorkloadFacts
+    from ckptflow.tasks import node as node_tasks
+
+    state = tmp_path / "state"
+    state.write_text("turn 1")
+    w = load_fleet(_fleet(tmp_path, checkpoint="file-state", checkpoint_params={"state_file": str(state)})).workloads[0]
+    store = LocalStore(tmp_path / "store")
+
+    @contextmanager
+    def runner(scope, node):       # the node's runner, without CRIU: this mode calls none
+        with NodeRunner(store, criu=object(), node_fp=Fingerprint()) as r:
+            yield r
+
+    monkeypatch.setattr(node_tasks, "node_runner", runner)
+    monkeypatch.setattr(node_tasks, "get_run_logger", lambda: logging.getLogger("test"))
+    monkeypatch.setattr(node_tasks, "collect_facts", lambda w, *a, **k: WorkloadFacts(   # no process to look at
+        name=w.name, traffic="long_sessions", tokens_since_ckpt=0, seconds_since_ckpt=60.0))
+    scope = FleetScope(fleet="t", storage=Storage(path=str(tmp_path / "store")))
+    row = node_tasks.checkpoint_batch.fn(scope, Node(name="n1", work_pool="n1"), [PolicyChoice(workload=w)],
+                                         force=True)[0]
+    assert row["ok"] and row["checkpoint"], row
+    assert store.get("w1", row["checkpoint"]).kind == "session"
+    state.write_text("turn 2, then the worker died")
+    got = node_tasks.restore_workload.fn(scope, w)
+    assert got["checkpoint"] == row["checkpoint"] and state.read_text() == "turn 1"
