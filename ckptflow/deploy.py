@@ -2,12 +2,14 @@
 through Prefect's Python client; and render what runs each node's Prefect worker in production.
 
 One deployment per flow, and per node for the flows whose steps must run on that node
-(heartbeat, invalidate, verify, node-step), each on the node's process work pool. The
-fleet-level flows (migrate, drain, scale-up/-down, recover, recover-node) run on the control
-pool (the first node's) and start node steps with run_deployment; a step's result travels
-back through Prefect's result storage, a block on the fleet's own object store registered for
-its ``storage.kind`` (``register_result_storage``; S3: an ``S3Bucket`` block of prefect-aws on
-the fleet's bucket) — nodes share no disk.
+(heartbeat, invalidate, verify, node-step), each on the node's process work pool and named
+``<fleet>:<node>`` (``node_deployment``: one Prefect server holds many fleets, and two of them
+may both have a ``node-a``). The fleet-level flows, named ``<fleet>`` (migrate, drain,
+scale-up/-down, recover, recover-node, prune), run on the control pool (the first node's) and
+start node steps with run_deployment; a step's result travels back through Prefect's result
+storage, a block on the fleet's own object store registered for its ``storage.kind``
+(``register_result_storage``; S3: an ``S3Bucket`` block of prefect-aws on the fleet's bucket)
+— nodes share no disk.
 
 Every flow run starts in the project directory (``--workdir``, default: where deploy runs):
 prefect.yaml's pull step enters it, and each node's worker — a systemd unit per node
@@ -36,7 +38,7 @@ import yaml
 from ckptflow.errors import ConfigError
 # WORKER_QUERY_S: how often each node's worker asks the server for flow runs
 # (PREFECT_WORKER_QUERY_SECONDS) unless the fleet file or `deploy --worker-query-seconds` says.
-from ckptflow.fleet import WORKER_QUERY_S, load_fleet
+from ckptflow.fleet import WORKER_QUERY_S, load_fleet, node_deployment
 from ckptflow.render import env
 
 # The flow files prefect.yaml's entrypoints name (templates/prefect.yaml.j2): a directory holds
@@ -208,7 +210,7 @@ def render_prefect_yaml(fleet_file: Path, workdir: Path | str | None = None) -> 
     text = env().get_template("prefect.yaml.j2").render(
         fleet=fleet, fleet_file=_fleet_param(fleet_file, wd), out_name=out.name, workdir=str(wd),
         control_pool=fleet.control_pool or fleet.nodes[0].work_pool, node_workloads=nodes, schedule=_schedule,
-        node_env={"CKPTFLOW_NODE_LIMITS": "1", **results}, control_env=results)
+        node_deployment=node_deployment, node_env={"CKPTFLOW_NODE_LIMITS": "1", **results}, control_env=results)
     out.write_text(text)
     return out
 
@@ -365,6 +367,37 @@ def node_mounts(fleet, nodes, wd: Path) -> list[tuple[str, str]]:
     return [(p, found[p]) for p in keep]
 
 
+def fleet_file_mount(fleet_param: str, wd: Path | str, taken: list[str]) -> tuple[str, str] | None:
+    """What a node pool's worker pod mounts from its host so that its flow runs open the fleet
+    file at ``fleet_param`` (the deployments' ``fleet_file``), as (host path, hostPath type); None
+    when nothing is needed: a path relative to the project ``wd`` is in the image, one under a
+    path in ``taken`` (the pod's other mounts) is mounted already.
+
+    The file's directory is mounted, not the file: a file bind-mounted alone keeps the inode it
+    had when the pod started, so an edit that replaces the file (an editor, rsync, ``install``)
+    would never reach a pod that lives for months (``OnDelete``). A file right in a directory the
+    image has (/etc, /tmp, /) or in one holding the project is the exception: the host's
+    directory would hide the image's own files.
+
+    Example:
+        >>> fleet_file_mount("/etc/ckptflow/fleet.yaml", "/srv/ckptflow", [])
+        ('/etc/ckptflow', 'Directory')
+        >>> fleet_file_mount("/etc/fleet.yaml", "/srv/ckptflow", [])        # /etc is the image's
+        ('/etc/fleet.yaml', 'File')
+        >>> fleet_file_mount("/srv/fleet.yaml", "/srv/ckptflow", [])        # /srv holds the project
+        ('/srv/fleet.yaml', 'File')
+        >>> fleet_file_mount("deployments/local.yaml", "/srv/ckptflow", [])   # in the image, with the project
+        >>> fleet_file_mount("/models/fleet.yaml", "/srv/ckptflow", ["/models"])  # mounted already
+    """
+    f = Path(fleet_param)
+    if not f.is_absolute() or any(f.is_relative_to(t) for t in taken):
+        return None
+    d = f.parent
+    if str(d) == "/" or str(d) in _IMAGE_DIRS or Path(wd).is_relative_to(d):
+        return str(f), "File"
+    return str(d), "Directory"
+
+
 def check_worker_query_s(seconds: float) -> float:
     """A node workers' poll interval given on the command line, checked as the fleet file's is.
 
@@ -393,8 +426,9 @@ def render_node_workers(fleet_file: Path, workdir: Path | str | None = None, api
     CKPTFLOW_NODE and PREFECT_WORKER_QUERY_SECONDS (``worker_query_s``, default the fleet file's
     ``worker_query_seconds``: how soon a node step starts after a fleet flow asks for it); the
     unit restarts always and its stop leaves what the flows started running;
-    the DaemonSet has hostPID, privileged, /dev/shm, the node's store and what its workloads
-    name (``node_mounts``: pid files, models, logs) mounted.
+    the DaemonSet has hostPID, privileged, /dev/shm, the node's store, what its workloads
+    name (``node_mounts``: pid files, models, logs) and a fleet file kept outside the project
+    (``fleet_file_mount``) mounted.
 
     Returns:
         {"systemd": [unit files], "kubernetes": [daemonset.yaml]}.
@@ -442,12 +476,21 @@ def render_node_workers(fleet_file: Path, workdir: Path | str | None = None, api
     ds.parent.mkdir(parents=True, exist_ok=True)
     from ckptflow.kubernetes import daemonset_context, render_pod_fleet  # pod workloads (docs/kubernetes.md)
 
+    ds_ctx = daemonset_context(fleet)
+
+    def mounts(nodes) -> list[tuple[str, str]]:
+        return [(p, why) for p, why in node_mounts(fleet, nodes, wd) if p not in store_paths(nodes) and p != "/dev/shm"]
+
+    def fleet_mount(nodes) -> tuple[str, str] | None:
+        taken = ["/dev/shm", *store_paths(nodes), *(p for p, _ in mounts(nodes))]
+        if ds_ctx["pod_workloads"]:
+            taken += [ds_ctx["checkpoint_dir"], "/var/lib/containers/storage"]
+        return fleet_file_mount(ctx["fleet_file"], wd, taken)
+
     ds.write_text(env().get_template("kubernetes/daemonset.yaml.j2").render(
         pools=list(pools.items()), namespace=K8S_NAMESPACE, image=image, out_name=ds.name,
         ds_name=lambda pool: "ckptflow-prefect-worker-" + re.sub(r"[^a-z0-9-]", "-", pool.lower()).strip("-"),
-        store_paths=store_paths, mounts=lambda nodes: [(p, why) for p, why in node_mounts(fleet, nodes, wd)
-                                                      if p not in store_paths(nodes) and p != "/dev/shm"],
-        **daemonset_context(fleet), **ctx))
+        store_paths=store_paths, mounts=mounts, fleet_mount=fleet_mount, **ds_ctx, **ctx))
     pods = render_pod_fleet(fleet_file, ds.parent, K8S_NAMESPACE)
     if pods:  # rbac.yaml and the restore pods, only for a fleet with pod workloads
         files["pods"] = pods

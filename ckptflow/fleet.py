@@ -649,3 +649,17 @@ def _yaml_problem(e: yaml.YAMLError, text: str) -> str:
             return f"tabs are not allowed for indentation, line {line}"
     problem = getattr(e, "problem", None) or str(e).splitlines()[0]
     return f"not valid YAML, line {line}: {problem}" if line else f"not valid YAML: {problem}"
+
+
+def node_deployment(fleet: str, node: str, flow: str | None = None) -> str:
+    """The name of the deployment of a per-node flow (heartbeat, invalidate, verify, node-step)
+    for ``node`` of fleet ``fleet``; with ``flow``, the ``<flow>/<name>`` that run_deployment and
+    ``prefect deployment run`` take. ':' is in neither a fleet's nor a node's alphabet, so no two
+    (fleet, node) pairs share a name (joined by '-', fleet gpu's node a-1 would be fleet gpu-a's 1).
+
+    Example:
+        >>> node_deployment("example-h200", "h200-01"), node_deployment("example-h200", "h200-01", "node-step")
+        ('example-h200:h200-01', 'node-step/example-h200:h200-01')
+    """
+    name = f"{fleet}:{node}"
+    return f"{flow}/{name}" if flow else name

@@ -103,7 +103,7 @@ def test_a_node_path_template_mounts_each_nodes_own_store(tmp_path):
         pod = d["spec"]["template"]["spec"]
         node = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}["CKPTFLOW_NODE"]
         mounts = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
-        assert mounts == {"/dev/shm", f"/var/lib/ckptflow/{node}"}
+        assert mounts == {"/dev/shm", f"/var/lib/ckptflow/{node}", str(tmp_path)}   # tmp_path: the fleet file's
 
 
 def test_a_node_gone_from_the_fleet_loses_its_unit(example):
@@ -175,11 +175,12 @@ def test_cli_render_only_writes_every_file_and_says_where(tmp_path, example):
 
 
 # --- deploy itself, through Prefect's client, against a real (test) Prefect server --------------
-def _fleet(tmp_path: Path, name: str, schedules: bool = True) -> Path:
+def _fleet(tmp_path: Path, name: str, schedules: bool = True, node: str | None = None) -> Path:
     data = yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
     data["fleet"] = name
-    data["nodes"] = [{**data["nodes"][0], "name": f"{name}-node", "work_pool": f"{name}-pool"}]
-    data["workloads"] = [{**w, "node": f"{name}-node"} for w in data["workloads"]]
+    node = node or f"{name}-node"
+    data["nodes"] = [{**data["nodes"][0], "name": node, "work_pool": f"{name}-pool"}]
+    data["workloads"] = [{**w, "node": node} for w in data["workloads"]]
     if not schedules:
         data.pop("schedules", None)
     f = tmp_path / f"{name}.yaml"
@@ -197,7 +198,7 @@ def _deployments(client, fleet: str) -> dict:
 def test_deploy_creates_what_the_rendered_prefect_yaml_says(tmp_path, prefect_harness):
     from prefect.client.orchestration import get_client
 
-    from ckptflow.deploy import deploy
+    from ckptflow.deploy import deploy, node_deployment
 
     fleet = _fleet(tmp_path, "dep1")
     out = deploy(fleet, workdir=ROOT, api_url=API)
@@ -219,7 +220,7 @@ def test_deploy_creates_what_the_rendered_prefect_yaml_says(tmp_path, prefect_ha
             assert limit == d.get("concurrency_limit")
             want = [s["interval"] for s in d.get("schedules") or []]
             assert [s.schedule.interval.total_seconds() for s in dep.schedules] == want
-        heartbeat = got[("ckptflow/flows/heartbeat.py:heartbeat", "dep1-node")]
+        heartbeat = got[("ckptflow/flows/heartbeat.py:heartbeat", node_deployment("dep1", "dep1-node"))]
         assert heartbeat.job_variables == {"env": {"CKPTFLOW_NODE_LIMITS": "1"}}
         assert [s.schedule.interval.total_seconds() for s in heartbeat.schedules] == [300]
 
@@ -227,9 +228,39 @@ def test_deploy_creates_what_the_rendered_prefect_yaml_says(tmp_path, prefect_ha
         deploy(fleet, workdir=ROOT, api_url=API)
         again = _deployments(client, "dep1")
         assert {k: d.id for k, d in again.items()} == {k: d.id for k, d in got.items()}
-        assert len(again[("ckptflow/flows/heartbeat.py:heartbeat", "dep1-node")].schedules) == 1
+        hb = ("ckptflow/flows/heartbeat.py:heartbeat", node_deployment("dep1", "dep1-node"))
+        assert len(again[hb].schedules) == 1
         deploy(_fleet(tmp_path, "dep1", schedules=False), workdir=ROOT, api_url=API)
-        assert _deployments(client, "dep1")[("ckptflow/flows/heartbeat.py:heartbeat", "dep1-node")].schedules == []
+        assert _deployments(client, "dep1")[hb].schedules == []
+
+
+NODE_FLOWS = {"ckptflow/flows/heartbeat.py:heartbeat": "heartbeat", "ckptflow/flows/invalidate.py:invalidate":
+              "invalidate", "ckptflow/flows/verify.py:verify": "verify", "ckptflow/flows/node_step.py:node_step":
+              "node-step"}
+
+
+def test_two_fleets_with_a_node_of_the_same_name_keep_their_own_deployments(tmp_path, prefect_harness):
+    """Issue #36 finding 9: per-node deployments were named after the node alone, so the second
+    fleet's `heartbeat/node-a` replaced the first's, and its schedule then ran the other fleet."""
+    from prefect.client.orchestration import get_client
+
+    from ckptflow.deploy import deploy, node_deployment
+
+    files = {name: _fleet(tmp_path, name, node="node-a") for name in ("twin-x", "twin-y")}
+    for f in files.values():
+        deploy(f, workdir=ROOT, api_url=API, all_nodes_here=True)
+    with get_client(sync_client=True) as client:
+        ids = set()
+        for name, f in files.items():
+            got = {entry: d for (entry, _), d in _deployments(client, name).items()}
+            assert set(NODE_FLOWS) <= set(got), f"{name}'s node deployments were replaced by the other fleet's"
+            for entry, flow in NODE_FLOWS.items():
+                d = got[entry]
+                assert d.parameters == {"fleet_file": str(f), "node": "node-a"} and d.work_pool_name == f"{name}-pool"
+                ids.add(d.id)
+                # What run_deployment and `prefect deployment run` look up: this fleet's, by its name.
+                assert client.read_deployment_by_name(node_deployment(name, "node-a", flow)).id == d.id
+        assert len(ids) == 2 * len(NODE_FLOWS)
 
 
 def test_deploy_to_a_server_that_is_not_there_is_one_line(tmp_path):
@@ -371,12 +402,13 @@ def test_daemonset_mounts_what_the_fleet_files_workloads_name(tmp_path):
     vols = {v["name"]: v["hostPath"] for v in pod["volumes"]}
     mounts = {m["mountPath"]: vols[m["name"]]["path"] for m in pod["containers"][0]["volumeMounts"]}
     assert set(mounts) == {"/dev/shm", "/var/lib/ckptflow/h200-01", "/run/vllm", "/models", "/var/log/vllm",
-                           "/srv/slots"}
+                           "/srv/slots", str(tmp_path)}                       # tmp_path: the fleet file's
     assert all(mounts[p] == p for p in mounts)                               # the same path on the host
     assert "# pid file of vllm-n01-g0" in ds_file.read_text()
     other = next(p for name, p in pods.items() if name != pool)               # no workload of those: none
     assert {m["mountPath"] for m in other["containers"][0]["volumeMounts"]} == {
-        "/dev/shm", f"/var/lib/ckptflow/{next(n['name'] for n in data['nodes'] if n['work_pool'] != pool)}"}
+        "/dev/shm", f"/var/lib/ckptflow/{next(n['name'] for n in data['nodes'] if n['work_pool'] != pool)}",
+        str(tmp_path)}
 
 
 def test_every_entrypoint_loads_its_flow_and_deployments_made_before_the_split_still_do(example):

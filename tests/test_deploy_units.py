@@ -179,3 +179,38 @@ def test_a_bad_poll_in_the_fleet_file_or_on_the_command_line_is_refused_in_one_l
     assert lines[0] == "error: worker poll interval 0 s: it must be more than 0 and at most 60 s", lines
     assert lines[1].startswith("fix: pass --worker-query-seconds of about 1") and len(lines) == 2
     assert not list(example.parent.glob("*.workers")) and not list(example.parent.glob("prefect.*.yaml"))
+
+
+# --- per-node deployments are named after their fleet and node ------------------------------------
+def test_per_node_deployment_names_hold_the_fleet(tmp_path):
+    """Issue #36 finding 9: two fleets that both have a node-a rendered `heartbeat/node-a` twice, and
+    the second deploy replaced the first fleet's. A name never collides with another fleet's, even
+    where names joined by '-' would (fleet gpu, node a-1 and fleet gpu-a, node 1)."""
+    from ckptflow.deploy import render_prefect_yaml
+
+    def node_deployments(fleet: str, node: str) -> set[tuple[str, str]]:
+        d = tmp_path / fleet
+        d.mkdir()
+        f = d / "fleet.yaml"
+        f.write_text(yaml.safe_dump({"fleet": fleet, "storage": {"kind": "local", "path": str(d / "store")},
+                                     "nodes": [{"name": node, "work_pool": f"{fleet}-pool"}]}))
+        spec = yaml.safe_load(render_prefect_yaml(f, ROOT).read_text())
+        return {(x["entrypoint"], x["name"]) for x in spec["deployments"] if "node" in x["parameters"]}
+
+    x, y = node_deployments("fleet-x", "node-a"), node_deployments("fleet-y", "node-a")
+    assert len(x) == len(y) == 4 and not x & y
+    assert not node_deployments("gpu", "a-1") & node_deployments("gpu-a", "1")
+    assert {name for _, name in y} == {"fleet-y:node-a"}
+
+
+def test_the_naming_and_mount_examples_run():
+    import doctest
+
+    from ckptflow import deploy
+
+    runner = doctest.DocTestRunner()
+    for fn in (deploy.node_deployment, deploy.fleet_file_mount):
+        for t in doctest.DocTestFinder().find(fn):
+            runner.run(t)
+    res = runner.summarize(verbose=False)
+    assert res.failed == 0 and res.attempted >= 6

@@ -309,3 +309,56 @@ def test_pod_workload_heartbeat_and_recover_through_kubelet_and_api_stand_ins(tm
         c.remove()
         if row is not None:
             subprocess.run(["podman", "rmi", f"localhost/ckptflow-restore/chat:{row['checkpoint']}"], capture_output=True)
+
+
+def test_a_fleet_file_outside_the_project_is_mounted_where_the_flow_runs_open_it(tmp_path):
+    """Issue #36 finding 9: the DaemonSet mounted no fleet file, so with one kept outside the
+    project (/etc/ckptflow/fleet.yaml) every flow run of the pod's worker found none. The image
+    holds the project, so a fleet file inside it needs no mount."""
+    from ckptflow.deploy import render_node_workers, render_prefect_yaml
+
+    etc = tmp_path / "etc" / "ckptflow"   # stands in for /etc/ckptflow, outside the project
+    etc.mkdir(parents=True)
+    f = etc / "fleet.yaml"
+    f.write_text(EXAMPLE.read_text())
+    (ds_file,) = render_node_workers(f, ROOT, api_url=API, out_dir=tmp_path / "w")["kubernetes"]
+    opened = {d["work_pool"]["name"]: d["parameters"]["fleet_file"]       # what each pool's flow runs open
+              for d in yaml.safe_load(render_prefect_yaml(f, ROOT).read_text())["deployments"]}
+    assert set(opened.values()) == {str(f)}
+    docs = _docs(ds_file)
+    assert len(docs) == 8
+    for d in docs:
+        _validate(d)
+        pod = d["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        vols = {v["name"]: v["hostPath"] for v in pod["volumes"]}
+        fleet_mounts = [m for m in c["volumeMounts"] if m["name"] == "fleet-file"]
+        assert fleet_mounts == [{"name": "fleet-file", "mountPath": str(etc), "readOnly": True}]
+        assert vols["fleet-file"] == {"path": str(etc), "type": "Directory"}   # the same path on the host
+        # The container's worker runs its pool's flow runs in workingDir: the path they open is the mounted one.
+        pool = pod["nodeSelector"]["ckptflow.io/work-pool"]
+        assert c["command"][c["command"].index("--pool") + 1] == pool and c["workingDir"] == str(ROOT)
+        assert Path(c["workingDir"], opened[pool]).parent == etc
+    assert f"the fleet file {f}" in ds_file.read_text()                  # the header says it must be on every node
+    # Inside the project: the image has it, nothing is mounted for it.
+    (inside,) = render_node_workers(EXAMPLE, ROOT, api_url=API, out_dir=tmp_path / "in")["kubernetes"]
+    for d in _docs(inside):
+        assert "fleet-file" not in {v["name"] for v in d["spec"]["template"]["spec"]["volumes"]}
+
+
+def test_a_fleet_file_in_a_directory_the_image_has_is_mounted_alone(tmp_path):
+    """A fleet file right in /etc or /tmp: mounting the host's directory over the image's would hide
+    the image's own files, so the file alone is mounted."""
+    from ckptflow.deploy import render_node_workers
+
+    f = Path("/tmp") / f"ckptflow-test-{secrets.token_hex(4)}.yaml"
+    f.write_text(EXAMPLE.read_text())
+    try:
+        (ds_file,) = render_node_workers(f, ROOT, api_url=API, out_dir=tmp_path / "w")["kubernetes"]
+    finally:
+        f.unlink()
+    for d in _docs(ds_file):
+        _validate(d)
+        pod = d["spec"]["template"]["spec"]
+        assert {"name": "fleet-file", "mountPath": str(f), "readOnly": True} in pod["containers"][0]["volumeMounts"]
+        assert {"name": "fleet-file", "hostPath": {"path": str(f), "type": "File"}} in pod["volumes"]

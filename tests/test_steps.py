@@ -15,30 +15,40 @@ from ckptflow.tasks.common import retry_if_retryable
 
 def _run_deployment_ending(state):
     def fake(**kw):
+        assert kw["name"] == "node-step/test:node-a"   # per-node deployments carry the fleet's name
         return SimpleNamespace(id=uuid4(), state=state)
     return fake
 
 
-def test_a_failed_steps_error_type_and_first_line_reach_the_caller(monkeypatch):
+@pytest.fixture
+def fleet(tmp_path):
+    from conftest import write_fleet
+    from ckptflow.models import ProcessFinder, Workload
+
+    w = Workload(name="chat", node="local", find=ProcessFinder(pid_file=str(tmp_path / "w.pid")))
+    return str(write_fleet(tmp_path / "fleet.yaml", [w], tmp_path / "store"))
+
+
+def test_a_failed_steps_error_type_and_first_line_reach_the_caller(monkeypatch, fleet):
     monkeypatch.setattr(steps, "run_deployment", _run_deployment_ending(
         Failed(data=KeyError("gpu_pids"), message="Flow run encountered an exception")))
     with pytest.raises(steps.StepFailed) as e:
-        steps.run_step("node-a", "restore", "fleet.yaml", "chat")
+        steps.run_step("node-a", "restore", fleet, "chat")
     assert e.value.error_type == "KeyError"
     assert "restore of chat on node-a" in str(e.value) and "KeyError: 'gpu_pids'" in str(e.value)
     assert isinstance(e.value.__cause__, KeyError)
 
 
-def test_a_failed_steps_ckptflow_error_is_raised_as_itself(monkeypatch):
+def test_a_failed_steps_ckptflow_error_is_raised_as_itself(monkeypatch, fleet):
     monkeypatch.setattr(steps, "run_deployment", _run_deployment_ending(
         Failed(data=RestoreFailed("not healthy", fix="run verify"))))
     with pytest.raises(RestoreFailed, match="not healthy"):
-        steps.run_step("node-a", "restore", "fleet.yaml", "chat")
+        steps.run_step("node-a", "restore", fleet, "chat")
 
 
-def test_a_completed_step_returns_its_result(monkeypatch):
+def test_a_completed_step_returns_its_result(monkeypatch, fleet):
     monkeypatch.setattr(steps, "run_deployment", _run_deployment_ending(Completed(data={"pid": 7})))
-    assert steps.run_step("node-a", "restore", "fleet.yaml", "chat") == {"pid": 7}
+    assert steps.run_step("node-a", "restore", fleet, "chat") == {"pid": 7}
 
 
 @pytest.mark.parametrize("error,retry", [
@@ -100,3 +110,19 @@ def test_a_forced_heartbeat_row_says_forced_next_to_the_checkpoint_it_made(tmp_p
     row = node_tasks.checkpoint_batch.fn(scope, node, [PolicyChoice(workload=w)], force=True)[0]
     assert row["checkpoint"] and row["decision"] == "forced"
     assert row["reason"].startswith("forced (policy said skip: nothing new")
+
+
+def test_a_step_whose_deployment_does_not_exist_names_it_and_how_to_make_it(tmp_path, prefect_harness):
+    """A fleet deployed before per-node names carried the fleet (or never deployed): Prefect says
+    `ObjectNotFound: None`; the step says which deployment and the command that makes it."""
+    from conftest import write_fleet
+    from ckptflow.errors import ConfigError
+    from ckptflow.models import ProcessFinder, Workload
+
+    w = Workload(name="w", node="local", find=ProcessFinder(pid_file=str(tmp_path / "w.pid")))
+    f = write_fleet(tmp_path / "fleet.yaml", [w], tmp_path / "store")
+    with pytest.raises(ConfigError) as e:
+        steps.run_step("local", "restore", str(f), "w", via_deployments=True)
+    assert str(e.value).splitlines() == ["no deployment node-step/test:local on the Prefect server",
+                                         f"  fix: run `ckptflow deploy {f}` (per-node deployments are named "
+                                         "<fleet>:<node>)"]

@@ -10,13 +10,16 @@ still serves; the downtime is the dump, the transfer and the restore, plus a few
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from prefect.deployments import run_deployment
 from prefect.exceptions import MissingResult
 from prefect.runtime import flow_run
 
-from ckptflow.errors import CkptflowError
+from ckptflow.errors import CkptflowError, ConfigError
+from ckptflow.fleet import load_fleet, node_deployment
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
@@ -60,9 +63,27 @@ def _params(node, action, fleet_file, workload, checkpoint, replica=None, **extr
             **{k: v for k, v in extra.items() if v is not None}}
 
 
+def _deployment(fleet_file: str, node: str) -> str:
+    """``node-step/<fleet>:<node>``: per-node deployments carry their fleet's name (deploy.py)."""
+    return node_deployment(load_fleet(fleet_file).fleet, node, "node-step")
+
+
+@contextmanager
+def _named(fleet_file: str, node: str) -> Iterator[None]:
+    """Prefect's ``ObjectNotFound: None`` for a deployment that does not exist, as one line that
+    names it and how to make it (a fleet deployed before names carried the fleet, or not at all)."""
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        yield
+    except ObjectNotFound:
+        raise ConfigError(f"no deployment {_deployment(fleet_file, node)} on the Prefect server",
+                          fix=f"run `ckptflow deploy {fleet_file}` (per-node deployments are named <fleet>:<node>)") from None
+
+
 def run_step(node: str, action: str, fleet_file: str, workload: str, checkpoint: str | None = None,
              via_deployments: bool = True, replica: str | None = None, when_ready: str | None = None) -> dict:
-    """Run node-step ``action`` on ``node``: through its deployment ``node-step/<node>`` (its
+    """Run node-step ``action`` on ``node``: through its deployment ``node-step/<fleet>:<node>`` (its
     work pool's worker), or in this process. ``when_ready``: the flow run id of a step that
     must be ready before this one acts (``move``).
 
@@ -74,16 +95,19 @@ def run_step(node: str, action: str, fleet_file: str, workload: str, checkpoint:
         from ckptflow.flows.node_step import node_step
 
         return node_step(**params)
-    fr = run_deployment(name=f"node-step/{node}", parameters=params, timeout=STEP_TIMEOUT_S, poll_interval=POLL_S,
-                        idempotency_key=step_key(action, workload, node))
+    with _named(fleet_file, node):
+        fr = run_deployment(name=_deployment(fleet_file, node), parameters=params, timeout=STEP_TIMEOUT_S,
+                            poll_interval=POLL_S, idempotency_key=step_key(action, workload, node))
     return step_result(fr, action, workload, node)
 
 
 def start_step(node: str, action: str, fleet_file: str, workload: str, checkpoint_from: str) -> FlowRun:
     """Start node-step ``action`` on ``node`` without waiting for it; it takes its checkpoint
     from the result of the step whose idempotency key is ``checkpoint_from`` once that ends."""
-    return run_deployment(name=f"node-step/{node}", timeout=0, idempotency_key=step_key(action, workload, node),
-                          parameters=_params(node, action, fleet_file, workload, None, checkpoint_from=checkpoint_from))
+    with _named(fleet_file, node):
+        return run_deployment(name=_deployment(fleet_file, node), timeout=0,
+                              idempotency_key=step_key(action, workload, node),
+                              parameters=_params(node, action, fleet_file, workload, None, checkpoint_from=checkpoint_from))
 
 
 def wait_step(fr: FlowRun, action: str, workload: str, node: str, timeout_s: float = STEP_TIMEOUT_S) -> dict:
