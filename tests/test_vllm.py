@@ -357,16 +357,19 @@ def _kill_mid_generation(srv: vllm.Server, chat: Chat) -> list[int]:
 def test_template_sessions_served_by_vllm_heartbeat_kill_recover_continues_like_reference(
         servers, ref, vllm_install, vllm_model, store):
     """vLLM serving ckptflow's protocol (its middleware + connector, issue #31): the template is
-    the paused engine, a session heartbeat moves only the blocks that are new, and after a
-    SIGKILL mid-generation and the loss of the node's KV files the workload comes back from its
-    template and its sessions, continuing like an engine that was never interrupted, with the
-    session's KV loaded through the connector instead of prefilled."""
+    the paused engine, a session heartbeat moves only the blocks that are new, the turn-end loop
+    exports the session at its next turn end, and after a SIGKILL mid-generation and the loss
+    of the node's KV files the workload comes back from its template and its sessions, continuing
+    like an engine that was never interrupted, with the session's KV loaded through the
+    connector instead of prefilled."""
     import shutil
 
     from ckptflow.errors import ChecksumMismatch
     from ckptflow.runners.node import NodeRunner
     from ckptflow.runners.process import pid_alive
     from ckptflow.runners.template_sessions import TemplateSessionsRunner
+    from ckptflow.policies.sessions import ExportContext
+    from ckptflow.runners.turns import TurnWatch
     from ckptflow.store.chunks import ChunkStore
 
     live = servers.start("live", protocol=True)
@@ -393,6 +396,19 @@ def test_template_sessions_served_by_vllm_heartbeat_kill_recover_continues_like_
         assert m2.probe.export.moved_bytes == sum(ChunkStore(store.root).path(d).stat().st_size for d in new)
         assert m2.timings["pause"] == 0.0             # the blocks were on disk: the engine was not held
 
+        # The turn-end loop (`ckptflow turns`) on vLLM: a turn ends, the next look exports it there.
+        # With a maintenance announced (what the heartbeat then stores), every changed session
+        # pays; at a week's MTBF 272 new tokens would wait a turn (policies.sessions.decide_export).
+        store.put_export_context(w.name, ExportContext(mtbf_s=7 * 24 * 3600.0, device="cpu",
+                                                       interruption_ahead=True).model_dump_json())
+        chat.turn(live, n=16, user=256)
+        watch = TurnWatch(tt, w, every_s=0.1)
+        assert watch.poll() is None                   # the first look sees the session's tokens
+        m3 = watch.poll()                             # unchanged since: between two turns
+        assert m3 is not None and m3.probe.export.at_turn_end and m3.probe.export.changed == ["s21"], m3
+        third = tt._records(m3)["sessions"]["s21"]
+        assert third["tokens"] > second["tokens"]
+
         twin, reference = chat.copy(), chat.copy()
         _kill_mid_generation(live, chat)
         shutil.rmtree(live.chunk_dir)                 # the node's KV files are gone too: only the store has them
@@ -409,12 +425,12 @@ def test_template_sessions_served_by_vllm_heartbeat_kill_recover_continues_like_
         victim.write_bytes(good)
 
         res = tt.restore(w)
-        assert res.pid == tmpl.pid and res.manifest.id == m2.id
+        assert res.pid == tmpl.pid and res.manifest.id == m3.id
 
     got, want = twin.turn(live, n=32), reference.turn(ref, n=32)
     assert got["token_ids"] == want["token_ids"] and len(set(got["token_ids"])) > 1
     # Not prefilled again: the restored template loaded the session's blocks through the connector.
-    assert got["external_hits"] >= second["tokens"] - 128, got
+    assert got["external_hits"] >= third["tokens"] - 128, got
     assert got["hits"] == 0                           # the template holds no session of its own
 
 
@@ -474,6 +490,38 @@ def test_vllm_standby_is_promoted_after_the_kill_and_a_lost_node_restores_from_s
         assert r.manifest.id == m.id and "fetch" in r.timings
     a = again.turn(live, n=32)
     assert a["token_ids"] == got and a["external_hits"] >= tokens - 128, a
+
+
+@pytest.mark.criu
+def test_a_tp2_vllm_killed_mid_generation_recovers_and_continues_like_the_uninterrupted_engine(
+        servers, vllm_install, vllm_model, store):
+    """Issue #34, on CPU: vLLM with --tensor-parallel-size 2 (the API server, EngineCore and two
+    worker ranks, which talk through vLLM's shared-memory communicator in /dev/shm) checkpointed
+    whole. After the heartbeat the engine serves the next turn uninterrupted; then it is killed
+    mid-generation and restored from the heartbeat, and the same turn comes out, the session's
+    prefix from the restored engine's own cache."""
+    from ckptflow.runners import devshm
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.runners.process import tree
+
+    live = servers.start("tp2", extra=["--tensor-parallel-size", "2"])
+    w = _workload("chat-tp2", live, vllm_install, vllm_model).model_copy(update={"tensor_parallel": 2})
+    ranks = [p for p in tree(live.pid) if "Worker_TP" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+    assert len(ranks) == 2, ranks
+    chat = Chat(41)
+    chat.turn(live)
+    with NodeRunner(store) as node:
+        m = node.checkpoint(w)
+        carried = {f["name"] for f in devshm.saved(node.store.images_dir(m))}
+        assert any("cpushm" in n for n in carried), carried          # the ranks' communicator travels
+        at_ckpt = chat.copy()
+        want = chat.copy().turn(live, n=32)                         # the uninterrupted engine's next turn
+        pids = _kill_mid_generation(live, chat)
+        res = node.restore(w)
+        assert res.pid == pids[0] and res.manifest.id == m.id
+    got = at_ckpt.turn(live, n=32)
+    assert got["token_ids"] == want["token_ids"] and len(set(got["token_ids"])) > 1
+    assert got["hits"] >= 0.9 * got["n_prompt"], got                 # the session's KV came back with it
 
 
 def test_a_vllm_without_the_middleware_is_refused_at_the_first_heartbeat_naming_the_flags(ref, vllm_install,
