@@ -437,13 +437,16 @@ def test_template_sessions_served_by_vllm_heartbeat_kill_recover_continues_like_
 @pytest.mark.criu
 def test_vllm_standby_is_promoted_after_the_kill_and_a_lost_node_restores_from_s3(servers, ref, vllm_install,
                                                                                    vllm_model, store, tmp_path, s3):
-    """The two tiers' failover paths on a real vLLM (issue #31): a standby (the template restored
+    """The two tiers' failover paths on a real vLLM (issue #31): verify of a two-tier checkpoint
+    in a sandbox beside the live engine; a standby (the template restored
     beside the live engine, in its own PID and network namespaces, parked) is promoted after the
     worker is killed and continues like an uninterrupted engine; then the node is lost, and
     another node restores the workload from the S3 tier alone (template + sessions pulled)."""
     import shutil
 
+    from ckptflow.models import VerifyOutcome
     from ckptflow.runners import engine
+    from ckptflow.runners.modes import mode_runner
     from ckptflow.runners.node import NodeRunner
     from ckptflow.runners.template_sessions import TemplateSessionsRunner
     from ckptflow.runners.verify import del_netns, new_netns
@@ -457,7 +460,12 @@ def test_vllm_standby_is_promoted_after_the_kill_and_a_lost_node_restores_from_s
     tier = S3Tier(s3.bucket("ckpt-vllm-2t"), endpoint_url=s3.endpoint)
     with NodeRunner(store) as node:
         tt = TemplateSessionsRunner(node)
-        tt.heartbeat(w)
+        m0 = tt.heartbeat(w)
+        # verify: the template + sessions restored into a sandbox beside the live engine, its
+        # sessions' digests compared with the checkpoint's (the verify flow's call)
+        v = mode_runner(node, w).verify(w, m0)
+        assert v.state == VerifyOutcome.verified, v.reason
+        assert len(vllm.complete(live.url, [5, 6, 7], 4)["token_ids"]) == 4      # the original serves on
         ns = new_netns("ckvs")
         try:
             sb = tt.standby(w, ns)
