@@ -271,8 +271,12 @@ class Workload(BaseModel):
 
     @model_validator(mode="after")
     def _engine_criu_defaults(self) -> "Workload":
-        if self.engine == Engine.vllm and "criu" not in self.model_fields_set:
-            self.criu = VLLM_CRIU.model_copy()
+        if self.engine == Engine.vllm:
+            # A criu: block overrides vLLM's options one by one (docs/engines/vllm.md): one that
+            # replaced them all made `criu: {amx_unused: true}` drop --link-remap, and the dump
+            # failed on vLLM's semaphore (found by running the how-to as written).
+            given = self.criu.model_fields_set if "criu" in self.model_fields_set else set()
+            self.criu = VLLM_CRIU.model_copy(update={k: getattr(self.criu, k) for k in given})
         return self
 
     @model_validator(mode="after")

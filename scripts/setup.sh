@@ -50,6 +50,11 @@ fi
 # checkpoints through runc, which runs the first `criu` on PATH (the >= 4.2 above; the package
 # also pulls Debian's older criu into /usr/sbin, which comes later on PATH). No registry is needed:
 # the tests' image is built from local files below.
+# curl: the how-to pages' commands use it, and a test runs them as written (tests/test_howto.py).
+if ! command -v curl >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q curl >/dev/null \
+    || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q curl >/dev/null; }
+fi
 if ! { command -v podman && command -v runc; } >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "setup: installing podman and runc (Debian packages) for the container workloads" >&2

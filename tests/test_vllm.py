@@ -586,8 +586,15 @@ def test_fleet_file_engine_vllm_gets_the_criu_options_and_can_turn_them_off():
     find = ProcessFinder(pid_file="/run/x.pid", cmdline_must_contain="vllm")
     on = Workload(name="a", node="n", engine="vllm", find=find)
     assert on.criu == CriuOptions(link_remap=True, ext_unix_sk=True, file_locks=True, devshm=True)
+    # A criu: block overrides them one by one: the others stay on.
     off = Workload(name="a", node="n", engine="vllm", find=find, criu={"devshm": False})
-    assert off.criu == CriuOptions(devshm=False)
+    assert off.criu == CriuOptions(link_remap=True, ext_unix_sk=True, file_locks=True, devshm=False)
+    amx = Workload(name="a", node="n", engine="vllm", find=find, criu={"amx_unused": True})
+    assert amx.criu == CriuOptions(link_remap=True, ext_unix_sk=True, file_locks=True, devshm=True, amx_unused=True)
+    assert Workload.model_validate_json(amx.model_dump_json()).criu == amx.criu       # as a deployment passes it
+    none = Workload(name="a", node="n", engine="vllm", find=find,
+                    criu={"link_remap": False, "ext_unix_sk": False, "file_locks": False, "devshm": False})
+    assert none.criu == CriuOptions()
     assert Workload(name="a", node="n", engine="llamacpp", find=find).criu == CriuOptions()
     with pytest.raises(ValueError, match="link_remapp"):
         Workload(name="a", node="n", engine="vllm", find=find, criu={"link_remapp": True})
