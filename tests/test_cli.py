@@ -258,3 +258,32 @@ def test_prune_of_a_fleet_without_a_shared_tier_says_so_without_a_prefect_server
     assert out.returncode == 0, out.stderr
     assert "prune: nothing to do: storage.kind local has no shared tier" in out.stdout
     assert "temporary server" not in out.stderr + out.stdout and "{" not in out.stdout
+
+
+@pytest.mark.criu
+def test_recover_without_a_prefect_server_acts_first_and_still_alerts(tmp_path, demo_worker, slack):
+    """Issue #36 finding 5: with no Prefect server configured, `ckptflow recover` started a
+    temporary one (~12 s) before touching the worker. It now restores in its own process,
+    without Prefect, and still posts the recovered message (bench/cli_recover.py times it)."""
+    import json
+    import os
+    import signal
+
+    from conftest import write_fleet
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.store.local import LocalStore
+
+    w = demo_worker("chat")
+    w.complete("a long session " * 20, 8, "s")
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store", slack=True)
+    with NodeRunner(LocalStore(tmp_path / "store")) as node:
+        m = node.checkpoint(w.workload)
+    want = w.complete("and then", 8, "s")
+    os.kill(w.pid, signal.SIGKILL)
+    w.proc.wait(timeout=10)
+    out = _cli(tmp_path, "recover", fleet, "chat")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"restored chat on local from {m.id}" in out.stdout
+    assert "temporary server" not in out.stdout + out.stderr and "Flow run" not in out.stdout + out.stderr
+    assert any("recovered" in json.dumps(r["body"]) for r in slack.requests), slack.requests
+    assert w.complete("and then", 8, "s") == want               # the checkpoint's session, served again

@@ -6,17 +6,13 @@ from __future__ import annotations
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from ckptflow.alerts import failure
-from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, IncompatibleCheckpoint, NotRecovered,
-                             WorkloadRunning)
+from ckptflow.errors import NotRecovered
 from ckptflow.flows.steps import run_step, spreader_off
+from ckptflow.recovery import recover_sequence
 from ckptflow.render import render
 from ckptflow.tasks.common import open_fleet
 from ckptflow.tasks.fleet import record_placement
 from ckptflow.tasks.verify import alert_recovered, alert_restore_failed
-
-# No checkpoint can come back: these never get better by retrying, so fall back to a cold start.
-_NO_CHECKPOINT = (CheckpointNotFound, ChecksumMismatch, IncompatibleCheckpoint)
 
 
 @flow(name="recover", log_prints=True, persist_result=True)
@@ -29,61 +25,37 @@ def recover(fleet_file: str, workload: str, node: str | None = None, via_deploym
     incompatible one) the worker is cold started from its ``start_command`` and a restore-failed
     alert opens. A restore posts one "recovered" message, which closes the workload's open alert;
     a refusal because the worker is running posts nothing. Restored on another node, the
-    workload's placement moves there.
+    workload's placement moves there. (``ckptflow.recovery`` holds the sequence; without a
+    Prefect server the CLI runs it in its own process.)
 
     Example:
         >>> recover("deployments/local.yaml", "demo-chat")   # doctest: +SKIP
     """
-    fleet = open_fleet(fleet_file)
-    w = fleet.workload(workload)
-    target = node or w.node
-    fleet.node(target)
-    try:
-        res = run_step(target, "restore", fleet_file, workload, None, via_deployments)
-    except _NO_CHECKPOINT as e:
-        f = failure(e)
-        can_start = w.start_command or (w.container is not None and w.container.image)  # a container: its image
-        cold = run_step(target, "cold_start", fleet_file, workload, None, via_deployments) if can_start else None
-        f["fallback"] = (f"cold start on {target} ({cold['cold_start_s']:.1f} s)" if cold else
-                         f"none: {workload} declares no start_command")
-        _report_failure(fleet, workload, w.node, target, f)
-        if cold is None:
-            raise
-        _place(fleet, workload, w.node, target, None)
-        return {"workload": workload, "node": target, "cold_start": True, **cold}
-    except WorkloadRunning:  # nothing is wrong: no alert, the refusal says why
-        raise
-    except Exception as e:
-        f = failure(e)
-        f["fallback"] = "none: the restore broke, so no cold start was tried over what it left"
-        _report_failure(fleet, workload, w.node, target, f)
-        raise
-    if any(s["id"] == res["checkpoint"] for s in res["skipped"]):  # a bad node copy, a good bucket one
-        how = f"restored from the bucket copy of checkpoint {res['checkpoint']} (this node's copy failed its checks)"
-    elif res["skipped"]:
-        how = f"restored from older checkpoint {res['checkpoint']} (newer ones failed their checks)"
-    else:
-        how = f"restored from checkpoint {res['checkpoint']}"
-    alert_recovered(fleet.scope(), workload, target, how, res["checkpoint"], res["skipped"])
-    _place(fleet, workload, w.node, target, res["checkpoint"])
-    create_markdown_artifact(key=f"restore-{workload}",
-                             markdown=render("restore_report.md.j2", workload=workload, node=target,
-                                             result=res, error=None, skipped=res["skipped"]))
-    return {**res, "cold_start": False}
+    return recover_sequence(open_fleet(fleet_file), workload, node, _Flow(fleet_file, workload, via_deployments))
 
 
-def _report_failure(fleet, workload: str, node: str, target: str, f: dict) -> None:
-    """The restore-failed alert and the restore artifact, both naming the checkpoint tried, the
-    fallback, the cause's first line and the fix (``alerts.failure`` of the error)."""
-    alert_restore_failed(fleet.scope(), workload, node, f["reason"], f["checkpoint"], f["fallback"], f["log_tail"],
-                         cause=f["cause"], fix=f["fix"])
-    create_markdown_artifact(key=f"restore-{workload}", markdown=render(
-        "restore_report.md.j2", workload=workload, node=target, result=None, skipped=[], error=f["reason"], failed=f))
+class _Flow:
+    """The flow's way: node steps through their deployments (or node-step sub-flows), alerts and
+    placement as task runs, the report as an artifact."""
 
+    def __init__(self, fleet_file: str, workload: str, via_deployments: bool):
+        self.fleet_file, self.workload, self.via_deployments = fleet_file, workload, via_deployments
 
-def _place(fleet, workload: str, was: str, now: str, checkpoint: str | None) -> None:
-    if now != was:
-        record_placement(fleet.scope(), workload, now, checkpoint)  # heartbeats follow it there
+    def step(self, node: str, action: str) -> dict:
+        return run_step(node, action, self.fleet_file, self.workload, None, self.via_deployments)
+
+    def recovered(self, scope, workload, node, how, checkpoint, skipped):
+        return alert_recovered(scope, workload, node, how, checkpoint, skipped)
+
+    def failed(self, scope, workload, node, f):
+        return alert_restore_failed(scope, workload, node, f["reason"], f["checkpoint"], f["fallback"], f["log_tail"],
+                                    cause=f["cause"], fix=f["fix"])
+
+    def place(self, scope, workload, node, checkpoint):
+        return record_placement(scope, workload, node, checkpoint)
+
+    def artifact(self, key: str, markdown: str) -> None:
+        create_markdown_artifact(key=key, markdown=markdown)
 
 
 @flow(name="recover-node", log_prints=True, persist_result=True)

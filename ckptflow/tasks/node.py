@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 from prefect import get_run_logger, task
 from prefect.runtime import flow_run
 
+from ckptflow import recovery
 from ckptflow.alerts import AlertKind
 from ckptflow.errors import CkptflowError
 from ckptflow.fleet import FleetScope, Node, PolicyChoice
@@ -105,7 +106,4 @@ def restore_workload(scope: FleetScope, w: Workload) -> dict:
     """Restore a lost workload on ``w.node`` (the flow placed it: ``tasks.common.placed``) from
     its newest valid checkpoint, read from the nearest copy: this node's store, else the shared
     tier (older ones if corrupt)."""
-    workload = w.name
-    with node_slot(w.node), node_runner(scope, w.node) as runner:
-        res = mode_runner(runner, w).restore(w, tier=fleet_tier(scope))
-    return {"workload": workload, "node": w.node, **res.summary()}
+    return recovery.restore_workload(scope, w)

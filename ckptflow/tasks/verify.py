@@ -8,7 +8,7 @@ from prefect.runtime import flow_run
 from ckptflow.alerts import AlertKind
 from ckptflow.fleet import FleetScope
 from ckptflow.models import CheckpointState, VerifyOutcome, Workload
-from ckptflow.runners.coldstart import cold_start
+from ckptflow.recovery import cold_start_row
 from ckptflow.runners.modes import manifest_runner
 from ckptflow.tasks import events
 from ckptflow.tasks.common import alerter, node_runner, node_slot, open_fleet
@@ -43,16 +43,13 @@ def verify_workload(scope: FleetScope, w: Workload) -> dict:
     return row
 
 
-def _cold_start_row(w: Workload) -> dict:
-    pid, seconds = cold_start(w)
-    return {"workload": w.name, "pid": pid, "cold_start_s": round(seconds, 3)}
 
 
 @task(name="cold-start-placed")
 def cold_start_placed(w: Workload) -> dict:
     """Start ``w`` (as the flow placed it: ``tasks.common.placed``) from its start_command on
     this node. It reads no fleet file and no fleet state: any storage kind, resolved once."""
-    return _cold_start_row(w)
+    return cold_start_row(w)
 
 
 @task(name="alert-restore-failed")
