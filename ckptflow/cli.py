@@ -470,9 +470,11 @@ def simulate(seed: int = typer.Option(0, help="Trace seed."),
 def heartbeat(fleet_file: Path = FLEET_ARG, node: str = typer.Option(None, help="Only this node's workloads."),
               workload: list[str] = typer.Option(None, help="Only these workloads."),
               force: bool = typer.Option(False, help="Checkpoint every selected workload, whatever the policy.")) -> None:
-    """Run the heartbeat flow once: decide per workload, checkpoint those due (leave running)."""
+    """Run the heartbeat flow once: decide per workload, checkpoint those due (leave running).
+    Without a Prefect server configured it runs here, in this process, without a flow run."""
     _fleet(fleet_file, workload, [node])
-    flow = _flow("ckptflow.flows.heartbeat", "heartbeat")
+    # Without a Prefect server configured: here, without a flow run (no temporary server first).
+    flow = _flow("ckptflow.flows.heartbeat", "heartbeat" if prefect_api_configured() else "heartbeat_here")
     from ckptflow.flows.heartbeat import HeartbeatFailed
 
     try:

@@ -261,23 +261,25 @@ def test_prune_of_a_fleet_without_a_shared_tier_says_so_without_a_prefect_server
 
 
 @pytest.mark.criu
-def test_recover_without_a_prefect_server_acts_first_and_still_alerts(tmp_path, demo_worker, slack):
-    """Issue #36 finding 5: with no Prefect server configured, `ckptflow recover` started a
-    temporary one (~12 s) before touching the worker. It now restores in its own process,
-    without Prefect, and still posts the recovered message (bench/cli_recover.py times it)."""
+def test_heartbeat_and_recover_without_a_prefect_server_act_first_and_still_alert(tmp_path, demo_worker, slack):
+    """Issue #36 finding 5: with no Prefect server configured, `ckptflow heartbeat` and `recover`
+    started a temporary one (~12 s) before touching the worker. They now run in their own
+    process (recover without Prefect at all), and recover still posts the recovered message
+    (bench/cli_recover.py times it)."""
     import json
     import os
     import signal
 
     from conftest import write_fleet
-    from ckptflow.runners.node import NodeRunner
     from ckptflow.store.local import LocalStore
 
     w = demo_worker("chat")
     w.complete("a long session " * 20, 8, "s")
     fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store", slack=True)
-    with NodeRunner(LocalStore(tmp_path / "store")) as node:
-        m = node.checkpoint(w.workload)
+    hb = _cli(tmp_path, "heartbeat", fleet, "--force")            # a heartbeat: here too, no server
+    assert hb.returncode == 0 and "forced" in hb.stdout, hb.stderr[-3000:]
+    assert "temporary server" not in hb.stdout + hb.stderr
+    m = LocalStore(tmp_path / "store").list("chat")[0]              # the heartbeat's checkpoint
     want = w.complete("and then", 8, "s")
     os.kill(w.pid, signal.SIGKILL)
     w.proc.wait(timeout=10)

@@ -49,6 +49,20 @@ def placed(fleet: Fleet, workload: str, node: str | None = None) -> Workload:
     return w
 
 
+def run_logger():
+    """Prefect's run logger inside a flow or task run; ckptflow's own logger outside one (a task
+    body a command runs in its own process, without a Prefect server: cli heartbeat, recover)."""
+    import logging
+
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("ckptflow")
+
+
 def node_runner(fleet: Fleet | FleetScope, node: str | None = None) -> NodeRunner:
     """The node runner of ``node``: its local store and the GPU backend it declares
     (``nodes[].gpu_backend``; ``cuda`` when it declares none, or for no node)."""

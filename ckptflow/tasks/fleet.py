@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
@@ -19,6 +19,7 @@ from ckptflow.runners.gpu import get_backend
 from ckptflow.store import open_fleet_state, open_store
 from ckptflow.tasks import events
 from ckptflow.tasks.common import alerter, fingerprints, tier, transient
+from ckptflow.tasks.common import run_logger as get_run_logger  # tolerant: also outside a run
 from ckptflow.tasks.node import checkpoint_batch
 
 

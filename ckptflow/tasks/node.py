@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.runtime import flow_run
 
 from ckptflow import recovery
@@ -19,6 +19,7 @@ from ckptflow.runners.facts import collect_facts, node_mtbf_s
 from ckptflow.runners.modes import manifest_runner, mode_runner
 from ckptflow.tasks import events
 from ckptflow.tasks.common import alerter, fingerprints, node_runner, node_slot, retry_if_retryable
+from ckptflow.tasks.common import run_logger as get_run_logger  # tolerant: also outside a run
 from ckptflow.tasks.common import tier as fleet_tier
 
 
