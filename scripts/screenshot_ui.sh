@@ -15,8 +15,10 @@ server=$!
 trap 'kill -- -$server 2>/dev/null || true; rm -rf "$home"' EXIT
 for _ in $(seq 120); do curl -sf "http://127.0.0.1:$port/api/health" >/dev/null 2>&1 && break; sleep 0.5; done
 export PREFECT_API_URL="http://127.0.0.1:$port/api"
-# The node workers are on other machines: their API URL cannot be this loopback one (deploy refuses it).
-.venv/bin/ckptflow deploy deployments/example-h200-fleet.yaml --api-url http://prefect.internal:4200/api >/dev/null
+# The node workers are on other machines: their API URL cannot be this loopback one (deploy
+# refuses it). Any routable address does for a screenshot; nothing connects to it.
+node_api=10.0.0.1
+.venv/bin/ckptflow deploy deployments/example-h200-fleet.yaml --api-url "http://$node_api:4200/api" >/dev/null
 chromium --headless --no-sandbox --disable-gpu --disable-background-networking --disable-component-update \
   --disable-sync --no-first-run --user-data-dir="$(mktemp -d)" --virtual-time-budget=20000 \
   --window-size=1400,900 --screenshot="$out" "http://127.0.0.1:$port/deployments" >/dev/null 2>&1
