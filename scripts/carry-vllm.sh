@@ -27,13 +27,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+source scripts/carry-lib.sh
+NAME=vllm
 VLLM_VERSION=0.26.0
 PYVER=${PYVER:-3.12}
-PART_MB=58
-OUTDIR=.whl/vllm-carry
-HOME_PARTS=${HOME}/vllm-parts
-HOME_CARRY=${HOME}/vllm-carry
-HOME_SITE=${HOME}/vsite
+SITE=${HOME}/vsite
 
 # Not on the H200 image (its pip list, 2026-11), needed by vLLM 0.26.0's server import chain.
 DEPS=(
@@ -59,71 +57,17 @@ DEPS=(
   opentelemetry-semantic-conventions-ai==0.5.1 opentelemetry-exporter-http-transport==0.66b2
   googleapis-common-protos==1.76.0 nvtx==0.2.15
 )
-PLATFORMS=(manylinux_2_35_x86_64 manylinux_2_34_x86_64 manylinux_2_31_x86_64 manylinux_2_28_x86_64
-           manylinux_2_27_x86_64 manylinux_2_26_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64
-           manylinux2014_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64 linux_x86_64)
-
-download() {  # DEST SPEC...
-  local dest=$1; shift
-  local plat=()
-  for p in "${PLATFORMS[@]}"; do plat+=(--platform "$p"); done
-  python3 -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
-    --python-version "$PYVER" --implementation cp --abi "cp${PYVER/./}" "${plat[@]}" -d "$dest" "$@"
-}
-
-pack() {
-  mkdir -p .whl/vllm .whl/deps
+fetch_wheels() {  # DEST
+  mkdir -p .whl/vllm
   ls .whl/vllm/vllm-$VLLM_VERSION-*.whl >/dev/null 2>&1 || download .whl/vllm "vllm==$VLLM_VERSION"
   rm -rf .whl/deps && mkdir -p .whl/deps  # one wheel per package (an older download may hold another tag)
   download .whl/deps "${DEPS[@]}"
-  [ -x .carry/criu/bin/criu ] || ./scripts/criu-bundle.sh
-  [ -d .carry/py/pydantic ] || ./scripts/carry-wheels.sh "$PYVER"
-  local stage
-  stage=$(mktemp -d)
-  trap 'rm -rf "$stage"' RETURN
-  mkdir -p "$stage/wheels"
-  cp .whl/vllm/vllm-$VLLM_VERSION-*.whl .whl/deps/*.whl "$stage/wheels/"
-  cp -a .carry/criu "$stage/criu"
-  cp -a .carry/py "$stage/py"
-  rm -rf "$OUTDIR" && mkdir -p "$OUTDIR"
-  tar -C "$stage" -cf - wheels criu py | gzip -6 | split -b "${PART_MB}M" -d -a 2 --numeric-suffixes=1 - "$OUTDIR/part-"
-  (cd "$OUTDIR" && sha256sum part-* > MANIFEST)
-  echo "carry-vllm: $(ls "$OUTDIR"/part-* | wc -l) parts in $OUTDIR ($(du -sh "$OUTDIR" | cut -f1)):"
-  cat "$OUTDIR/MANIFEST"
-}
-
-stage() {  # PART: copy one carried part out of the tree (the next call removes it from the tree)
-  mkdir -p "$HOME_PARTS"
-  cp "$1" "$HOME_PARTS/"
-  echo "carry-vllm: staged $(basename "$1"); have: $(ls "$HOME_PARTS" | tr '\n' ' ')"
-}
-
-install() {
-  local want have
-  want=$(cut -d' ' -f3 "$OUTDIR/MANIFEST" 2>/dev/null | wc -l || echo 0)
-  have=$(ls "$HOME_PARTS" | wc -l)
-  echo "carry-vllm: $have parts staged${want:+ (manifest lists $want)}"
-  if [ -f "$OUTDIR/MANIFEST" ]; then (cd "$HOME_PARTS" && sha256sum -c --quiet "$OLDPWD/$OUTDIR/MANIFEST"); fi
-  rm -rf "$HOME_CARRY" "$HOME_SITE" && mkdir -p "$HOME_CARRY"
-  cat "$HOME_PARTS"/part-* | gzip -dc | tar -C "$HOME_CARRY" -xf -
-  local t0=$SECONDS
-  python3 -m pip install -q --disable-pip-version-check --no-deps --no-index --target "$HOME_SITE" "$HOME_CARRY"/wheels/*.whl
-  echo "carry-vllm: installed $(ls "$HOME_CARRY"/wheels | wc -l) wheels into $HOME_SITE in $((SECONDS - t0)) s"
-  rm -rf "$HOME_PARTS"
-  "$HOME_CARRY/criu/bin/criu" --version | head -1
+  cp .whl/vllm/vllm-$VLLM_VERSION-*.whl .whl/deps/*.whl "$1/"
 }
 
 env_() {
-  echo "export PYTHONPATH=$HOME_SITE:$PWD:$HOME_CARRY/py\${PYTHONPATH:+:\$PYTHONPATH}"
-  echo "export CKPTFLOW_CRIU=$HOME_CARRY/criu/bin/criu PATH=$HOME_CARRY/criu/bin:\$PATH"
-  echo "export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1"
-  echo "export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1"
+  env_common
+  echo "export VLLM_NO_USAGE_STATS=1"
 }
 
-case "${1:-}" in
-  pack) pack ;;
-  stage) stage "$2" ;;
-  install) install ;;
-  env) env_ ;;
-  *) echo "usage: $0 pack | stage PART | install | env" >&2; exit 2 ;;
-esac
+carry_main "$@"

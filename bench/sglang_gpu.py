@@ -1,0 +1,353 @@
+"""SGLang 0.5.17 on the H200: cold start and whole-process checkpoint/restore through ckptflow.
+
+Model: the seeded random Llama-3-8B-shaped bf16 model of bench/vllm_gpu.py (~15 GiB, written by
+it, token-id prompts, no tokenizer), served by ``sglang.launch_server --skip-tokenizer-init`` with
+the triton attention backend and torch sampling (flashinfer is not carried: scripts/carry-sglang.sh).
+
+Rows:
+  a  cold start to first token (empty triton/inductor caches), with SGLang's own phases parsed
+     from its log (weights, KV cache, CUDA graphs).
+  b  the same engine, whole process through ckptflow's NodeRunner (engine: sglang): CUDA lock +
+     checkpoint of the tree's GPU processes, CRIU dump (the tree exits), CRIU restore, CUDA
+     restore, unlock; the next 32 tokens of a long session equal the engine's before the kill, and
+     SGLang's own counters (the response's ``meta_info.cached_tokens``, ``sglang:cached_tokens_total``)
+     show the session's prefix came from the restored radix cache.
+
+Each run also writes what the CPU tests replay (SGLang does not serve on CPU from registry
+packages): the live /metrics text, /server_info, a /generate answer and the process tree, to
+$OUT/sglang-recorded/.
+
+Usage on the GPU node (root; SGLang, its deps and CRIU carried by scripts/carry-sglang.sh):
+    eval "$(scripts/carry-sglang.sh env)"; python3 bench/sglang_gpu.py --rows a,b
+Here, after the device call:  python3 bench/sglang_gpu.py --append-results FETCHED.json
+(appends it as a run to bench/results/sglang_gpu.json, every run kept, and to bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import vllm_gpu as V  # noqa: E402  (the model, HTTP, log watch, engine start/kill and runner helpers)
+from _common import machine, md_table, record_run  # noqa: E402
+
+GiB = V.GiB
+SGLANG_VERSION = "0.5.17"
+CMDLINE = "sglang.launch_server"
+HOME = V.HOME
+STATE = HOME / "sglang_gpu_state.json"
+OUT = V.OUT
+# SGLang imports torch.cpu._is_amx_tile_supported() at module level (sglang/srt/utils/common.py), which
+# asks the kernel for AMX: every process of the tree holds the permission. A GPU engine's CPU side runs
+# no AMX code once oneDNN is capped, so the workload declares it unused (docs/engines/sglang.md).
+AMX_CAP = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+
+
+class Engine(V.Engine):
+    def __init__(self, name: str, run: Path, model: Path, port: int, mem_fraction: float, cache_root: Path,
+                 extra: list[str] = ()):
+        super().__init__(name, run, model, port, 0, cache_root)
+        self.args = [sys.executable, "-m", CMDLINE, "--model-path", str(model), "--served-model-name", "m",
+                     "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
+                     "--context-length", "8192", "--random-seed", "0", "--mem-fraction-static", str(mem_fraction),
+                     "--attention-backend", "triton", "--sampling-backend", "pytorch", "--cuda-graph-max-bs", "8",
+                     "--enable-metrics", *extra]
+        self.env = {k: v for k, v in self.env.items() if not k.startswith("VLLM_")}
+        self.env.update(AMX_CAP, SGLANG_CACHE_ROOT=str(cache_root / "sglang"))
+
+
+def generate(url: str, prompt: list[int], max_tokens: int) -> dict:
+    """SGLang's native /generate with token ids, greedy: {"output_ids", "meta_info"}."""
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0,
+                                                       "ignore_eos": True}}
+    st, raw = V.http("POST", url + "/generate", body)
+    if st != 200:
+        raise RuntimeError(f"POST /generate -> HTTP {st}: {raw[:500]!r}")
+    return json.loads(raw)
+
+
+def metrics(url: str) -> dict[str, float]:
+    st, raw = V.http("GET", url + "/metrics", timeout=10)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(raw.decode(errors="replace")):
+        for s in fam.samples:
+            if s.name.startswith("sglang:"):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def phases(w: V.LogWatch) -> dict:
+    out: dict = {}
+
+    def at(key: str, pattern: str, group: int | None = 1, conv=float):
+        hit = w.first(pattern)
+        if hit:
+            out[key.removesuffix("_s").removesuffix("_gib") + "_at_s"] = round(hit[0], 2)
+            if group is not None:
+                out[key] = conv(hit[1].group(group))
+    at("server_args", r"server_args=ServerArgs", None)
+    at("weights_load_s", r"Load weight end\. elapsed=([0-9.]+) s")
+    at("weights_gib", r"Load weight end\..*mem usage=([0-9.]+) GB")
+    at("kv_cache", r"KV Cache is allocated", None)
+    at("graph_capture_s", r"Capture cuda graph end\. Time elapsed: ([0-9.]+) s")
+    at("ready", r"The server is fired up and ready to roll", None)
+    return out
+
+
+def record(eng: Engine, name: str, data: bytes | str) -> None:
+    """A live answer, kept for the CPU tests (tests/fixtures/sglang/)."""
+    if OUT:
+        d = OUT / "sglang-recorded"
+        d.mkdir(exist_ok=True)
+        (d / name).write_bytes(data.encode() if isinstance(data, str) else data)
+
+
+def workload(name: str, eng: Engine, model: dict):
+    from ckptflow.models import VLLM_CRIU, ProcessFinder, Workload
+
+    # tcp_established: torch.distributed's TCPStore connects the scheduler to itself over TCP.
+    return Workload(name=name, node="h200", engine="sglang", engine_version=SGLANG_VERSION,
+                    model_id=model["model_id"], model_revision=model["revision"], gpu=True,
+                    health_url=eng.url + "/health", tcp_established=True,
+                    criu=VLLM_CRIU.model_copy(update={"amx_unused": True}),
+                    find=ProcessFinder(pid_file=str(eng.pid_file), cmdline_must_contain=CMDLINE))
+
+
+def tree_info(pid: int) -> list[dict]:
+    from ckptflow.runners.process import tree
+
+    out = []
+    for p in tree(pid):
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            comm = Path(f"/proc/{p}/comm").read_text().strip()
+            fds = os.listdir(f"/proc/{p}/fd")
+            socks = sum(1 for f in fds if os.readlink(f"/proc/{p}/fd/{f}").startswith("socket:"))
+        except OSError:
+            continue
+        out.append({"pid": p, "comm": comm, "cmdline": cmd[:300], "fds": len(fds), "sockets": socks})
+    return out
+
+
+def row_ab(a, model: dict, work: Path, res: dict) -> None:
+    cache = work / "cache-a"
+    shutil.rmtree(cache, ignore_errors=True)
+    eng = Engine("s1", work, Path(model["path"]), a.port, a.mem_fraction, cache)
+    ra: dict = {"row": "a", "what": "cold start to first token (empty triton/inductor caches; weights in page cache)",
+                "mem_fraction_static": a.mem_fraction, "args": eng.args[3:]}
+    res["rows"]["a"] = ra
+    t0 = eng.start()
+    try:
+        V.wait_health(eng.url, a.start_timeout, eng.proc)
+        ra["health_s"] = round(time.perf_counter() - t0, 2)
+        first = generate(eng.url, [128000, 9906, 1917, 0, 1], 1)
+        ra["cold_start_s"] = round(time.perf_counter() - t0, 2)
+        ra["first_token_id"] = first["output_ids"]
+        ra.update(phases(eng.watch))
+        ra["gpu_used_gib"] = V.gpu_used_gib()
+        ra["next_tokens_equal"] = None
+        ra["next_tokens_equal_note"] = "no restore in this row"
+        V.log("row a", json.dumps(ra))
+    except Exception as e:
+        ra["error"] = f"{type(e).__name__}: {e}"
+        ra["log_tail"] = eng.tail(6000)
+        V.log("row a failed", ra["error"], ra["log_tail"][-3000:])
+        eng.kill()
+        return
+    finally:
+        save(res)
+    if "b" not in a.rows:
+        eng.kill()
+        return
+    rb: dict = {"row": "b", "what": "whole process (NodeRunner: CUDA lock+checkpoint of the tree's GPU processes, "
+                "CRIU dump; CRIU restore, CUDA restore, unlock)", "mem_fraction_static": a.mem_fraction}
+    res["rows"]["b"] = rb
+    node = None
+    try:
+        session, user = V.prompts()
+        turn = generate(eng.url, session, V.TURN_TOKENS)["output_ids"]
+        nxt = session + turn + user
+        t1 = time.perf_counter()
+        first_run = generate(eng.url, nxt, V.TURN_TOKENS)
+        rb["next_turn_s"] = round(time.perf_counter() - t1, 3)
+        before = generate(eng.url, nxt, V.TURN_TOKENS)      # the state the checkpoint will hold: nxt cached
+        record(eng, "generate.json", json.dumps({"request": {"input_ids_len": len(nxt), "max_new_tokens": V.TURN_TOKENS},
+                                                 "response": before}, indent=1))
+        rb["recompute_vs_cached_equal"] = first_run["output_ids"] == before["output_ids"]
+        rb["cached_tokens_before_kill"] = before["meta_info"].get("cached_tokens")
+        before_ids = before["output_ids"]
+        rb["distinct_tokens"] = len(set(before_ids))
+        st, raw = V.http("GET", eng.url + "/metrics", timeout=10)
+        record(eng, "metrics.txt", raw)
+        for path in ("/server_info", "/model_info", "/health"):
+            st, body = V.http("GET", eng.url + path, timeout=10)
+            record(eng, path.strip("/") + ".json", json.dumps({"status": st, "body": body.decode(errors="replace")}))
+        m0 = metrics(eng.url)
+        rb["gpu_used_gib"] = V.gpu_used_gib()
+        rb["host_mem_gib"] = V.mem_total_gib()
+        rb["tree"] = tree_info(eng.pid)
+        record(eng, "tree.json", json.dumps(rb["tree"], indent=1))
+        node = V.node_runner(a.store / "store-b")
+        w = workload("sglang-b", eng, model)
+        from ckptflow.runners import xcomp
+        from ckptflow.runners.cuda import cuda_pids
+        from ckptflow.runners.process import tree
+
+        rb["tree_pids"] = len(tree(eng.pid))
+        rb["cuda_pids"] = len(cuda_pids(eng.pid))
+        rb["cpu_amx"] = xcomp.cpu_has_amx()
+        rb["amx_enabled_pids"] = [p for p in tree(eng.pid) if xcomp.uses_amx(p)]
+        V.log("row b: checkpoint", json.dumps({k: rb[k] for k in ("tree_pids", "cuda_pids", "cpu_amx", "amx_enabled_pids")}))
+        t1 = time.perf_counter()
+        m = V.checkpoint(node, w, leave_running=False)
+        V.log("row b: restore")
+        rb["checkpoint_wall_s"] = round(time.perf_counter() - t1, 2)
+        rb["pause_s"] = m.timings.get("pause")
+        rb["checkpoint_phases"] = m.timings
+        rb["footprint_gib"] = round(m.gpu_footprint_bytes / GiB, 2)
+        rb["image_gib"] = round(m.bytes / GiB, 2)
+        rb["criu_flags"] = V.criu_flags(node, m)
+        node.criu.wait_pid_free(m.pid)
+        t1 = time.perf_counter()
+        r = node.restore(w, manifest=m)
+        rb["restore_to_ready_s"] = round(time.perf_counter() - t1, 2)
+        rb["restore_phases"] = r.timings
+        t2 = time.perf_counter()
+        after = generate(eng.url, nxt, V.TURN_TOKENS)
+        rb["restore_to_first_token_s"] = round(time.perf_counter() - t1, 2)
+        rb["next_turn_after_restore_s"] = round(time.perf_counter() - t2, 3)
+        m1 = metrics(eng.url)
+        rb["cached_tokens_after_restore"] = after["meta_info"].get("cached_tokens")
+        rb["cached_tokens_total_delta"] = m1.get("sglang:cached_tokens_total", 0) - m0.get("sglang:cached_tokens_total", 0)
+        rb["prompt_tokens_next_turn"] = len(nxt)
+        rb["next_tokens"] = before_ids
+        rb["next_tokens_equal"] = after["output_ids"] == before_ids
+        if not rb["next_tokens_equal"]:
+            rb["next_tokens_after"] = after["output_ids"]
+        node.store.delete(m)
+        V.log("row b", json.dumps({k: v for k, v in rb.items() if k not in ("next_tokens", "tree")}))
+    except Exception as e:
+        rb["error"] = f"{type(e).__name__}: {e}"
+        rb["traceback"] = traceback.format_exc()[-3000:]
+        rb["log_tail"] = eng.tail(6000)
+        rb.setdefault("next_tokens_equal", None)
+        V.log("row b failed", rb["traceback"], rb["log_tail"][-2000:])
+    finally:
+        save(res)
+        eng.kill()
+        if node is not None:
+            node.close()
+        shutil.rmtree(a.store / "store-b", ignore_errors=True)
+
+
+def save(res: dict) -> None:
+    res["adaptations"] = sorted(set(V.ADAPTATIONS))
+    STATE.write_text(json.dumps(res, indent=1))
+    if OUT:
+        (OUT / "sglang_gpu.json").write_text(json.dumps(res, indent=1))
+        src = Path(res.get("work", "/nonexistent")) / "s1.log"
+        if src.exists():
+            (OUT / "s1.log").write_bytes(src.read_bytes()[-4 * 2**20:])
+
+
+def table(res: dict) -> str:
+    rows = res["rows"]
+    a, b = rows.get("a", {}), rows.get("b", {})
+    hdr = ["row", "what", "cold start / pause s", "restore-to-ready s", "first token after restore s", "image GiB",
+           "next_tokens_equal", "notes"]
+    out = []
+    if a:
+        out.append(["a", "cold start to first token", a.get("cold_start_s", "—"), "—", "—", "—", "n/a",
+                    a.get("error") or f"weights {a.get('weights_load_s')} s, CUDA graphs {a.get('graph_capture_s')} s, "
+                                      f"ready at {a.get('ready_at_s')} s"])
+    if b:
+        pause = round(b["pause_s"], 2) if isinstance(b.get("pause_s"), (int, float)) else "—"
+        out.append(["b", "whole process (CUDA + CRIU)", pause, b.get("restore_to_ready_s", "—"),
+                    b.get("restore_to_first_token_s", "—"), b.get("image_gib", "—"), b.get("next_tokens_equal"),
+                    b.get("error") or f"footprint {b.get('footprint_gib')} GiB; cached tokens of the next turn after "
+                                      f"the restore {b.get('cached_tokens_after_restore')} of "
+                                      f"{b.get('prompt_tokens_next_turn')}"])
+    return md_table(hdr, out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="a,b")
+    p.add_argument("--work", type=Path, default=HOME / "sglang-bench")
+    p.add_argument("--model-dir", type=Path, default=HOME / "models" / "llama3-8b-shape")
+    p.add_argument("--mem-fraction", type=float, default=0.2)
+    p.add_argument("--port", type=int, default=18730)
+    p.add_argument("--start-timeout", type=float, default=420)
+    p.add_argument("--store", type=Path, default=None, help="checkpoint store (default: /dev/shm if it has room)")
+    p.add_argument("--append-results", type=Path, default=None,
+                   help="here: a fetched device JSON into bench/results/sglang_gpu.json and RESULTS.md")
+    a = p.parse_args()
+    if a.append_results:
+        res = json.loads(a.append_results.read_text())
+        if "runs" in res:
+            raise SystemExit(f"--append-results: {a.append_results} is a results file (it has runs); "
+                             "pass the sglang_gpu.json the device run wrote under $OUT")
+        record_run("sglang_gpu", res)
+        from datetime import datetime, timezone
+
+        from _common import RESULTS_MD
+
+        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        cmds = "; ".join(f"`{c}`" for c in res.get("commands", []))
+        block = (f"\n## SGLang {SGLANG_VERSION} on the H200: cold start, whole process (bench/sglang_gpu.py) — "
+                 f"{stamp}\n\nMachine: {res.get('machine')} ({res.get('gpu')}; torch {res.get('torch')}), kind "
+                 f"nvidia-h200  \nCommand (on the device, after `eval \"$(scripts/carry-sglang.sh env)\"`): {cmds}\n\n"
+                 f"{table(res)}\n")
+        with RESULTS_MD.open("a") as f:
+            f.write(block)
+        return
+    a.rows = [r.strip() for r in a.rows.split(",") if r.strip()]
+    unknown = sorted(set(a.rows) - {"a", "b"})
+    if unknown:
+        raise SystemExit(f"--rows: unknown row(s) {', '.join(unknown)}; this bench has a, b")
+    a.work.mkdir(parents=True, exist_ok=True)
+    res = json.loads(STATE.read_text()) if STATE.exists() else {"rows": {}}
+    res.update(machine=machine(), work=str(a.work), sglang=SGLANG_VERSION,
+               commands=[*res.get("commands", []), "python3 " + " ".join(sys.argv)])
+    sysctl = Path("/proc/sys/kernel/io_uring_disabled")
+    old = sysctl.read_text().strip()
+    sysctl.write_text("2")   # uvloop/libuv then uses epoll: CRIU can dump it
+    res["io_uring_disabled_was"] = old
+    try:
+        res["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                                    capture_output=True, text=True).stdout.strip()
+        t0 = time.perf_counter()
+        # In a child: this process keeps no CUDA context of its own next to the engine it checkpoints.
+        r = subprocess.run([sys.executable, str(Path(__file__).with_name("vllm_gpu.py")), "--write-model",
+                            str(a.model_dir)], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"writing the model failed: {r.stderr[-2000:]}")
+        model = json.loads(r.stdout.strip().splitlines()[-1])
+        res["model"] = model
+        res["torch"] = model.get("torch")
+        V.log(f"model ready in {time.perf_counter() - t0:.1f} s: {model['gib']} GiB")
+        if a.store is None:
+            free_shm = shutil.disk_usage("/dev/shm").free / GiB if Path("/dev/shm").exists() else 0
+            a.store = Path("/dev/shm/ckptflow-sglang") if free_shm > 45 else a.work
+        res["store"] = str(a.store)
+        row_ab(a, model, a.work, res)
+    finally:
+        sysctl.write_text(old)
+        if a.store and str(a.store).startswith("/dev/shm/"):
+            shutil.rmtree(a.store, ignore_errors=True)
+        save(res)
+    print(table(res))
+
+
+if __name__ == "__main__":
+    main()
