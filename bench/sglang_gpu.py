@@ -58,10 +58,17 @@ class Engine(V.Engine):
         self.args = [sys.executable, "-m", CMDLINE, "--model-path", str(model), "--served-model-name", "m",
                      "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
                      "--context-length", "8192", "--random-seed", "0", "--mem-fraction-static", str(mem_fraction),
-                     "--attention-backend", "triton", "--sampling-backend", "pytorch", "--cuda-graph-max-bs", "8",
+                     "--attention-backend", "triton", "--sampling-backend", "pytorch", "--cuda-graph-max-bs-decode", "8",
                      "--enable-metrics", *extra]
         self.env = {k: v for k, v in self.env.items() if not k.startswith("VLLM_")}
         self.env.update(AMX_CAP, SGLANG_CACHE_ROOT=str(cache_root / "sglang"))
+
+
+def wait_health(eng: Engine, timeout: float) -> float:
+    try:
+        return V.wait_health(eng.url, timeout, eng.proc)
+    except RuntimeError:
+        raise RuntimeError(f"SGLang exited with {eng.proc.returncode} before /health answered") from None
 
 
 def generate(url: str, prompt: list[int], max_tokens: int) -> dict:
@@ -148,7 +155,7 @@ def row_ab(a, model: dict, work: Path, res: dict) -> None:
     res["rows"]["a"] = ra
     t0 = eng.start()
     try:
-        V.wait_health(eng.url, a.start_timeout, eng.proc)
+        wait_health(eng, a.start_timeout)
         ra["health_s"] = round(time.perf_counter() - t0, 2)
         first = generate(eng.url, [128000, 9906, 1917, 0, 1], 1)
         ra["cold_start_s"] = round(time.perf_counter() - t0, 2)

@@ -16,8 +16,9 @@
 # CPU from registry packages: docs/engines/sglang.md), minus what torch brings (the image has it).
 # sglang-kernel is slimmed to what a bf16 Llama on Hopper with the triton attention backend
 # loads: sm90/common_ops (18 MB) of its 1.2 GB; FlashAttention-3 (flash_ops, 1.1 GB), FlashMLA,
-# the sm100 build and a cp310-only extension stay behind. flashinfer is not carried, so SGLang
-# runs --attention-backend triton --sampling-backend pytorch.
+# the sm100 build and a cp310-only extension stay behind. SGLang runs --attention-backend triton
+# --sampling-backend pytorch; flashinfer's Python package is carried because SGLang's fp8 utilities
+# import it at module level on CUDA (found on the H200: ModuleNotFoundError at server start).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,6 +48,7 @@ DEPS=(
   opentelemetry-api==1.45.2 ipython==9.18.1 ipython_pygments_lexers==1.1.1 traitlets==5.16.1 jedi==0.20.1
   parso==0.8.7 prompt_toolkit==3.0.53 wcwidth==0.9.4 pexpect==4.9.0 ptyprocess==0.7.0 stack-data==0.6.3
   executing==2.3.0 asttokens==3.0.2 pure_eval==0.2.4 matplotlib-inline==0.2.2 decorator==5.2.1
+  flashinfer_python==0.6.15.post1 tabulate==0.9.0 ninja==1.13.0
 )
 # In sglang-kernel's wheel, what a bf16 Llama on Hopper never loads (see the top).
 KERNEL_DROP='sgl_kernel/flash_ops|sgl_kernel/flashmla_ops|sgl_kernel/sm100/|sgl_kernel/infllm_ops'
