@@ -70,7 +70,7 @@ def checks() -> list[tuple[str, bool | None, str]]:
     out.append(_criu_ns(shutil.which(r.criu_bin)))
     out.append(("nft (TCP network lock)", bool(shutil.which("nft")),
                 shutil.which("nft") or "missing: apt-get install nftables"))
-    from ckptflow.runners.container import runtime_versions
+    from ckptflow.runners.fingerprint import runtime_versions
 
     rt = runtime_versions()  # container workloads only: n/a, not a failure, where podman is absent
     out.append(("podman + runc (container workloads)", True if len(rt) == 2 else None,

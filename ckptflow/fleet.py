@@ -41,6 +41,7 @@ from ckptflow.errors import ConfigError
 from ckptflow.models import EngineField, Name, TrafficClass, Workload
 from ckptflow.policies.cadence import POLICIES, PolicyParams
 from ckptflow.policies.retention import Retention
+from ckptflow.registry import ENGINES, GPU_BACKENDS, STORAGE_KINDS
 
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: ~10x faster on a 1,000-workload file
@@ -55,9 +56,7 @@ class StorageKind(str, Enum):
 
     @classmethod
     def _missing_(cls, value):
-        from ckptflow.store import tier_kinds
-
-        if isinstance(value, str) and value in tier_kinds():
+        if isinstance(value, str) and value in STORAGE_KINDS.loaded():
             member = str.__new__(cls, value)
             member._name_, member._value_ = value, value
             return member
@@ -92,10 +91,8 @@ class Storage(BaseModel):
     @classmethod
     def _registered_kind(cls, v: Any) -> Any:
         # The enum's own message would name only the built-in kinds.
-        from ckptflow.store import tier_kinds
-
-        if isinstance(v, str) and v not in tier_kinds():
-            raise ValueError(f"unknown storage kind {v!r} (known: {', '.join(sorted(tier_kinds()))}); a new kind "
+        if isinstance(v, str) and v not in STORAGE_KINDS.loaded():
+            raise ValueError(f"unknown storage kind {v!r} (known: {', '.join(STORAGE_KINDS.known())}); a new kind "
                              "is registered with ckptflow.store.register_tier (docs/extending/storage-tier.md)")
         return v
 
@@ -144,11 +141,7 @@ class Node(BaseModel):
     @classmethod
     def _known_backend(cls, v: str) -> str:
         # The registry imports no driver (each backend loads its own at its first step).
-        from ckptflow.runners.gpu import BACKENDS, unknown_backend
-
-        if v not in BACKENDS:
-            raise ValueError(unknown_backend(v))
-        return v
+        return GPU_BACKENDS.check(v)
 
 
 class PolicyMatch(BaseModel):
@@ -460,9 +453,8 @@ def cross_field_problems(data: dict) -> list[tuple[tuple, str]]:
 def _engine_problems(workloads: list[tuple[int, dict]]) -> list[tuple[tuple, str]]:
     """A metrics_url on an engine whose adapter has no metrics mapping: its load would be unreadable
     (ckptflow once parsed it as vLLM's). An unknown engine name is the schema's error."""
-    from ckptflow.engines.adapter import ADAPTERS, known_engines
-
-    out, known = [], known_engines()  # the built-in adapters are registered from here on
+    out, known = [], ENGINES.known()  # the built-in adapters are registered from here on
+    ADAPTERS = ENGINES.entries
     for i, w in workloads:
         adapter = ADAPTERS.get(str(getattr(w.get("engine"), "value", w.get("engine") or "other")))
         if adapter is not None and not adapter.metrics and w.get("metrics_url"):

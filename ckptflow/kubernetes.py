@@ -22,52 +22,20 @@ Example:
 from __future__ import annotations
 
 from pathlib import Path
-from urllib.parse import urlsplit
-
-from ckptflow.errors import ConfigError
 from ckptflow.fleet import Fleet, load_fleet
 from ckptflow.models import Workload
 from ckptflow.render import env
 from ckptflow.runners.kubelet import KUBELET_CHECKPOINT_DIR
+from ckptflow.runners.pod import RESTORE_REPO, checkpoint_image, restore_pod  # noqa: F401  (rendered at restore time)
 
 NAMESPACE = "ckptflow"  # the node agent's namespace (deploy.K8S_NAMESPACE)
 SERVICE_ACCOUNT = "ckptflow-node-agent"
-RESTORE_REPO = "localhost/ckptflow-restore"  # checkpoint images live in the node's containers-storage only
 PLACEHOLDER = "CHECKPOINT"
 
 
 def pod_workloads(fleet: Fleet) -> list[Workload]:
     """The fleet's workloads that run in pods (``container.kubernetes`` set)."""
     return [w for w in fleet.workloads if w.container is not None and w.container.kubernetes is not None]
-
-
-def checkpoint_image(w: Workload, checkpoint: str) -> str:
-    """The checkpoint image of ``checkpoint`` on the node that restores it."""
-    return f"{RESTORE_REPO}/{w.name}:{checkpoint}"
-
-
-def _pod_name(w: Workload, checkpoint: str) -> str:
-    """The declared pod name: the restored pod replaces the lost one, and the next heartbeat's kubelet
-    call names it."""
-    return w.container.kubernetes.pod
-
-
-def restore_pod(w: Workload, checkpoint: str, node: str, image: str | None = None) -> str:
-    """The Pod manifest that restores ``w`` from ``checkpoint`` on Kubernetes node ``node``.
-
-    Raises:
-        ConfigError: ``w`` declares no pod (container.kubernetes).
-    """
-    if w.container is None or w.container.kubernetes is None:
-        raise ConfigError(f"workload {w.name} declares no pod (container.kubernetes)",
-                          fix="add container: {kubernetes: {namespace: ..., pod: ..., container: ...}}")
-    health = urlsplit(w.health_url) if w.health_url else None
-    hport = None
-    if health is not None:  # the probe asks the container's port for the path the health URL names
-        hport = next((p.container for p in w.container.ports if p.host == health.port), health.port)
-    return env().get_template("kubernetes/restore-pod.yaml.j2").render(
-        w=w, checkpoint=checkpoint, node=node, image=image or checkpoint_image(w, checkpoint),
-        pod_name=_pod_name(w, checkpoint), health_path=health.path if health else "/", health_port=hport)
 
 
 def render_pod_fleet(fleet_file: Path, out_dir: Path | None = None, namespace: str = NAMESPACE) -> list[Path]:

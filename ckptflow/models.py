@@ -31,14 +31,15 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 from ckptflow.container_models import ContainerSpec, PortMap
 from ckptflow.modes import DEFAULT_MODE, MODES, ModeParams, canonical_mode, unknown_mode
+from ckptflow.registry import ENGINES
 
 # Names end up in paths and object keys: keep them to a safe alphabet so that a workload
 # called "../../etc" can never address anything outside its own directory.
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
-_CKPT_ID_RE = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}$")
+CKPT_ID_RE = re.compile(r"^[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}$")
 
 
-def _check_name(value: str) -> str:
+def check_name(value: str) -> str:
     if not _NAME_RE.match(value) or ".." in value:
         raise ValueError(
             f"{value!r} is not a valid name: use 1-63 lowercase letters, digits, '.', '_' or '-', "
@@ -47,14 +48,14 @@ def _check_name(value: str) -> str:
     return value
 
 
-def _check_ckpt_id(value: str) -> str:
-    if not _CKPT_ID_RE.match(value):
+def check_ckpt_id(value: str) -> str:
+    if not CKPT_ID_RE.match(value):
         raise ValueError(f"{value!r} is not a checkpoint id (expected like 20261129T081500Z-1a2b3c4d)")
     return value
 
 
-Name = Annotated[str, AfterValidator(_check_name)]
-CheckpointId = Annotated[str, AfterValidator(_check_ckpt_id)]
+Name = Annotated[str, AfterValidator(check_name)]
+CheckpointId = Annotated[str, AfterValidator(check_ckpt_id)]
 
 
 def utcnow() -> datetime:
@@ -72,7 +73,7 @@ class Engine(str, Enum):
 
 
 class EngineName(str):
-    """A registered engine adapter's name (engines/adapter.py). ``.value`` as the Engine enum
+    """A registered engine adapter's name (registry.ENGINES, filled by engines/adapter.py). ``.value`` as the Engine enum
     this field was: the fleet file's ``engine:`` picks an adapter, and a new one is registered
     without touching this file."""
 
@@ -82,9 +83,7 @@ class EngineName(str):
 
 
 def _known_engine(v: object) -> EngineName:
-    from ckptflow.engines.adapter import check_engine  # lazily: the built-in adapters import this module
-
-    return EngineName(check_engine(str(getattr(v, "value", v))))
+    return EngineName(ENGINES.check(str(getattr(v, "value", v))))
 
 
 EngineField = Annotated[str, BeforeValidator(lambda v: getattr(v, "value", v)), AfterValidator(_known_engine)]

@@ -136,10 +136,10 @@ class HostBuf:
         if self.n < nbytes:
             from cuda.bindings import driver as cu
 
-            from ckptflow.demo.vmm import _ok
+            from ckptflow.demo.vmm import cuda_ok
 
             self.free()
-            self.ptr = int(_ok(cu.cuMemHostAlloc(nbytes, 0)))
+            self.ptr = int(cuda_ok(cu.cuMemHostAlloc(nbytes, 0)))
             self.n = nbytes
             self.t = _host_tensor(self.ptr, nbytes)
         return self.t
@@ -167,12 +167,12 @@ class SharedHostBuf(HostBuf):
             from cuda.bindings import driver as cu
 
             from ckptflow.demo.chunkwriter import ChunkWriter
-            from ckptflow.demo.vmm import _ok
+            from ckptflow.demo.vmm import cuda_ok
 
             self.free()
             writer = ChunkWriter(nbytes)
             try:
-                _ok(cu.cuMemHostRegister(writer.address, nbytes, 0))
+                cuda_ok(cu.cuMemHostRegister(writer.address, nbytes, 0))
             except BaseException:
                 writer.close()
                 raise
@@ -184,11 +184,11 @@ class SharedHostBuf(HostBuf):
         if self.writer is not None:
             from cuda.bindings import driver as cu
 
-            from ckptflow.demo.vmm import _ok
+            from ckptflow.demo.vmm import cuda_ok
 
             self.t = None
             try:
-                _ok(cu.cuMemHostUnregister(self.ptr))   # before the unmap: pages left pinned are not freed
+                cuda_ok(cu.cuMemHostUnregister(self.ptr))   # before the unmap: pages left pinned are not freed
             finally:
                 self.writer.close()
                 self.writer, self.ptr, self.n = None, 0, 0

@@ -184,7 +184,7 @@ def _stop(p) -> None:
 
 
 def _stop_pid(pid: int) -> None:
-    from ckptflow.runners.process import _cmdline
+    from ckptflow.runners.process import cmdline
 
-    if "ckptflow.demo.worker" in (_cmdline(pid) or ""):
+    if "ckptflow.demo.worker" in (cmdline(pid) or ""):
         os.kill(pid, signal.SIGKILL)

@@ -20,7 +20,7 @@ from cuda.bindings import driver as cu
 PIECE = 2 << 30   # mapped in pieces: one huge cuMemCreate can fail on a fragmented device
 
 
-def _ok(res):
+def cuda_ok(res):
     err, *rest = res if isinstance(res, tuple) else (res,)
     if err != cu.CUresult.CUDA_SUCCESS:
         name = cu.cuGetErrorName(err)[1]
@@ -42,26 +42,26 @@ class Region:
     def __init__(self, nbytes: int, device: int = 0):
         torch.cuda.init()
         self.device = device
-        self.ctx = _ok(cu.cuCtxGetCurrent())
+        self.ctx = cuda_ok(cu.cuCtxGetCurrent())
         if not int(self.ctx):  # torch made its primary context current lazily on another thread
-            dev = _ok(cu.cuDeviceGet(device))
-            self.ctx = _ok(cu.cuDevicePrimaryCtxRetain(dev))
+            dev = cuda_ok(cu.cuDeviceGet(device))
+            self.ctx = cuda_ok(cu.cuDevicePrimaryCtxRetain(dev))
         self.prop = cu.CUmemAllocationProp()
         self.prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         self.prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         self.prop.location.id = device
-        gran = _ok(cu.cuMemGetAllocationGranularity(
+        gran = cuda_ok(cu.cuMemGetAllocationGranularity(
             self.prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
         self.gran = int(gran)
         self.nbytes = nbytes
         self.size = -(-nbytes // self.gran) * self.gran
         self._current()
-        self.ptr = int(_ok(cu.cuMemAddressReserve(self.size, 0, 0, 0)))
+        self.ptr = int(cuda_ok(cu.cuMemAddressReserve(self.size, 0, 0, 0)))
         self.handles: list[tuple[int, int, object]] = []
         self.map()
 
     def _current(self) -> None:
-        _ok(cu.cuCtxSetCurrent(self.ctx))  # HTTP handler threads start without a current context
+        cuda_ok(cu.cuCtxSetCurrent(self.ctx))  # HTTP handler threads start without a current context
 
     @property
     def mapped(self) -> bool:
@@ -79,10 +79,10 @@ class Region:
         piece = max(self.gran, PIECE // self.gran * self.gran)
         for off in range(0, self.size, piece):
             n = min(piece, self.size - off)
-            h = _ok(cu.cuMemCreate(n, self.prop, 0))
-            _ok(cu.cuMemMap(self.ptr + off, n, 0, h, 0))
+            h = cuda_ok(cu.cuMemCreate(n, self.prop, 0))
+            cuda_ok(cu.cuMemMap(self.ptr + off, n, 0, h, 0))
             self.handles.append((off, n, h))
-        _ok(cu.cuMemSetAccess(self.ptr, self.size, [access], 1))
+        cuda_ok(cu.cuMemSetAccess(self.ptr, self.size, [access], 1))
 
     def release(self) -> None:
         """Give the physical memory back to the driver; the addresses stay reserved."""
@@ -91,8 +91,8 @@ class Region:
         torch.cuda.synchronize()
         self._current()
         for off, n, h in self.handles:
-            _ok(cu.cuMemUnmap(self.ptr + off, n))
-            _ok(cu.cuMemRelease(h))
+            cuda_ok(cu.cuMemUnmap(self.ptr + off, n))
+            cuda_ok(cu.cuMemRelease(h))
         self.handles = []
 
     def tensor(self) -> torch.Tensor:

@@ -8,8 +8,8 @@ refusal naming what the engine offers instead). Adapters are registered by name,
 policies; a fleet file naming an engine with no adapter is refused when it loads, naming the
 known ones. docs/extending/engine-adapter.md walks through adding one.
 
-Node-level like runners/: no Prefect here. Importing this module is cheap (models.py validates
-engine names through it); the built-in adapters are imported on the first lookup.
+Node-level like runners/: no Prefect here. The names live in ``registry.ENGINES`` (models.py
+validates engine names there); the built-in adapters are imported on the registry's first lookup.
 
 Example:
     >>> from ckptflow.engines.adapter import ConfigError, get_adapter, known_engines
@@ -29,7 +29,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from ckptflow.engines.http import EXPORT_TIMEOUT_S
+from ckptflow.engines.http import call as _protocol_call
 from ckptflow.errors import ConfigError, EngineProtocolError
+from ckptflow.registry import ENGINES
 
 # A chunk record whose bytes the engine checks on the GPU after the copy carries fingerprints of
 # this scheme, one per chunk, and their key's seed (demo/gpuhash.py computes them). A record
@@ -55,7 +58,6 @@ SESSIONS_EXPORT = "/v1/ckptflow/sessions/export"
 SESSIONS_IMPORT = "/v1/ckptflow/sessions/import"
 TEMPLATE_PREPARE = "/v1/ckptflow/template/prepare"
 TEMPLATE_RESUME = "/v1/ckptflow/template/resume"
-EXPORT_TIMEOUT_S = 600  # a template's weights, or a long session, written on a slow volume
 
 
 class EngineAdapter:
@@ -63,7 +65,7 @@ class EngineAdapter:
     engine does differently, and ``@register`` the class.
 
     The defaults speak ckptflow's two-tier protocol over HTTP on the engine's own address
-    (runners/engine.py ``call``); an engine without it sets ``protocol = None`` and its
+    (engines/http.py ``call``); an engine without it sets ``protocol = None`` and its
     session/template calls are refused with ``no_protocol_fix``.
     """
 
@@ -105,9 +107,7 @@ class EngineAdapter:
         if self.protocol is None:
             raise EngineProtocolError(f"workload {w.name}: engine {self.name} does not speak ckptflow's "
                                       f"two-tier protocol ({path})", fix=self.no_protocol_fix)
-        from ckptflow.runners.engine import call
-
-        return call(w, path, body, timeout_s, **where)
+        return _protocol_call(w, path, body, timeout_s, missing_fix=self.protocol_missing_fix, **where)
 
     def info(self, w: Workload, **where: Any) -> dict:
         """``{"protocol", "engine", "model", "template_key", "parked", "sessions", ...}``."""
@@ -135,34 +135,22 @@ class EngineAdapter:
 
 
 A = TypeVar("A", bound=type[EngineAdapter])
-ADAPTERS: dict[str, EngineAdapter] = {}
-# Each module registers its adapter on import; a new built-in engine is one more name here.
-_BUILTINS = ("ckptflow.engines.demo", "ckptflow.engines.llamacpp", "ckptflow.engines.vllm",
-             "ckptflow.engines.sglang")
-_loaded = False
+# The registry's own dict (registry.ENGINES, which models.py and fleet.py validate names against):
+# each built-in module registers its adapter on import, and the registry imports them on its first
+# lookup; a new built-in engine is one more name in registry.py.
+ADAPTERS: dict[str, EngineAdapter] = ENGINES.entries
 
 
 def register(cls: A) -> A:
     """Register an adapter class under its ``name`` (a later registration of a name replaces it)."""
     if not cls.name:
         raise ValueError(f"{cls.__name__}: an engine adapter needs a name")
-    ADAPTERS[cls.name] = cls()
+    ENGINES.add(cls.name, cls())
     return cls
 
 
-def _builtins() -> dict[str, EngineAdapter]:
-    global _loaded
-    if not _loaded:
-        import importlib
-
-        _loaded = True
-        for m in _BUILTINS:
-            importlib.import_module(m)
-    return ADAPTERS
-
-
 def known_engines() -> list[str]:
-    return sorted(_builtins())
+    return ENGINES.known()
 
 
 def get_adapter(name: object) -> EngineAdapter:
@@ -172,7 +160,7 @@ def get_adapter(name: object) -> EngineAdapter:
         ConfigError: no adapter of that name, naming the known ones.
     """
     key = str(getattr(name, "value", name))
-    adapter = _builtins().get(key)
+    adapter = ENGINES.loaded().get(key)
     if adapter is None:
         raise ConfigError(f"unknown engine {key!r} (known: {', '.join(known_engines())})",
                           fix="declare one of the known engines, or register an adapter for it "
@@ -181,14 +169,12 @@ def get_adapter(name: object) -> EngineAdapter:
 
 
 def check_engine(name: str) -> str:
-    """``name`` if an adapter is registered for it (models.py validates ``engine:`` with this).
+    """``name`` if an adapter is registered for it (models.py validates ``engine:`` with ``registry.ENGINES``).
 
     Raises:
         ValueError: one line naming the known engines.
     """
-    if name not in _builtins():
-        raise ValueError(f"unknown engine {name!r} (known: {', '.join(known_engines())})")
-    return name
+    return ENGINES.check(name)
 
 
 @register

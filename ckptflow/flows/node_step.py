@@ -20,7 +20,7 @@ from typing import Literal
 
 from prefect import flow
 
-from ckptflow.flows.steps import checkpoint_of, mark_ready, publish_checkpoint, wait_ready
+from ckptflow.flows.handoff import checkpoint_of, mark_ready, publish_checkpoint, wait_ready
 from ckptflow.tasks.common import open_fleet, placed
 from ckptflow.tasks.move import (migrate_in, migrate_out, restore_local, scale_down_in, scale_up_in, stop_workload,
                                  take_template)

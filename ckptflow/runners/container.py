@@ -46,7 +46,6 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 from urllib.parse import urlsplit, urlunsplit
@@ -60,8 +59,8 @@ from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError
 from ckptflow.models import CheckpointState, ContainerRecord, Fingerprint, Manifest, VerifyOutcome, Workload
 from ckptflow.policies.compat import diff
 from ckptflow.runners import engine
-from ckptflow.runners.criu import _fix_for, refuse_uncarriable
-from ckptflow.runners.fingerprint import workload_fingerprint
+from ckptflow.runners.criu import fix_for, refuse_uncarriable
+from ckptflow.runners.fingerprint import runtime_versions, workload_fingerprint
 from ckptflow.runners.process import DeclaredProcess, start_time, tree
 
 if TYPE_CHECKING:
@@ -154,7 +153,7 @@ class Podman:
         if check and r.returncode != 0:
             tail = _runtime_log_tail(r.stderr)
             raise CriuError(f"{self.spec.runtime.value} {what} failed", cmd=cmd, log_tail=tail,
-                            returncode=r.returncode, fix=fix or _fix_for(tail))
+                            returncode=r.returncode, fix=fix or fix_for(tail))
         return r
 
     def inspect(self, name: str) -> ContainerState | None:
@@ -179,26 +178,6 @@ class Podman:
     def remove(self, name: str) -> None:
         """Remove a container (force: a stopped or half-created one); none of that name is fine."""
         self.call(["rm", "--force", "--time", "0", name], "rm", timeout_s=120, check=False)
-
-
-@lru_cache(maxsize=4)
-def runtime_versions(runtime: str = "podman", oci_runtime: str = "runc") -> dict[str, str]:
-    """``container_runtime`` and ``oci_runtime`` fingerprint fields ("podman 4.3.1", "runc 1.1.5"),
-    empty where the runtime is not installed."""
-    out: dict[str, str] = {}
-    for field, exe, pat in (("container_runtime", runtime, r"version\s+(\S+)"),
-                            ("oci_runtime", oci_runtime, r"version\s+([0-9][^\s+]*)")):
-        path = shutil.which(exe)
-        if not path:
-            continue
-        try:
-            text = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        m = re.search(pat, text)
-        if m:
-            out[field] = f"{exe} {m.group(1)}"
-    return out
 
 
 def container_fingerprint(w: Workload, node_fp: Fingerprint) -> Fingerprint:

@@ -270,7 +270,7 @@ class CriuRunner:
             tail = _tail(log) or output.strip()[-2000:]
             cause = first_error(_read(log))
             raise CriuError(f"criu {what} failed" + (f": {cause}" if cause else ""), cmd=cmd, log_tail=tail,
-                            returncode=proc.returncode, fix=_fix_for(f"{cause}\n{tail}"))
+                            returncode=proc.returncode, fix=fix_for(f"{cause}\n{tail}"))
         return time.perf_counter() - t0
 
     def _common(self, images_dir: Path, log: Path, tcp_established: bool) -> list[str]:
@@ -630,7 +630,7 @@ def _remove_orphans() -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _fix_for(log_tail: str) -> str | None:
+def fix_for(log_tail: str) -> str | None:
     """Map the CRIU failures we have met to what the operator should do."""
     hints = [
         ("No space left", "free space on the checkpoint volume or lower retention"),

@@ -10,6 +10,8 @@ Example:
 from __future__ import annotations
 
 import platform
+import re
+import shutil
 import subprocess
 from functools import lru_cache
 
@@ -18,6 +20,26 @@ from ckptflow.models import Fingerprint, Workload
 from ckptflow.runners.criu import find_criu, parse_version
 from ckptflow.runners.gpu import get_backend
 from ckptflow.runners.xcomp import isa_features
+
+
+@lru_cache(maxsize=4)
+def runtime_versions(runtime: str = "podman", oci_runtime: str = "runc") -> dict[str, str]:
+    """``container_runtime`` and ``oci_runtime`` fingerprint fields ("podman 4.3.1", "runc 1.1.5"),
+    empty where the runtime is not installed."""
+    out: dict[str, str] = {}
+    for field, exe, pat in (("container_runtime", runtime, r"version\s+(\S+)"),
+                            ("oci_runtime", oci_runtime, r"version\s+([0-9][^\s+]*)")):
+        path = shutil.which(exe)
+        if not path:
+            continue
+        try:
+            text = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        m = re.search(pat, text)
+        if m:
+            out[field] = f"{exe} {m.group(1)}"
+    return out
 
 
 def _criu_version(criu_bin: str) -> tuple[str | None, str | None]:
@@ -43,12 +65,10 @@ def node_fingerprint(criu_bin: str | None = None, gpu_backend: str | None = None
     if why:
         notes["criu"] = why
     libc = platform.libc_ver()
-    from ckptflow.runners.container import runtime_versions  # podman and runc, where installed
-
     return Fingerprint(arch=platform.machine(), kernel=platform.release(), cpu_features=isa_features() or None,
                        glibc=libc[1] if libc[0] == "glibc" else None, criu=criu,
                        python=platform.python_version(), ckptflow=ckptflow.__version__, notes=notes, **gpu,
-                       **runtime_versions())
+                       **runtime_versions())  # podman and runc, where installed
 
 
 def workload_fingerprint(w: Workload, node: Fingerprint | None = None) -> Fingerprint:

@@ -450,7 +450,7 @@ class NodeRunner:
             try:
                 timings.update(self.resume_devices(w, pid, m, gpu_pairs))
                 if w.find.pid_file:
-                    _write_pid_file(Path(w.find.pid_file), pid)
+                    write_pid_file(Path(w.find.pid_file), pid)
                 timings["health"] = round(engine.wait_healthy(w), 4)
                 self._check_state(w, m)
                 t0 = time.perf_counter()
@@ -628,7 +628,7 @@ def _died_during_dump(w: Workload, pid: int, e: CriuError) -> CriuError | None:
     return err
 
 
-def _write_pid_file(path: Path, pid: int) -> None:
+def write_pid_file(path: Path, pid: int) -> None:
     try:
         if path.read_text().strip() == str(pid):
             return

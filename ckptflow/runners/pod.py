@@ -20,11 +20,13 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 
-from ckptflow.errors import RestoreFailed, WorkloadNotFound, WorkloadRunning
+from ckptflow.errors import ConfigError, RestoreFailed, WorkloadNotFound, WorkloadRunning
 from ckptflow.models import Manifest, Workload
+from ckptflow.render import env
 from ckptflow.runners.kubelet import KubeApi, KubeletCheckpointApi, build_checkpoint_image
 from ckptflow.runners.process import DeclaredProcess
 
@@ -93,10 +95,40 @@ def delete(w: Workload) -> None:
     api(w).delete_pod(k.namespace, k.pod)
 
 
+RESTORE_REPO = "localhost/ckptflow-restore"  # checkpoint images live in the node's containers-storage only
+
+
+def checkpoint_image(w: Workload, checkpoint: str) -> str:
+    """The checkpoint image of ``checkpoint`` on the node that restores it."""
+    return f"{RESTORE_REPO}/{w.name}:{checkpoint}"
+
+
+def _pod_name(w: Workload, checkpoint: str) -> str:
+    """The declared pod name: the restored pod replaces the lost one, and the next heartbeat's kubelet
+    call names it."""
+    return w.container.kubernetes.pod
+
+
+def restore_pod(w: Workload, checkpoint: str, node: str, image: str | None = None) -> str:
+    """The Pod manifest that restores ``w`` from ``checkpoint`` on Kubernetes node ``node``.
+
+    Raises:
+        ConfigError: ``w`` declares no pod (container.kubernetes).
+    """
+    if w.container is None or w.container.kubernetes is None:
+        raise ConfigError(f"workload {w.name} declares no pod (container.kubernetes)",
+                          fix="add container: {kubernetes: {namespace: ..., pod: ..., container: ...}}")
+    health = urlsplit(w.health_url) if w.health_url else None
+    hport = None
+    if health is not None:  # the probe asks the container's port for the path the health URL names
+        hport = next((p.container for p in w.container.ports if p.host == health.port), health.port)
+    return env().get_template("kubernetes/restore-pod.yaml.j2").render(
+        w=w, checkpoint=checkpoint, node=node, image=image or checkpoint_image(w, checkpoint),
+        pod_name=_pod_name(w, checkpoint), health_path=health.path if health else "/", health_port=hport)
+
+
 def restore(w: Workload, m: Manifest, archive: Path, timeout_s: float = 120) -> None:
     """Build the checkpoint image of ``m`` on this node and create the restore pod through the API server."""
-    from ckptflow.kubernetes import checkpoint_image, restore_pod
-
     k = _k(w)
     image = checkpoint_image(w, m.id)
     build_checkpoint_image(archive, k.container, image, oci_runtime=w.container.oci_runtime)

@@ -40,7 +40,7 @@ def _proc(pid: int) -> psutil.Process | None:
         return None
 
 
-def _cmdline(pid: int) -> str | None:
+def cmdline(pid: int) -> str | None:
     """The command line, arguments joined by spaces; None when the process is gone or unreadable."""
     p = _proc(pid)
     try:
@@ -172,7 +172,7 @@ def resolve(w: Workload) -> DeclaredProcess:
         raise WorkloadNotFound(f"workload {w.name}: {len(pids)} processes match ({_describe(w)}): {pids}",
                                fix="make find.cmdline_match specific to one process")
     pid = pids[0]
-    cmd = _cmdline(pid) or ""
+    cmd = cmdline(pid) or ""
     guard = w.find.cmdline_must_contain
     if guard and guard not in cmd:
         raise UndeclaredProcess(

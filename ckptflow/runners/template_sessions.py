@@ -42,7 +42,7 @@ from ckptflow.runners import engine, process
 from ckptflow.runners.digests import compare_sessions
 from ckptflow.runners.fingerprint import workload_fingerprint
 from ckptflow.runners.modes import ModeRunner, Restored
-from ckptflow.runners.node import NodeRunner, _write_pid_file
+from ckptflow.runners.node import NodeRunner, write_pid_file
 from ckptflow.store.chunks import REFS_FILE, ChunkStore
 
 if TYPE_CHECKING:
@@ -422,7 +422,7 @@ class TemplateSessionsRunner:
             pid = self.node._restore_verified(w, tmpl, t)
             t.update(self.node.resume_devices(w, pid, tmpl, None))
             if w.find.pid_file:
-                _write_pid_file(Path(w.find.pid_file), pid)
+                write_pid_file(Path(w.find.pid_file), pid)
             try:
                 got = self._load(w, weights, recs, t, lost=listed)
             except CkptflowError:

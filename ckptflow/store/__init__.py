@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ckptflow.errors import ConfigError
+from ckptflow.registry import STORAGE_KINDS
 
 if TYPE_CHECKING:
     from ckptflow.store.fleetstate import FleetState
@@ -61,7 +62,7 @@ class TierKind:
     open_objects: Callable[[Any], "ObjectStore"] | None = None   # (storage): the client, no chunk key needed
 
 
-_KINDS: dict[str, TierKind] = {}
+_KINDS: dict[str, TierKind] = STORAGE_KINDS.entries  # the registry's (registry.py): fleet.py checks names there
 
 
 def register_tier(kind: str, open_tier: Callable | None, open_fleet_state: Callable | None = None, *,
@@ -74,7 +75,7 @@ def register_tier(kind: str, open_tier: Callable | None, open_fleet_state: Calla
     that store, through ``ObjectFleetState``; with ``open_fleet_state(storage, tier)`` wherever
     it says; with neither, in the store root (``LocalFleetState``: one node, or nodes sharing a
     mounted volume). Registering a kind again replaces it."""
-    _KINDS[kind] = TierKind(kind, open_tier, open_fleet_state, objects)
+    STORAGE_KINDS.add(kind, TierKind(kind, open_tier, open_fleet_state, objects))
 
 
 def tier_kinds() -> list[str]:

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from ckptflow.models import Fingerprint, _check_name
+from ckptflow.models import Fingerprint, check_name
 from ckptflow.store.local import write_json_atomic
 from ckptflow.store.s3 import S3Names, S3Objects
 
@@ -134,8 +134,8 @@ class LocalFleetState:
 
     # --- placements ---------------------------------------------------------------------------
     def put_placement(self, workload: str, node: str, checkpoint: str) -> None:
-        _check_name(workload)
-        _check_name(node)
+        check_name(workload)
+        check_name(node)
         write_json_atomic(self._dir(".placements") / f"{workload}.json",
                           json.dumps({"node": node, "checkpoint": checkpoint, "at": time.time()}))
 
@@ -144,20 +144,20 @@ class LocalFleetState:
 
     # --- open alerts --------------------------------------------------------------------------
     def put_alert(self, workload: str, alert: dict) -> None:
-        write_json_atomic(self._dir(".alerts") / f"{_check_name(workload)}.json", json.dumps(alert))
+        write_json_atomic(self._dir(".alerts") / f"{check_name(workload)}.json", json.dumps(alert))
 
     def get_alert(self, workload: str) -> dict | None:
-        return self._read(self.root / ".alerts" / f"{_check_name(workload)}.json")
+        return self._read(self.root / ".alerts" / f"{check_name(workload)}.json")
 
     def drop_alert(self, workload: str) -> None:
-        (self.root / ".alerts" / f"{_check_name(workload)}.json").unlink(missing_ok=True)
+        (self.root / ".alerts" / f"{check_name(workload)}.json").unlink(missing_ok=True)
 
     def alerts(self) -> dict[str, dict]:
         return {w: json.loads(body) for w, body in self._all(".alerts").items()}
 
     # --- node fingerprints (``.nodes/<node>.drained`` beside them is the node's drained mark) --
     def put_node_fingerprint(self, node: str, fp: Fingerprint) -> None:
-        path, body = self._dir(".nodes") / f"{_check_name(node)}.json", fp.model_dump_json(indent=2)
+        path, body = self._dir(".nodes") / f"{check_name(node)}.json", fp.model_dump_json(indent=2)
         try:  # every heartbeat reports it, and it changes only with a reboot or an upgrade: an
             if path.read_text() == body:  # atomic rewrite's two fsyncs per node per tick buy nothing
                 return
@@ -204,8 +204,8 @@ class ObjectFleetState:
 
     # --- placements ---------------------------------------------------------------------------
     def put_placement(self, workload: str, node: str, checkpoint: str) -> None:
-        _check_name(workload)
-        _check_name(node)
+        check_name(workload)
+        check_name(node)
         self.objects.put(f"placements/{workload}.json",
                          json.dumps({"node": node, "checkpoint": checkpoint, "at": time.time()}).encode())
 
@@ -214,21 +214,21 @@ class ObjectFleetState:
 
     # --- open alerts --------------------------------------------------------------------------
     def put_alert(self, workload: str, alert: dict) -> None:
-        self.objects.put(f"alerts/{_check_name(workload)}.json", json.dumps(alert).encode())
+        self.objects.put(f"alerts/{check_name(workload)}.json", json.dumps(alert).encode())
 
     def get_alert(self, workload: str) -> dict | None:
-        body = self.objects.get(f"alerts/{_check_name(workload)}.json")
+        body = self.objects.get(f"alerts/{check_name(workload)}.json")
         return None if body is None else json.loads(body)
 
     def drop_alert(self, workload: str) -> None:
-        self.objects.delete(f"alerts/{_check_name(workload)}.json")
+        self.objects.delete(f"alerts/{check_name(workload)}.json")
 
     def alerts(self) -> dict[str, dict]:
         return {w: json.loads(body) for w, body in self._bodies("alerts").items()}
 
     # --- node fingerprints --------------------------------------------------------------------
     def put_node_fingerprint(self, node: str, fp: Fingerprint) -> None:
-        self.objects.put(f"nodes/{_check_name(node)}.json", fp.model_dump_json(indent=2).encode())
+        self.objects.put(f"nodes/{check_name(node)}.json", fp.model_dump_json(indent=2).encode())
 
     def node_fingerprints(self) -> dict[str, Fingerprint]:
         return {n: Fingerprint.model_validate_json(body) for n, body in self._bodies("nodes").items()}

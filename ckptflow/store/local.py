@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ckptflow.errors import CheckpointNotFound, ChecksumMismatch, StorageFull, StoreError, WorkloadBusy
-from ckptflow.models import (_CKPT_ID_RE, CheckpointCopy, CheckpointKind, CheckpointState, CopyTier, FileEntry,
-                             EngineProbe, Fingerprint, Manifest, ManifestProbe, _check_ckpt_id, _check_name,
+from ckptflow.models import (CKPT_ID_RE, CheckpointCopy, CheckpointKind, CheckpointState, CopyTier, FileEntry,
+                             EngineProbe, Fingerprint, Manifest, ManifestProbe, check_ckpt_id, check_name,
                              utcnow)
 
 if TYPE_CHECKING:
@@ -156,7 +156,7 @@ class LocalStore:
 
     # --- writing -----------------------------------------------------------------------
     def begin(self, workload: str, *, node: str) -> PendingCheckpoint:
-        _check_name(workload)
+        check_name(workload)
         return self._pending(workload, new_checkpoint_id(), node)
 
     def _pending(self, workload: str, checkpoint: str, node: str) -> PendingCheckpoint:
@@ -214,7 +214,7 @@ class LocalStore:
 
     def list(self, workload: str) -> list[Manifest]:
         """All checkpoints of a workload that have a manifest, newest first."""
-        _check_name(workload)
+        check_name(workload)
         out = []
         wdir = self.root / workload
         if not wdir.exists():
@@ -226,8 +226,8 @@ class LocalStore:
         return sorted(out, key=lambda m: (m.created, m.id), reverse=True)
 
     def get(self, workload: str, checkpoint: str) -> Manifest:
-        _check_name(workload)
-        _check_ckpt_id(checkpoint)
+        check_name(workload)
+        check_ckpt_id(checkpoint)
         mpath = self.root / workload / checkpoint / MANIFEST
         if not mpath.exists():
             raise CheckpointNotFound(f"no checkpoint {checkpoint} of workload {workload} in {self.root}",
@@ -317,25 +317,25 @@ class LocalStore:
         weighs sessions between heartbeats in it."""
         d = self.root / ".export-context"
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        write_json_atomic(d / f"{_check_name(workload)}.json", context_json)
+        write_json_atomic(d / f"{check_name(workload)}.json", context_json)
 
     def export_context(self, workload: str) -> str | None:
-        p = self.root / ".export-context" / f"{_check_name(workload)}.json"
+        p = self.root / ".export-context" / f"{check_name(workload)}.json"
         return p.read_text() if p.exists() else None
 
     # --- replicas scale_up started on this node (so a later scale_down finds them) -----
     def put_replica(self, workload: str, replica: dict) -> None:
-        _check_name(workload)
+        check_name(workload)
         d = self.root / ".replicas" / workload
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        write_json_atomic(d / f"{_check_name(replica['netns'])}.json", json.dumps(replica))
+        write_json_atomic(d / f"{check_name(replica['netns'])}.json", json.dumps(replica))
 
     def replicas(self, workload: str) -> list[dict]:
-        d = self.root / ".replicas" / _check_name(workload)
+        d = self.root / ".replicas" / check_name(workload)
         return [json.loads(p.read_text()) for p in sorted(d.glob("*.json"))] if d.exists() else []
 
     def drop_replica(self, workload: str, netns: str) -> None:
-        (self.root / ".replicas" / _check_name(workload) / f"{_check_name(netns)}.json").unlink(missing_ok=True)
+        (self.root / ".replicas" / check_name(workload) / f"{check_name(netns)}.json").unlink(missing_ok=True)
 
     def delete(self, m: Manifest) -> None:
         """Delete one checkpoint: manifest first, so a crash never leaves a listed checkpoint
@@ -353,7 +353,7 @@ class LocalStore:
         Raises:
             WorkloadBusy: another checkpoint or restore of the workload holds it.
         """
-        _check_name(workload)
+        check_name(workload)
         d = self.root / workload
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -376,7 +376,7 @@ class LocalStore:
     # ``.nodes/<node>.json`` fingerprints of a local fleet) -----------------------------------
     def mark_drained(self, node: str, record: dict) -> Path:
         """Record that ``node`` was drained (what went where, by which flow run)."""
-        path = self.root / ".nodes" / f"{_check_name(node)}.drained"
+        path = self.root / ".nodes" / f"{check_name(node)}.drained"
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         write_json_atomic(path, json.dumps(record))
         return path
@@ -395,8 +395,8 @@ class LocalStore:
         """An empty checkpoint directory with a given id, for a copy from a tier to write its
         image files into; whatever was there (a copy that failed verification, orphan bytes)
         is removed first. Finish with ``commit_copy``, or ``abort``."""
-        _check_name(workload)
-        _check_ckpt_id(checkpoint)
+        check_name(workload)
+        check_ckpt_id(checkpoint)
         d = self.root / workload / checkpoint
         if d.exists():
             (d / MANIFEST).unlink(missing_ok=True)
@@ -534,7 +534,7 @@ class LocalStore:
         gone, kept, freed = [], 0, 0
         for workload in self.workloads():
             try:
-                _check_name(workload)
+                check_name(workload)
             except ValueError:  # not a workload's directory (lost+found, ...)
                 continue
             listed = self.list(workload)
@@ -602,13 +602,13 @@ class LocalStore:
         """Checkpoint directories (named like a checkpoint id) without a manifest, older than
         ``older_than``. Other directories are never orphans: ``ROOT/chunks/<xx>`` of two-tier
         checkpoints must not be mistaken for one."""
-        _check_name(workload)
+        check_name(workload)
         wdir = self.root / workload
         cutoff = time.time() - older_than.total_seconds()
         if not wdir.exists():
             return []
         return [d for d in wdir.iterdir()
-                if d.is_dir() and _CKPT_ID_RE.match(d.name) and not (d / MANIFEST).exists()
+                if d.is_dir() and CKPT_ID_RE.match(d.name) and not (d / MANIFEST).exists()
                 and d.stat().st_mtime < cutoff]
 
 

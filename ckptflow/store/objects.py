@@ -32,8 +32,8 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Iterable, Protocol, runtime_checkable
 
 from ckptflow.errors import ChecksumMismatch, CheckpointNotFound, StorageUnavailable, StoreError
-from ckptflow.models import (CheckpointKind, CheckpointState, CopyTier, Manifest, RemoteChunks, _check_ckpt_id,
-                             _check_name, utcnow)
+from ckptflow.models import (CheckpointKind, CheckpointState, CopyTier, Manifest, RemoteChunks, check_ckpt_id,
+                             check_name, utcnow)
 from ckptflow.store.local import LocalStore
 
 if TYPE_CHECKING:
@@ -240,7 +240,7 @@ class ChunkedTier:
 
     @staticmethod
     def _manifest_key(workload: str, checkpoint: str) -> str:
-        return f"manifests/{_check_name(workload)}/{_check_ckpt_id(checkpoint)}.json"
+        return f"manifests/{check_name(workload)}/{check_ckpt_id(checkpoint)}.json"
 
     def _put_manifest(self, m: Manifest) -> None:
         self.objects.put(self._manifest_key(m.workload, m.id), m.model_dump_json(indent=2).encode())
@@ -375,7 +375,7 @@ class ChunkedTier:
     # --- read ------------------------------------------------------------------------------
     def ids(self, workload: str) -> list[str]:
         """Ids of the workload's checkpoints here, newest first (ids sort by time)."""
-        _check_name(workload)
+        check_name(workload)
         return sorted((k.rsplit("/", 1)[1].removesuffix(".json")
                        for k, _ in self.objects.list(f"manifests/{workload}/")), reverse=True)
 

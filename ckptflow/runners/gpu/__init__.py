@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, TypeVar
 
 from ckptflow.errors import ConfigError, GpuCheckpointError, NotEnoughGpuMemory
 from ckptflow.policies.compat import gate_group
+from ckptflow.registry import GPU_BACKENDS
 
 if TYPE_CHECKING:
     from ckptflow.models import Workload
@@ -257,7 +258,7 @@ class NoGpu(GpuBackend):
 NO_GPU = NoGpu()
 
 B = TypeVar("B", bound=type[GpuBackend])
-BACKENDS: dict[str, type[GpuBackend]] = {}
+BACKENDS: dict[str, type[GpuBackend]] = GPU_BACKENDS.entries  # the registry's (registry.py): fleet.py checks names there
 
 
 def register_backend(name: str) -> Callable[[B], B]:
@@ -270,7 +271,7 @@ def register_backend(name: str) -> Callable[[B], B]:
         if cls.gated_fields:
             group = gate_group(f"gpu-{name}", tuple(cls.gated_fields))
             cls.gated = tuple(g for g in cls.gated if not g.startswith("gpu-")) + (group,)
-        BACKENDS[name] = cls
+        GPU_BACKENDS.add(name, cls)
         return cls
     return add
 
