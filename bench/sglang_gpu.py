@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,29 +40,23 @@ sys.path.insert(0, str(Path(__file__).parent))
 import vllm_gpu as V  # noqa: E402  (the model, HTTP, log watch, engine start/kill and runner helpers)
 from _common import machine, md_table, record_run  # noqa: E402
 
+from ckptflow.engines.sglang import CMDLINE, VERSION as SGLANG_VERSION  # noqa: E402
+
 GiB = V.GiB
-SGLANG_VERSION = "0.5.17"
-CMDLINE = "sglang.launch_server"
 HOME = V.HOME
 STATE = HOME / "sglang_gpu_state.json"
 OUT = V.OUT
-# SGLang imports torch.cpu._is_amx_tile_supported() at module level (sglang/srt/utils/common.py), which
-# asks the kernel for AMX: every process of the tree holds the permission. A GPU engine's CPU side runs
-# no AMX code once oneDNN is capped, so the workload declares it unused (docs/engines/sglang.md).
-AMX_CAP = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
 
 
 class Engine(V.Engine):
     def __init__(self, name: str, run: Path, model: Path, port: int, mem_fraction: float, cache_root: Path,
                  extra: list[str] = ()):
         super().__init__(name, run, model, port, 0, cache_root)
-        self.args = [sys.executable, "-m", CMDLINE, "--model-path", str(model), "--served-model-name", "m",
-                     "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
-                     "--context-length", "8192", "--random-seed", "0", "--mem-fraction-static", str(mem_fraction),
-                     "--attention-backend", "triton", "--sampling-backend", "pytorch", "--cuda-graph-max-bs-decode", "8",
-                     "--enable-metrics", *extra]
+        from ckptflow.engines.sglang import server_args
+
+        self.args = [*server_args(str(model), port, python=sys.executable, mem_fraction=mem_fraction), *extra]
         self.env = {k: v for k, v in self.env.items() if not k.startswith("VLLM_")}
-        self.env.update(AMX_CAP, SGLANG_CACHE_ROOT=str(cache_root / "sglang"))
+        self.env.update(SGLANG_CACHE_ROOT=str(cache_root / "sglang"))
 
 
 def wait_health(eng: Engine, timeout: float) -> float:
@@ -94,6 +89,7 @@ def metrics(url: str) -> dict[str, float]:
 
 
 def phases(w: V.LogWatch) -> dict:
+    """SGLang's own start-up lines -> seconds (durations SGLang reports, and when each line appeared)."""
     out: dict = {}
 
     def at(key: str, pattern: str, group: int | None = 1, conv=float):
@@ -103,12 +99,29 @@ def phases(w: V.LogWatch) -> dict:
             if group is not None:
                 out[key] = conv(hit[1].group(group))
     at("server_args", r"server_args=ServerArgs", None)
+    at("torch_distributed_s", r"Init torch distributed ends\. elapsed=([0-9.]+) s")
     at("weights_load_s", r"Load weight end\. elapsed=([0-9.]+) s")
     at("weights_gib", r"Load weight end\..*mem usage=([0-9.]+) GB")
-    at("kv_cache", r"KV Cache is allocated", None)
-    at("graph_capture_s", r"Capture cuda graph end\. Time elapsed: ([0-9.]+) s")
+    at("kv_cache_tokens", r"KV Cache is allocated\..*#tokens: ([0-9]+)", conv=int)
+    at("prefill_graph_capture_s", r"Capture target prefill CUDA graph end\. elapsed=([0-9.]+) s")
+    at("decode_graph_capture_s", r"Capture target decode CUDA graph end\. elapsed=([0-9.]+) s")
     at("ready", r"The server is fired up and ready to roll", None)
     return out
+
+
+def phases_of_log(path: Path) -> dict:
+    """phases() of a finished log, timed by SGLang's own line stamps from its first line."""
+    from datetime import datetime
+
+    w = V.LogWatch(path, 0.0)
+    t0 = None
+    for line in path.read_text(errors="replace").splitlines():
+        m = re.match(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\]", line)
+        if m:
+            t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
+            t0 = t if t0 is None else t0
+            w.lines.append((t - t0, line))
+    return phases(w)
 
 
 def record(eng: Engine, name: str, data: bytes | str) -> None:
@@ -120,13 +133,15 @@ def record(eng: Engine, name: str, data: bytes | str) -> None:
 
 
 def workload(name: str, eng: Engine, model: dict):
-    from ckptflow.models import VLLM_CRIU, ProcessFinder, Workload
+    from ckptflow.engines.sglang import ADAPTER
+    from ckptflow.models import ProcessFinder, Workload
 
+    # engine: sglang brings its CRIU options (models.SGLANG_CRIU); the golden request is served after
+    # the restore before it counts (runners/engine.answers_real_work).
     # tcp_established: torch.distributed's TCPStore connects the scheduler to itself over TCP.
     return Workload(name=name, node="h200", engine="sglang", engine_version=SGLANG_VERSION,
                     model_id=model["model_id"], model_revision=model["revision"], gpu=True,
-                    health_url=eng.url + "/health", tcp_established=True,
-                    criu=VLLM_CRIU.model_copy(update={"amx_unused": True}),
+                    health_url=eng.url + "/health", tcp_established=True, golden=ADAPTER.golden_request(eng.url),
                     find=ProcessFinder(pid_file=str(eng.pid_file), cmdline_must_contain=CMDLINE))
 
 
@@ -275,8 +290,8 @@ def table(res: dict) -> str:
     out = []
     if a:
         out.append(["a", "cold start to first token", a.get("cold_start_s", "—"), "—", "—", "—", "n/a",
-                    a.get("error") or f"weights {a.get('weights_load_s')} s, CUDA graphs {a.get('graph_capture_s')} s, "
-                                      f"ready at {a.get('ready_at_s')} s"])
+                    a.get("error") or f"weights {a.get('weights_load_s')} s, CUDA graphs: prefill "
+                                      f"{a.get('prefill_graph_capture_s')} s + decode {a.get('decode_graph_capture_s')} s"])
     if b:
         pause = round(b["pause_s"], 2) if isinstance(b.get("pause_s"), (int, float)) else "—"
         out.append(["b", "whole process (CUDA + CRIU)", pause, b.get("restore_to_ready_s", "—"),
@@ -298,7 +313,11 @@ def main() -> None:
     p.add_argument("--store", type=Path, default=None, help="checkpoint store (default: /dev/shm if it has room)")
     p.add_argument("--append-results", type=Path, default=None,
                    help="here: a fetched device JSON into bench/results/sglang_gpu.json and RESULTS.md")
+    p.add_argument("--phases-of", type=Path, default=None, help="print the start-up phases of an SGLang log")
     a = p.parse_args()
+    if a.phases_of:
+        print(json.dumps(phases_of_log(a.phases_of)))
+        return
     if a.append_results:
         res = json.loads(a.append_results.read_text())
         if "runs" in res:
@@ -314,7 +333,7 @@ def main() -> None:
         block = (f"\n## SGLang {SGLANG_VERSION} on the H200: cold start, whole process (bench/sglang_gpu.py) — "
                  f"{stamp}\n\nMachine: {res.get('machine')} ({res.get('gpu')}; torch {res.get('torch')}), kind "
                  f"nvidia-h200  \nCommand (on the device, after `eval \"$(scripts/carry-sglang.sh env)\"`): {cmds}\n\n"
-                 f"{table(res)}\n")
+                 f"{table(res)}\n\n{res.get('notes_md', '')}\n")
         with RESULTS_MD.open("a") as f:
             f.write(block)
         return

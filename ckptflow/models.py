@@ -140,8 +140,8 @@ class GoldenRequest(BaseModel):
 
 class CriuOptions(BaseModel):
     """What CRIU must be told for engines whose process tree holds more than private memory and
-    sockets. ``engine: vllm`` turns all of them on unless the fleet file says otherwise
-    (docs/engines/vllm.md says why each one is needed)."""
+    sockets. ``engine: vllm`` and ``engine: sglang`` turn all but ``amx_unused`` on unless the fleet
+    file says otherwise (docs/engines/vllm.md says why each one is needed)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -164,6 +164,9 @@ class CriuOptions(BaseModel):
 
 
 VLLM_CRIU = CriuOptions(link_remap=True, ext_unix_sk=True, file_locks=True, devshm=True)
+# SGLang's tree (API server, resource tracker, scheduler, detokenizer; ZMQ IPC, multiprocessing's
+# semaphore) was checkpointed and restored on the H200 with vLLM's options: docs/engines/sglang.md.
+SGLANG_CRIU = VLLM_CRIU.model_copy()
 
 
 class CheckpointMode(StrEnum):
@@ -270,12 +273,13 @@ class Workload(BaseModel):
 
     @model_validator(mode="after")
     def _engine_criu_defaults(self) -> "Workload":
-        if self.engine == Engine.vllm:
-            # A criu: block overrides vLLM's options one by one (docs/engines/vllm.md): one that
-            # replaced them all made `criu: {amx_unused: true}` drop --link-remap, and the dump
-            # failed on vLLM's semaphore (found by running the how-to as written).
+        defaults = {Engine.vllm: VLLM_CRIU, Engine.sglang: SGLANG_CRIU}.get(self.engine)
+        if defaults is not None:
+            # A criu: block overrides the engine's options one by one (docs/engines/vllm.md): one
+            # that replaced them all made `criu: {amx_unused: true}` drop --link-remap, and the
+            # dump failed on vLLM's semaphore (found by running the how-to as written).
             given = self.criu.model_fields_set if "criu" in self.model_fields_set else set()
-            self.criu = VLLM_CRIU.model_copy(update={k: getattr(self.criu, k) for k in given})
+            self.criu = defaults.model_copy(update={k: getattr(self.criu, k) for k in given})
         return self
 
     @model_validator(mode="after")

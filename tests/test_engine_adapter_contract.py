@@ -180,9 +180,10 @@ RECORDED = {
     "llamacpp": (lambda: (DATA / "llamacpp_metrics.txt").read_text(),
                  {"running": 1, "waiting": 2, "used_tokens": 409, "prompt_tokens_total": 313},
                  {"content": "x", "tokens": [5, 6, 7]}),
-    "sglang": (lambda: (DATA / "sglang_metrics.txt").read_text(),
-               {"running": 7, "kv_cache_usage": 0.28, "used_tokens": 123456},
-               {"choices": [{"text": "abc"}]}),
+    # Recorded from a live SGLang 0.5.17 on the H200 (bench/sglang_gpu.py).
+    "sglang": (lambda: (DATA / "sglang" / "metrics.txt").read_text(),
+               {"running": 1, "kv_cache_usage": 0.04, "used_tokens": 4087, "prompt_tokens_total": 12168},
+               json.loads((DATA / "sglang" / "generate.json").read_text())["response"]),
     "demo": (_demo_metrics, {"prompt_tokens_total": 5, "generation_tokens_total": 7, "kv_cache_usage": 0.25,
                              "mean_request_s": 0.5},
              {"choices": [{"tokens": [1, 2], "text": "ab"}]}),

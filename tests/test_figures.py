@@ -177,6 +177,7 @@ OPS = "docs/operations.md"
 BENCH = "docs/benchmarks.md"
 ENG = "docs/engines.md"
 LLAMA = "docs/engines/llamacpp.md"
+SGL = "docs/engines/sglang.md"
 
 FIGURES = [
     # --- whole-process GPU checkpoint (bench/gpu_checkpoint.py) ---
@@ -317,6 +318,19 @@ FIGURES = [
         "{} s = {} × cold start, next tokens equal", "vllm_gpu",
      ("rows.a.cold_start_s", "rows.b.restore_to_ready_s", "rows.c.restore_to_ready_s", "rows.c.ratio_to_cold_start"),
      (".1f", ".1f", ".2f", ".3f")),
+    # --- SGLang on the H200 (bench/sglang_gpu.py) ---
+    (SGL, "the Llama-3-8B-shaped random model of `bench/vllm_gpu.py` ({} GiB bf16", "sglang_gpu", "model.gib", ".0f"),
+    (SGL, "Cold start** to the first token: {} s. Weights load in {} s; capturing the prefill CUDA graphs takes {} s "
+        "and the decode graphs {} s.", "sglang_gpu",
+     ("rows.a.cold_start_s", "rows.a.weights_load_s", "rows.a.prefill_graph_capture_s", "rows.a.decode_graph_capture_s"),
+     (".1f", ".1f", ".1f", ".1f")),
+    (SGL, "the engine pauses {} s for the CUDA checkpoint and the CRIU dump (footprint {} GiB on the GPU, image {} GiB). "
+        "The restore is ready in {} s. The next 32 tokens of a {}-token session are equal to the engine's before the "
+        "kill, and {} of its {} prompt tokens came from the restored radix cache", "sglang_gpu",
+     ("rows.b.pause_s", "rows.b.footprint_gib", "rows.b.image_gib", "rows.b.restore_to_ready_s",
+      lambda r: holds(r["rows"]["b"]["next_tokens_equal"], r["rows"]["b"]["prompt_tokens_next_turn"]),
+      "rows.b.cached_tokens_after_restore", "rows.b.prompt_tokens_next_turn"),
+     (".1f", ".1f", ".1f", ".1f", ",d", ",d", ",d")),
     # --- llama-server on CPU (bench/llamacpp_cpu.py) ---
     (LLAMA, "llama GGUF with llama.cpp's own vocabulary (tiny: {} MiB;", "llamacpp_cpu",
      lambda r: r["model_bytes"] / MiB if r["size"] == "tiny" else None, ".1f"),

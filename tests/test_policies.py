@@ -262,10 +262,11 @@ def test_vllm_metrics_text():
 
 
 def test_sglang_metrics_text():
-    load = parse_metrics("sglang", (DATA / "sglang_metrics.txt").read_text())
-    assert (load.running, load.waiting, load.kv_cache_usage, load.used_tokens) == (7, 2, 0.28, 123456)
-    assert load.tokens_total == 8_128_902 + 7_557_572
-    assert load.mean_request_s == pytest.approx(3.0)
+    # Recorded from a live SGLang 0.5.17 on the H200 (bench/sglang_gpu.py), after a 4,080-token session.
+    load = parse_metrics("sglang", (DATA / "sglang" / "metrics.txt").read_text())
+    assert (load.running, load.waiting, load.kv_cache_usage, load.used_tokens) == (1, 0, 0.04, 4087)
+    assert (load.prompt_tokens_total, load.generation_tokens_total) == (12168, 105)
+    assert load.mean_request_s == pytest.approx(9.96843135000006 / 5)
 
 
 def test_old_vllm_cache_metric_name_and_unknown_engine():

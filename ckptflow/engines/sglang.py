@@ -1,6 +1,39 @@
-"""SGLang as an engine adapter, on paper (docs/engines/sglang.md): its metric names and an
-OpenAI-style golden request. It is not run here; the two-tier calls go to ckptflow's protocol
-on its address, which SGLang would serve through a plugin (the mapping in docs/engines/protocol.md).
+"""SGLang's HTTP server as a ckptflow workload: how it is launched, its health, its real metric
+names, a greedy token-id golden request, and what CRIU needs for its process tree.
+
+Measured with SGLang 0.5.17 on the H200 (bench/sglang_gpu.py, docs/engines/sglang.md): the whole
+tree checkpointed and restored through NodeRunner, and the next 32 tokens of a 4,080-token session
+equal to the engine's before the kill, 4,079 of them served from the restored radix cache. SGLang
+does not serve on CPU from registry packages (its CPU kernels are a source build), so CI tests
+this module on the answers recorded from that run (tests/fixtures/sglang/).
+
+A fleet file declares it like this (``engine: sglang`` turns on the CRIU options its tree needs,
+``SGLANG_CRIU`` in ckptflow.models):
+
+    workloads:
+      - name: chat-sglang
+        node: gpu-node-01
+        engine: sglang
+        gpu: true
+        traffic: long_sessions
+        find: {pid_file: /run/ckptflow/chat-sglang.pid, cmdline_must_contain: sglang.launch_server}
+        health_url: http://127.0.0.1:30000/health
+        tcp_established: true
+        golden: {url: http://127.0.0.1:30000/generate, field: output_ids,
+                 body: {input_ids: [1, 17, 42, 99], sampling_params: {max_new_tokens: 8, temperature: 0}}}
+
+What ckptflow relies on:
+- The tree: the API server (tokenizer manager, uvloop), multiprocessing's resource tracker,
+  ``sglang::scheduler`` (the GPU process: weights, KV pool, CUDA graphs) and ``sglang::detokenizer``,
+  joined by ZMQ IPC sockets; torch.distributed's TCPStore connects the scheduler to itself over TCP
+  (``tcp_established: true``). As for vLLM, ``kernel.io_uring_disabled=2`` before the engine starts
+  (uvloop maps an io_uring ring otherwise) and its output goes to a file.
+- ``POST /generate`` with ``input_ids`` and ``temperature: 0`` is deterministic; its
+  ``meta_info.cached_tokens`` and ``/metrics``'s ``sglang:cached_tokens_total`` (with
+  ``--enable-metrics``) show whether a session's prefix came from the radix cache.
+- SGLang serves its control endpoints (``/release_memory_occupation``, ``/update_weights_from_disk``,
+  ``/flush_cache``, ``/pause_generation``) on the serving port; start it with ``--admin-api-key``
+  where inference clients reach that port, so they need a key they do not have.
 """
 
 from __future__ import annotations
@@ -9,14 +42,44 @@ from ckptflow.engines.adapter import EngineAdapter, register
 from ckptflow.models import GoldenRequest
 from ckptflow.policies.load import metric_names
 
+ENGINE = "sglang"
+CMDLINE = "sglang.launch_server"
+# The release measured on the H200: the newest one pinned to torch 2.11 (scripts/carry-sglang.sh).
+VERSION = "0.5.17"
+
 
 @register
 class SglangAdapter(EngineAdapter):
-    name = "sglang"
-    summary = "SGLang (on paper): its metric names; the protocol through a plugin"
-    metrics = metric_names("sglang")
+    """SGLang's HTTP server: its metric names (read from a live 0.5.17 server), a token-id greedy
+    golden request on its native ``/generate``. It serves no ckptflow protocol: sessions and the
+    template go with the whole process (``checkpoint: process``)."""
 
-    def golden_request(self, base: str, *, served_name: str = "default", **kw: object) -> GoldenRequest:
-        return GoldenRequest(url=base.rstrip("/") + "/v1/completions", field="choices.0.text",
-                             body={"model": served_name, "prompt": "ckptflow golden request", "max_tokens": 8,
-                                   "temperature": 0})
+    name = ENGINE
+    summary = "SGLang's HTTP server: its metric names, a token-id golden request; whole-process checkpoints"
+    metrics = metric_names(ENGINE)
+    protocol = None
+    no_protocol_fix = ("use checkpoint: process: SGLang serves no ckptflow engine protocol yet, and the whole-process "
+                       "checkpoint carries its radix cache (docs/engines/sglang.md)")
+
+    def golden_request(self, base: str, **kw: object) -> GoldenRequest:
+        return GoldenRequest(url=base.rstrip("/") + "/generate", field="output_ids", body=golden_body())
+
+
+ADAPTER = SglangAdapter()
+
+
+def golden_body(prompt: tuple[int, ...] = (1, 17, 42, 99), max_new_tokens: int = 8) -> dict:
+    """Token ids in, token ids out, greedy: no tokenizer involved (``--skip-tokenizer-init``)."""
+    return {"input_ids": list(prompt), "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+
+
+def server_args(model: str, port: int, *, python: str = "python3", mem_fraction: float = 0.2,
+                context_length: int = 8192, served_name: str = "m") -> list[str]:
+    """The command line measured on the H200. ``--attention-backend triton`` and ``--sampling-backend
+    pytorch``: the FlashAttention-3 and flashinfer kernels are not carried to that machine
+    (scripts/carry-sglang.sh); a node with them installed may drop both flags."""
+    return [python, "-m", CMDLINE, "--model-path", model, "--served-model-name", served_name,
+            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
+            "--context-length", str(context_length), "--random-seed", "0", "--mem-fraction-static", str(mem_fraction),
+            "--attention-backend", "triton", "--sampling-backend", "pytorch", "--cuda-graph-max-bs-decode", "8",
+            "--enable-metrics"]
