@@ -220,9 +220,9 @@ def _row(name, a, row, t0, pid_file, tmp, transparent, host_gib, node_box) -> di
 
 
 def _in_ns(base: str, netns: str, path: str, body: dict | None = None, timeout_s: float = 300) -> dict:
-    from ckptflow.runners.engine import _request_in_netns
+    from ckptflow.engines.http import request_in_netns
 
-    got = _request_in_netns(netns, base + path, body, timeout_s)
+    got = request_in_netns(netns, base + path, body, timeout_s)
     if "ok" not in got:
         raise RuntimeError(f"{path} in {netns}: {got}")
     return got["ok"]

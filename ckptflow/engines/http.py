@@ -77,7 +77,7 @@ def _enter_netns(netns: str) -> None:
         os.close(fd)
 
 
-def _request_in_netns(netns: str, url: str, body: dict | None, timeout_s: float) -> dict:
+def request_in_netns(netns: str, url: str, body: dict | None, timeout_s: float) -> dict:
     box: dict = {}
 
     def run() -> None:
@@ -106,7 +106,7 @@ def call(w: Workload, path: str, body: dict | None = None, timeout_s: float = EX
         EngineProtocolError: the engine refused (its own reason), or does not speak the protocol.
     """
     url = (base or base_url(w)) + path
-    got = _request_in_netns(netns, url, body, timeout_s) if netns else _request(url, body, timeout_s)
+    got = request_in_netns(netns, url, body, timeout_s) if netns else _request(url, body, timeout_s)
     if "ok" in got:
         return got["ok"]
     if got.get("code") == 404:
