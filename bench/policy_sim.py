@@ -4,19 +4,25 @@ against the targets.
 Usage:
     .venv/bin/python bench/policy_sim.py [--seeds 0,1,2,3,4] [--dists exponential,weibull]
         [--profiles process-h200,two-tier-h200] [--sensitivity-kv 131072,327680]
+        [--sensitivity-bytes gpu-3.5,gpu-7,no-shared-tier,unpriced]
 
 Profiles (ckptflow/sim.py PROFILES): ``process-h200`` is the whole-process calibration of the
 first runs (pause 1.3 s per GiB held, restore 1.25 GiB/s + 5 s); ``two-tier-h200`` the two-tier
 path measured in bench/results/gpu_two_tier.json (pause 0.036 s + 0.036 s per GiB of KV changed,
 restore 2.85 s + weights and KV at 20.9 GiB/s). ``--sensitivity-kv`` reruns seed 0
-(exponential) under two-tier-h200 with other KV bytes per token ("" to skip).
+(exponential) under two-tier-h200 with other KV bytes per token ("" to skip);
+``--sensitivity-bytes`` with other prices of the bytes written (``BYTE_PRICES``; "" to skip).
+
+Every cost is GPU cost (lost + pause) plus the bytes written priced in GPU-seconds
+(``CostModel.bytes_s_per_gib``: node disk and network, the shared tier, at the GPU-hour price).
 
 Keeps every run in bench/results/policy_sim.json (``record_run``: date, machine, command; per
 seed its ratios to clairvoyant and to the hindsight-best fixed interval), writes
 bench/results/policy_sim.png, appends the tables to bench/RESULTS.md, and also times deciding
-10,000 workloads. Exit 1 if a target is missed. Targets (every profile and seed): ckptflow cost
-<= 1.10 x hindsight, and >= 30 % lower than the best fixed-* policy; under two-tier-h200 also
-<= 1.5 x clairvoyant (issue #25: sessions protected at turn boundaries).
+10,000 workloads. Exit 1 if a target is missed. Targets (every profile and seed, on GPU cost +
+bytes cost): ckptflow <= 1.10 x hindsight, and >= 30 % lower than the best fixed-* policy; under
+two-tier-h200 also <= 1.3 x clairvoyant (issue #25 asked 1.5 for sessions at turn boundaries; the
+bytes issue 1.3 with the bytes priced).
 """
 
 from __future__ import annotations
@@ -30,10 +36,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import BENCH, append_results, md_table, record_run  # noqa: E402
 
-from ckptflow.policies.cadence import WorkloadFacts, decide  # noqa: E402
+from ckptflow.policies.cadence import CostModel, WorkloadFacts, decide  # noqa: E402
 from ckptflow.sim import PROFILES, profile_config, simulate  # noqa: E402
 
 H = 3600.0
+TIB = 2.0**40
+
+# Other prices of the bytes written, for the sensitivity runs (seed 0, two-tier-h200).
+BYTE_PRICES = {
+    "gpu-3.5": ("H200 at $3.50/h (specialty cloud on demand)", {"gpu_usd_per_hour": 3.5}),
+    "gpu-7": ("H200 at $7.00/h (hyperscaler on demand)", {"gpu_usd_per_hour": 7.0}),
+    "no-shared-tier": ("no shared tier (node disk only)", {"shared_tier_usd_per_gib": 0.0}),
+    "unpriced": ("bytes unpriced (the cost model before)", {"shared_tier_usd_per_gib": 0.0, "node_usd_per_gib": 0.0}),
+}
 
 
 def decide_10k(mode: str = "process") -> float:
@@ -68,7 +83,7 @@ def plot(curves: list[dict], path: Path) -> None:
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("checkpoint interval (hours)")
-        ax.set_ylabel("total cost (GPU-hours / 30 days, 512 workers)")
+        ax.set_ylabel("GPU cost + bytes cost (GPU-hours / 30 days, 512 workers)")
         ax.set_title(f"{run['profile']}: seed {run['seed']}, {run['failure_dist']}")
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -103,9 +118,6 @@ def protects_text(runs: list[dict], profiles: list[str], n: int) -> str:
     def per(d: dict, k: str, f: str) -> float:
         return d.get(k, {}).get(f, 0) / n
 
-    pre_w = per(tt, "preemptible/long", "workloads")
-    pre_ck = per(tt, "preemptible/long", "checkpoints")
-    every_min = 30 * 24 * 60 / (pre_ck / pre_w) if pre_ck and pre_w else float("inf")
     kept = {name: sum(per(d, k, "kv_kept_gpu_s") for k in d) / H for name, d in (("p", proc), ("t", tt))}
     lost = {name: sum(per(d, k, "reprefill_gpu_s") for k in d) / H for name, d in (("p", proc), ("t", tt))}
     from ckptflow.policies.sessions import ExportContext, new_session_threshold_tokens
@@ -119,20 +131,29 @@ def protects_text(runs: list[dict], profiles: list[str], n: int) -> str:
         return per(tt, f"{cls}/long", "checkpoints") / w if w else 0.0
 
     classes = [("preemptible", cfg.preemptible_mtbf_h), ("flaky", cfg.flaky_mtbf_h), ("healthy", cfg.mtbf_h)]
-    first = ", ".join(f"{new_session_threshold_tokens(ctx(m)):,.0f} tokens on {c} nodes ({m:,.0f} h)"
-                      for c, m in classes)
+
+    def threshold(m: float) -> str:
+        t = new_session_threshold_tokens(ctx(m))
+        return "never" if t == float("inf") else f"at {t:,.0f} tokens"
+
+    first = ", ".join(f"{threshold(m)} on {c} nodes ({m:,.0f} h)" for c, m in classes)
+    if all(new_session_threshold_tokens(ctx(m)) == float("inf") for _, m in classes):
+        first = (f"never, on any node class ({', '.join(f'{m:,.0f} h' for _, m in classes)}): its bytes cost more "
+                 f"than the chance a failure needs them")
+    drain = new_session_threshold_tokens(ctx(cfg.mtbf_h).model_copy(update={"interruption_ahead": True}))
     grown = ", ".join(f"{exports_per_worker(c):,.0f} on {c} nodes" for c, m in classes)
     return (
         "What the policy now protects, and why (two-tier-h200 against process-h200, mean per seed):\n"
         f"- Sessions at their turn ends: a session is idle then, so its export holds it alone and the engine "
         f"serves on ({cost.turn_export_fixed_s:.5f} GPU-s + {cost.turn_export_s_per_gib:.4f} GPU-s per GiB for "
-        f"the other sessions, bench/results/gpu_turn_export.json). A new session is exported at its first turn "
-        f"end once its KV pays for that fixed part against the chance a failure needs it: {first}; a smaller "
-        f"one is listed (named, its KV not moved).\n"
-        f"- Grown sessions: each at Young's interval for its own growth (re-prefill at risk x seconds since its "
-        f"export >= 2 x fixed x M), so the interval grows with the node's MTBF: exports per long-session worker "
-        f"in 30 days: {grown} (on preemptible nodes about every {every_min:.1f} min of a worker's time across its "
-        f"sessions). The drain exports every session at its last turn end before an announced window.\n"
+        f"the other sessions, bench/results/gpu_turn_export.json), and writes its new KV "
+        f"({cost.bytes_s_per_gib():.2f} GPU-s per GiB). A new session is exported at a turn end once its KV pays "
+        f"for that against the chance a failure needs it: {first}; one that does not is listed (named, its KV "
+        f"not moved). The drain before an announced window exports every session whose change holds more than "
+        f"{drain:,.0f} tokens, at its last turn end.\n"
+        f"- Grown sessions: where their bytes pay, each at Young's interval for its own growth (re-prefill at "
+        f"risk x seconds since its export >= 2 x fixed x M); exports per long-session worker in 30 days, the "
+        f"drain's included: {grown}.\n"
         f"- Short-request workers: never (no session KV; the template restores them).\n"
         f"In all, ckptflow keeps {kept['t']:.1f} GPU-h of KV per seed across interruptions instead of "
         f"{kept['p']:.1f}, and re-prefills {lost['t']:.1f} instead of {lost['p']:.1f}."
@@ -146,6 +167,9 @@ def main() -> int:
     ap.add_argument("--profiles", default=",".join(PROFILES))
     ap.add_argument("--sensitivity-kv", default="131072,327680",
                     help="KV bytes per token for extra two-tier runs of seed 0 (exponential); '' for none")
+    ap.add_argument("--sensitivity-bytes", default=",".join(BYTE_PRICES),
+                    help=f"prices of the bytes written for extra two-tier runs of seed 0: {', '.join(BYTE_PRICES)}; "
+                         "'' for none")
     a = ap.parse_args()
     profiles = a.profiles.split(",")
     seeds = list(map(int, a.seeds.split(",")))
@@ -163,20 +187,22 @@ def main() -> int:
                 hb = p.get("ckptflow-heartbeat")
                 ratio_hb = hb["cost"] / p["clairvoyant"]["cost"] if hb else None
                 below_fixed = 1 - p["ckptflow"]["cost"] / p[best_fixed]["cost"]
-                met = ratio_h <= 1.10 and below_fixed >= 0.30 and (profile != "two-tier-h200" or ratio_c <= 1.5)
+                met = ratio_h <= 1.10 and below_fixed >= 0.30 and (profile != "two-tier-h200" or ratio_c <= 1.3)
                 ok &= met
                 run["targets"] = {"ckptflow_over_hindsight": round(ratio_h, 3),
                                   "ckptflow_over_clairvoyant": round(ratio_c, 3), "best_fixed": best_fixed,
                                   "heartbeat_sessions_over_clairvoyant": round(ratio_hb, 3) if hb else None,
                                   "ckptflow_below_best_fixed": round(below_fixed, 3), "met": met}
                 runs.append(run)
-                c = p["ckptflow"]
+                c, cv = p["ckptflow"], p["clairvoyant"]
                 rows.append([profile, dist, seed, run["node_failures"], f"{p['never']['cost'] / H:,.0f}",
                              f"{p[best_fixed]['cost'] / H:,.0f} ({best_fixed})",
                              f"{p['young-daly']['cost'] / H:,.0f}", f"{p['hindsight']['cost'] / H:,.1f}",
-                             f"{p['clairvoyant']['cost'] / H:,.1f}", f"{c['cost'] / H:,.1f}",
+                             f"{gh(cv['gpu_cost'])} + {gh(cv['bytes_cost'])} = {gh(cv['cost'])}",
+                             f"{gh(c['gpu_cost'])} + {gh(c['bytes_cost'])} = {gh(c['cost'])}",
                              f"{gh(c['restart_gpu_s'])} / {gh(c['reprefill_gpu_s'])} / {gh(c['pause_gpu_s'])}",
                              gh(c["kv_kept_gpu_s"]), f"{c['checkpoints']:,.0f}",
+                             f"{c['bytes'] / TIB:,.1f} ({cv['bytes'] / TIB:,.1f})",
                              f"{ratio_h:.3f}", f"{ratio_c:.2f}", f"{ratio_hb:.2f}" if hb else "",
                              f"{below_fixed:.1%}", "yes" if met else "NO"])
     sens = []
@@ -186,6 +212,14 @@ def main() -> int:
             cls = run["ckptflow_by_class"]
             sens.append({"kv_bytes_per_token": kv, "seed": seeds[0], "policies": run["policies"],
                          "ckptflow_by_class": cls})
+    prices = []
+    for key in filter(None, a.sensitivity_bytes.split(",")):
+        label, fields = BYTE_PRICES[key]
+        cost = CostModel(**fields)
+        run = simulate(seeds[0], profile_config("two-tier-h200", cost=cost),
+                       policies=("ckptflow", "clairvoyant", "hindsight"))
+        prices.append({"price": key, "label": label, "cost_fields": fields, "seed": seeds[0],
+                       "bytes_s_per_gib": run["bytes_s_per_gib"], "policies": run["policies"]})
     dt = {mode: decide_10k(mode) for mode in ("process", "template-sessions")}
     out = BENCH / "results"
     out.mkdir(exist_ok=True)
@@ -197,12 +231,15 @@ def main() -> int:
                  "ckptflow_over_clairvoyant": r["targets"]["ckptflow_over_clairvoyant"],
                  "ckptflow_over_hindsight": r["targets"]["ckptflow_over_hindsight"]} for r in runs]
     record_run("policy_sim", {"profiles": cfgs, "cost_model": cost, "per_seed": per_seed, "runs": runs,
-                              "sensitivity_two_tier_kv": sens, "all_targets_met": ok,
+                              "sensitivity_two_tier_kv": sens, "sensitivity_two_tier_bytes_price": prices,
+                              "all_targets_met": ok,
                               "decide_10k_s": {k: round(v, 4) for k, v in dt.items()}})
 
     headers = ["profile", "failures", "seed", "node failures", "never", "best fixed", "young-daly", "hindsight",
-               "clairvoyant", "ckptflow", "ckptflow restart / re-prefill / pause", "ckptflow KV kept",
-               "ckptflow checkpoints", "ckptflow / hindsight", "ckptflow / clairvoyant",
+               "clairvoyant GPU + bytes = total", "ckptflow GPU + bytes = total",
+               "ckptflow restart / re-prefill / pause", "ckptflow KV kept",
+               "ckptflow checkpoints", "ckptflow TiB written (clairvoyant)", "ckptflow / hindsight",
+               "ckptflow / clairvoyant",
                "sessions at heartbeats instead / clairvoyant", "below best fixed",
                "targets met"]
     table = md_table(headers, rows)
@@ -234,25 +271,73 @@ def main() -> int:
     if sens:
         print()
         print(sens_table)
+    price_rows = []
+    for pr in prices:
+        p = pr["policies"]
+        c, cv = p["ckptflow"], p["clairvoyant"]
+        price_rows.append([pr["label"], f"{pr['bytes_s_per_gib']:.3f}",
+                           f"{gh(c['gpu_cost'])} + {gh(c['bytes_cost'])} = {gh(c['cost'])}",
+                           f"{gh(cv['gpu_cost'])} + {gh(cv['bytes_cost'])} = {gh(cv['cost'])}",
+                           f"{p['hindsight']['cost'] / H:,.1f}", f"{c['checkpoints']:,.0f}",
+                           f"{c['bytes'] / TIB:,.1f} ({cv['bytes'] / TIB:,.1f})",
+                           f"{c['cost'] / cv['cost']:.2f}"])
+    price_table = md_table(["bytes priced at", "GPU-s per GiB", "ckptflow GPU + bytes = total",
+                            "clairvoyant GPU + bytes = total", "hindsight", "ckptflow checkpoints",
+                            "ckptflow TiB (clairvoyant)", "ckptflow / clairvoyant"], price_rows) if prices else ""
+    if prices:
+        print()
+        print(price_table)
+    never = next(r["notes"]["never"] for r in runs if r["profile"] == profiles[-1])
+    print(f"\n{never}")
     print(f"\ndeciding 10,000 workloads: {dt['process']:.3f} s (process), {dt['template-sessions']:.3f} s (two-tier)")
     notes = NOTES.format(dt_p=dt["process"], dt_t=dt["template-sessions"], cls_table=cls_table,
+                         bytes_s=CostModel().bytes_s_per_gib(), never=never,
+                         prices=(f"Seed 0 (exponential) under two-tier-h200 with the bytes priced otherwise (GPU-hours):"
+                                 f"\n\n{price_table}\n" if prices else ""),
                          protects=protects_text(runs, profiles, n_exp),
                          sens=(f"Seed 0 (exponential) under two-tier-h200 with other KV bytes per token (GPU-hours; "
                                f"the reference uses 65,536):\n\n{sens_table}\n" if sens else ""),
                          n=n_exp)
-    append_results("Policy simulator (bench/policy_sim.py): total cost, GPU-hours per 30 days, "
+    append_results("Policy simulator (bench/policy_sim.py): GPU cost + bytes cost, GPU-hours per 30 days, "
                    "process vs two-tier cost profile", table, notes)
     return 0 if ok else 1
 
 
 NOTES = """\
-Columns after "ckptflow": its lost time split into restarts (restores or cold starts),
-re-prefill of KV not in the newest checkpoint, and heartbeat pauses (GPU-hours); "KV kept" is
-the re-prefill its checkpoints saved (KV restored instead of recomputed); hindsight and
-clairvoyant with one decimal. Deciding 10,000 workloads (cost-based policy): {dt_p:.3f} s
-process, {dt_t:.3f} s two-tier (target < 1 s). Plot: bench/results/policy_sim.png (seed 0, both
-profiles). Trace: 'Reference trace' above, unchanged; `process-h200` rows reproduce the
-2026-11-29 runs (same costs, same numbers).
+Every cost is GPU cost (lost + pause) + bytes cost (the bytes written, priced at
+{bytes_s:.2f} GPU-s per GiB), in GPU-hours; "clairvoyant" and "ckptflow" show the three. After
+"ckptflow": its lost time split into restarts (restores or cold starts), re-prefill of KV not
+in the newest checkpoint, and heartbeat pauses; "KV kept" is the re-prefill its checkpoints saved
+(KV restored instead of recomputed); TiB its checkpoints wrote, clairvoyant's in brackets.
+Deciding 10,000 workloads (cost-based policy): {dt_p:.3f} s process, {dt_t:.3f} s two-tier
+(target < 1 s). Plot: bench/results/policy_sim.png (seed 0, both profiles). Trace: 'Reference
+trace' above, unchanged; with the bytes unpriced (CostModel(shared_tier_usd_per_gib=0,
+node_usd_per_gib=0)) the `process-h200` rows reproduce the 2026-11-29 runs (tests/test_sim.py).
+
+Why bytes are priced now (the issue "Bytes are not priced"): under the GPU-hours-only model
+ckptflow took 1,341,543 checkpoints on seed 0 (two-tier-h200) and wrote 4,718.5 TiB in 30 days,
+about 2 GB/s across the fleet, against clairvoyant's 25.6 TiB, because a turn-end export costs
+the GPU 0.00166 s and nothing per GiB, so every session's KV was exported every few turns on
+preemptible nodes and once it paid its fixed part elsewhere. CostModel now prices each GiB
+written in the model's one unit, GPU-seconds: its dollars (S3 Standard PUTs of 8 MiB chunks,
+$0.00064, and ~2 h of storage, $0.00007; a data-center NVMe's wear, $0.00008) at $2.50 per H200
+hour, {bytes_s:.2f} GPU-s per GiB (CostModel's gpu_usd_per_hour, shared_tier_usd_per_gib,
+node_usd_per_gib; the node's bandwidth is not charged as contention: 2 GB/s across 64 nodes is
+31 MB/s a node). A GiB of KV at 64 KiB/token re-prefills in 1.64 GPU-s, so writing it pays only
+where an interruption is at least ~70 % likely to need it: the policy (policies/cadence.py,
+policies/sessions.py ``decide_export``) weighs pause + bytes, and exports a session's new KV at
+the drain before a window (certain) but not on a 24 h preemptible node (a ~4 % chance per
+session-hour); clairvoyant checkpoints before an interruption only where the re-prefill saved
+exceeds pause + bytes; hindsight picks each worker's interval by the sum. The ratio to
+clairvoyant depends on the price (table below): clairvoyant's foresight is worth most where
+bytes cost a fair share of the KV they save, and no online policy can export on a preemptible
+node at those prices (a token exported pays only if its session outlives ~70 % of the MTBF).
+Where bytes are free the old ratios stand; at $3.50 per GPU-hour (0.81 GPU-s per GiB) ckptflow
+is 1.27-1.47 x clairvoyant on seeds 0-4.
+
+{prices}
+Why never and hindsight differ at 0 checkpoints (seed 0, as `ckptflow simulate` prints it):
+{never}
 
 Why the simulator was recalibrated: its cost model described the whole-process path only
 (heartbeat pause 1.3 s per GiB the worker holds, restore 1.25 GiB/s + 5 s), under which a
@@ -286,9 +371,9 @@ re-prefill at risk x the seconds since its last export reach 2 x the fixed part 
 MTBF (Young's interval, per session). Before a maintenance window the drain exports every
 changed session at its last turn end (30 s earlier). ``sessions at heartbeats instead`` is the
 same rule at the cadence's heartbeats, the engine held (0.036 s + 0.036 s per GiB). The
-``ckptflow / clairvoyant`` column is the ratio the issue asks to bring within 1.5: clairvoyant
-exports right before each failure, knowing when, so it pays for no export that a failure never
-needed and re-prefills nothing.
+``ckptflow / clairvoyant`` column is the ratio the issues ask to bring within 1.5 (#25), then
+within 1.3 with the bytes priced: clairvoyant exports right before each failure, knowing when,
+so it pays for no export that a failure never needed and re-prefills nothing.
 
 What ckptflow's checkpoints protect, per node class and traffic (exponential failures, mean
 per seed over {n} seeds):

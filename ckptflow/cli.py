@@ -457,13 +457,15 @@ def simulate(seed: int = typer.Option(0, help="Trace seed."),
         print(json.dumps(out, indent=1))
         return
     table = Table(title=f"policies on the reference trace (seed {seed}, {failures} failures, {profile}), "
-                        "GPU-hours / 30 days")
-    for col in ("policy", "total cost", "lost", "pause", "checkpoints", "TiB written"):
+                        f"GPU-hours / 30 days; bytes written at {out['bytes_s_per_gib']:.2f} GPU-s per GiB")
+    for col in ("policy", "GPU cost", "bytes cost", "total", "lost", "pause", "checkpoints", "TiB written"):
         table.add_column(col, justify="right" if col != "policy" else "left")
     for name, p in sorted(out["policies"].items(), key=lambda kv: kv[1]["cost"]):
-        table.add_row(name, f"{p['cost'] / 3600:,.1f}", f"{p['lost_gpu_s'] / 3600:,.1f}",
+        table.add_row(name, f"{p['gpu_cost'] / 3600:,.1f}", f"{p['bytes_cost'] / 3600:,.1f}",
+                      f"{p['cost'] / 3600:,.1f}", f"{p['lost_gpu_s'] / 3600:,.1f}",
                       f"{p['pause_gpu_s'] / 3600:,.1f}", f"{p['checkpoints']:,.0f}", f"{p['bytes'] / 2**40:,.1f}")
     console.print(table)
+    console.print(out["notes"]["never"], highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -18,6 +18,12 @@ cost profile (``PROFILES``) fixes the mode with its calibration:
   its last turn boundary; before an announced maintenance window the drain exports every
   changed session at the last turn boundary before it (``turn_s`` earlier).
 
+Every policy's totals price the bytes it writes (``CostModel.bytes_s_per_gib``: node disk and
+network, the shared tier, in GPU-seconds at the GPU-hour price): ``gpu_cost`` (lost + pause),
+``bytes_cost`` and ``cost``, their sum, on which hindsight picks and the policies are ranked; the
+policy weighs the same price (policies/cadence.py, policies/sessions.py), and clairvoyant takes a
+checkpoint before an interruption only where the re-prefill it saves exceeds its pause and bytes.
+
 Example:
     >>> out = simulate(seed=0, cfg=TraceConfig(days=4, nodes=4))
     >>> sorted(out["policies"])[:3]
@@ -32,7 +38,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -245,6 +251,13 @@ def pause_of(cfg: TraceConfig, w: Workload, changed_tokens: float) -> float:
     return cfg.cost.session_pause_s(changed_tokens, cfg.kv_bytes_per_token)
 
 
+def checkpoint_cost_of(cfg: TraceConfig, w: Workload, changed_tokens: float) -> float:
+    """``pause_of`` plus the bytes that heartbeat writes (the footprint, or in two tiers the new
+    KV), priced at ``CostModel.bytes_s_per_gib``."""
+    written = w.footprint * 2**30 if not cfg.template_sessions else changed_tokens * cfg.kv_bytes_per_token
+    return pause_of(cfg, w, changed_tokens) + cfg.cost.bytes_s(written)
+
+
 def restore_of(cfg: TraceConfig, w: Workload, kept_tokens: float) -> float:
     """Restore of ``w`` from a checkpoint holding ``kept_tokens`` KV tokens that are still live."""
     if not cfg.template_sessions:
@@ -268,9 +281,12 @@ class _Losses:
         self.reprefill += risk_tokens / rate
         self.kept += kept_tokens / rate
 
-    def totals(self, pause: float, written: float, checkpoints: int) -> dict:
+    def totals(self, pause: float, written: float, checkpoints: int, cost: CostModel) -> dict:
+        """``gpu_cost`` = lost + pause (GPU-seconds), ``bytes_cost`` = the bytes written priced in
+        GPU-seconds (``CostModel.bytes_s_per_gib``), ``cost`` = their sum, what policies are judged on."""
+        gpu, written_s = self.lost + pause, cost.bytes_s(written)
         return {"lost_gpu_s": self.lost, "pause_gpu_s": pause, "bytes": written,
-                "checkpoints": checkpoints, "cost": self.lost + pause,
+                "checkpoints": checkpoints, "gpu_cost": gpu, "bytes_cost": written_s, "cost": gpu + written_s,
                 "restart_gpu_s": self.restart, "reprefill_gpu_s": self.reprefill, "kv_kept_gpu_s": self.kept}
 
 
@@ -291,7 +307,7 @@ def schedule_cost(tr: Trace, w: Workload, ckpts: np.ndarray, *, template: bool =
         if w.short and not (maint and drains_short):
             out.lost += sum(cfg.request_s) / 2  # in-flight requests retried
     pause, written = heartbeat_cost(cfg, w, ckpts)
-    return out.totals(pause, written, len(ckpts))
+    return out.totals(pause, written, len(ckpts), cost)
 
 
 def node_class(cfg: TraceConfig, mtbf_s: float) -> str:
@@ -438,7 +454,7 @@ def session_schedule_cost(tr: Trace, w: Workload, exports: list[list[float]], he
     moved = sum(float(_ctx(cfg, w.start[j:j + 1], ex[-1])[0]) for j, ex in enumerate(exports) if ex)
     pause = heartbeats * cost.session_pause_fixed_s + cost.session_pause_s_per_gib * cost.kv_gib(
         moved, cfg.kv_bytes_per_token)
-    return out.totals(pause, moved * cfg.kv_bytes_per_token, heartbeats)
+    return out.totals(pause, moved * cfg.kv_bytes_per_token, heartbeats, cost)
 
 
 def turn_exports_cost(tr: Trace, w: Workload, tick_s: float = 300, decide_every: int = 12) -> dict:
@@ -448,7 +464,8 @@ def turn_exports_cost(tr: Trace, w: Workload, tick_s: float = 300, decide_every:
     costs ``CostModel.turn_export_s``), in the context of the newest decision tick (the node's MTBF
     estimate, as ``ckptflow_heartbeats``). A new session is exported at the first turn end where
     its KV pays (else it is only listed: lost to a failure, re-prefilled); the drain exports every
-    changed session at its last turn end before an announced window.
+    changed session at its last turn end before an announced window, where the change pays its
+    export's pause and bytes for certain (``decide_export`` with the interruption announced).
 
     Vectorised: within one context a growing session is exported every m-th turn end
     (``turns_between_exports``); once its context is capped, at the first turn end where its last
@@ -513,10 +530,12 @@ def turn_exports_cost(tr: Trace, w: Workload, tick_s: float = 300, decide_every:
                 lk = np.where(edge, ke, lk)
                 ne = ne + edge
             last_k[j], n_exp[j] = lk, ne
-        if b == drain_t:                        # the drain: every changed session, at its last turn end
+        if b == drain_t:  # the drain: every changed session whose change pays its export, at its last turn end
             j2 = np.nonzero((s < b) & (e > b))[0]
             kd = np.minimum(np.floor((b - s[j2]) / T).astype(np.int64), k_cap)
-            moved = (kd >= 1) & ((last_k[j2] < 0) | (tokens(kd) > tokens(np.maximum(last_k[j2], 0))))
+            changed = tokens(kd) - np.where(last_k[j2] >= 0, tokens(np.maximum(last_k[j2], 0)), 0.0)
+            pays = new_session_threshold_tokens(ctx.model_copy(update={"interruption_ahead": True}))
+            moved = (kd >= 1) & (changed > 0) & (changed > pays)
             last_k[j2] = np.where(moved, kd, last_k[j2])
             n_exp[j2] += moved
         if b in interrupted:
@@ -529,7 +548,7 @@ def turn_exports_cost(tr: Trace, w: Workload, tick_s: float = 300, decide_every:
     moved = float(tokens(last_k[ok]).sum())     # monotone contexts: each session's moves telescope
     exports = int(n_exp.sum())
     pause = exports * cost.turn_export_fixed_s + cost.turn_export_s_per_gib * cost.kv_gib(moved, cfg.kv_bytes_per_token)
-    return out.totals(pause, moved * cfg.kv_bytes_per_token, exports)
+    return out.totals(pause, moved * cfg.kv_bytes_per_token, exports, cost)
 
 
 def ckptflow_cost(tr: Trace, w: Workload, params: Mapping[str, Any] | CostBasedParams,
@@ -546,9 +565,27 @@ def ckptflow_cost(tr: Trace, w: Workload, params: Mapping[str, Any] | CostBasedP
     return session_schedule_cost(tr, w, *session_exports(tr, w, hb))
 
 
+def never_explained(pol: Mapping[str, Mapping[str, float]], interruptions: int, cost: CostModel) -> str:
+    """The one line that says why ``never`` and ``hindsight`` differ at 0 checkpoints: ``never`` has no
+    checkpoint at all, where every other policy has the worker's initialised one (taken at start, not
+    counted among its checkpoints) to restore instead of a cold start."""
+    never, hind = pol["never"], pol["hindsight"]
+    how = (", with none of its own either," if hind["checkpoints"] == 0 else
+           f" (and its {hind['checkpoints']:,.0f} own)")
+    return (f"never and hindsight differ at 0 checkpoints: never keeps no checkpoint at all, not even the "
+            f"initialised one every other policy restores from (taken at start, not counted), so its "
+            f"{interruptions:,} worker interruptions are {cost.cold_start_s:.0f} s cold starts "
+            f"({never['restart_gpu_s'] / HOUR:,.1f} GPU-h); hindsight{how} restores them from it in "
+            f"{hind['restart_gpu_s'] / HOUR:,.1f} GPU-h.")
+
+
 def simulate(seed: int = 0, cfg: TraceConfig | None = None,
-             params: Mapping[str, Any] | CostBasedParams | None = None, with_curve: bool = False) -> dict:
-    """Replay one seeded trace under every policy; return per-policy totals.
+             params: Mapping[str, Any] | CostBasedParams | None = None, with_curve: bool = False,
+             policies: Collection[str] | None = None) -> dict:
+    """Replay one seeded trace under every policy (or only those named in ``policies``); return
+    per-policy totals: ``gpu_cost`` (lost + pause, GPU-seconds), ``bytes_cost`` (the bytes written,
+    priced in GPU-seconds at ``CostModel.bytes_s_per_gib``) and ``cost``, their sum, which the
+    policies are ranked and judged on (hindsight picks each worker's interval by it too).
 
     Raises:
         pydantic.ValidationError: ``params`` are not valid cost-based parameters.
@@ -560,7 +597,12 @@ def simulate(seed: int = 0, cfg: TraceConfig | None = None,
     phases = r.random(len(tr.workloads))
     pol: dict[str, dict] = {}
 
+    def want(name: str) -> bool:
+        return policies is None or name in policies
+
     def run(name: str, sched, **kw) -> None:
+        if not want(name):
+            return
         tot: dict = {}
         for i, w in enumerate(tr.workloads):
             _add(tot, schedule_cost(tr, w, sched(i, w), **kw))
@@ -569,54 +611,65 @@ def simulate(seed: int = 0, cfg: TraceConfig | None = None,
     run("never", lambda i, w: np.zeros(0), template=False)
     for tau in FIXED_INTERVALS:
         run(f"fixed-{tau:.0f}", lambda i, w, tau=tau: fixed_schedule(tr, tau, phases[i]))
-    # Young's C: the process pause; in two tiers the pause of moving a worker's KV held mid-trace.
-    mean_c = float(np.mean([pause_of(cfg, w, live_tokens(cfg, w, cfg.days * DAY / 2)[0]) for w in tr.workloads]))
+    # Young's C: the process pause; in two tiers the pause of moving a worker's KV held mid-trace;
+    # each with the bytes it writes.
+    mean_c = float(np.mean([checkpoint_cost_of(cfg, w, live_tokens(cfg, w, cfg.days * DAY / 2)[0])
+                            for w in tr.workloads]))
     mean_m = float(1 / np.mean(1 / tr.node_mtbf_s))
     tau_yd = young_interval(mean_c, mean_m)
     run("young-daly", lambda i, w: fixed_schedule(tr, tau_yd, phases[i]))
 
-    hind: dict = {}
-    for i, w in enumerate(tr.workloads):
-        best = min((schedule_cost(tr, w, fixed_schedule(tr, tau, phases[i])) for tau in HINDSIGHT_GRID),
-                   key=lambda c: c["cost"])
-        _add(hind, best)
-    pol["hindsight"] = hind
+    if want("hindsight"):
+        hind: dict = {}
+        for i, w in enumerate(tr.workloads):
+            best = min((schedule_cost(tr, w, fixed_schedule(tr, tau, phases[i])) for tau in HINDSIGHT_GRID),
+                       key=lambda c: c["cost"])
+            _add(hind, best)
+        pol["hindsight"] = hind
 
-    clair: dict = {}
-    for w in tr.workloads:
-        ck: list[float] = []
-        for t, _ in tr.events(w):
-            tokens = at_risk_tokens(cfg, w, t, ck[-1] if ck else None)
-            if tokens / cfg.cost.prefill_tokens_s > pause_of(cfg, w, tokens):
-                ck.append(t - 1e-3)
-        _add(clair, schedule_cost(tr, w, np.array(ck), drains_short=True))
-    pol["clairvoyant"] = clair
+    if want("clairvoyant"):  # a checkpoint right before each interruption, where it pays (pause and bytes)
+        clair: dict = {}
+        for w in tr.workloads:
+            ck: list[float] = []
+            for t, _ in tr.events(w):
+                tokens = at_risk_tokens(cfg, w, t, ck[-1] if ck else None)
+                if tokens / cfg.cost.prefill_tokens_s > checkpoint_cost_of(cfg, w, tokens):
+                    ck.append(t - 1e-3)
+            _add(clair, schedule_cost(tr, w, np.array(ck), drains_short=True))
+        pol["clairvoyant"] = clair
 
     # ckptflow, with where its checkpoints went: per node class and traffic.
     tot: dict = {}
     protects: dict[str, dict] = {}
-    for w in tr.workloads:
+    for w in (tr.workloads if want("ckptflow") else []):
         part = ckptflow_cost(tr, w, params)
         _add(tot, part)
         key = f"{node_class(cfg, tr.node_mtbf_s[w.node])}/{'short' if w.short else 'long'}"
         row = protects.setdefault(key, {"workloads": 0, "with_checkpoints": 0})
         row["workloads"] += 1
         row["with_checkpoints"] += int(part["checkpoints"] > 0)
-        _add(row, {k: part[k] for k in ("checkpoints", "pause_gpu_s", "reprefill_gpu_s", "kv_kept_gpu_s")})
-    pol["ckptflow"] = tot
-    if cfg.template_sessions:  # the same sessions weighed at the cadence's heartbeats instead
+        _add(row, {k: part[k] for k in ("checkpoints", "pause_gpu_s", "reprefill_gpu_s", "kv_kept_gpu_s",
+                                        "bytes", "bytes_cost")})
+    if want("ckptflow"):
+        pol["ckptflow"] = tot
+    if cfg.template_sessions and want("ckptflow-heartbeat"):  # the same sessions weighed at the cadence's heartbeats
         hb_tot: dict = {}
         for w in tr.workloads:
             _add(hb_tot, ckptflow_cost(tr, w, params, session_exports_at="heartbeat"))
         pol["ckptflow-heartbeat"] = hb_tot
 
+    interruptions = sum(len(tr.events(w)) for w in tr.workloads)
     out = {"seed": seed, "failure_dist": cfg.failure_dist, "checkpoint_mode": cfg.checkpoint_mode,
            "kv_bytes_per_token": cfg.kv_bytes_per_token if cfg.template_sessions else None,
+           "bytes_s_per_gib": round(cfg.cost.bytes_s_per_gib(), 4),
            "workloads": len(tr.workloads),
            "young_daly_interval_s": tau_yd,
            "node_failures": int(sum(len(f) for f in tr.failures)),
+           "interruptions": interruptions,
            "policies": {k: {kk: round(vv, 1) for kk, vv in v.items()} for k, v in pol.items()},
            "ckptflow_by_class": {k: {kk: round(vv, 1) for kk, vv in v.items()} for k, v in sorted(protects.items())}}
+    if want("never") and want("hindsight"):
+        out["notes"] = {"never": never_explained(pol, interruptions, cfg.cost)}
     if with_curve:
         curve = []
         for tau in sorted(set(HINDSIGHT_GRID[1:] + FIXED_INTERVALS)):

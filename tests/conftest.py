@@ -57,6 +57,8 @@ SLOW_TESTS = {
     "tests/test_cli.py::test_simulate_json_has_every_policy": "the what-if simulator over every policy",
     "tests/test_cli.py::test_simulate_profile_two_tier_costs_less_and_a_wrong_profile_is_named":
         "the what-if simulator over every policy, two profiles",
+    "tests/test_cli.py::test_simulate_table_prices_bytes_and_says_why_never_differs":
+        "the what-if simulator over every policy, its table",
 }
 
 

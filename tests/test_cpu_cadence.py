@@ -101,8 +101,9 @@ def test_min_interval_holds_back_a_cpu_burst_until_it_has_passed():
 
 def test_min_interval_holds_back_a_gpu_burst_too():
     rule = {"min_interval_s": 600, "max_interval_s": 86400}
+    # 99 s of re-prefill at risk > 3 x (5 s pause + 22.8 s for the 20 GiB a heartbeat writes)
     gpu = dict(device="gpu", mtbf_s=24 * 3600.0, footprint_gib=20.0, measured_pause_s=5.0, growth_tokens_s=1.0,
-               live_tokens=400_000, tokens_since_ckpt=390_000)
+               live_tokens=1_000_000, tokens_since_ckpt=990_000)
     burst = decide(demo_worker(seconds_since_ckpt=3600.0, **gpu), params=rule)
     assert burst.action == Action.checkpoint_now and burst.reason.startswith("burst: ")
     held = decide(demo_worker(seconds_since_ckpt=120.0, **gpu), params=rule)

@@ -407,7 +407,7 @@ FIGURES = [
 CONFIG = [
     (GPU, "free GPU memory ≥ footprint + 1 GiB first", "ckptflow/runners/cuda.py", r"RESTORE_MARGIN_GIB = 1\.0\b"),
     (GPU, "(48 MiB of weights", "tests/test_template_sessions.py", r"BALLAST_MIB = 48\b"),
-    (GPU, "within the 1.5× target", "bench/policy_sim.py", r"ratio_c <= 1\.5\b"),
+    (GPU, "within the 1.3× target", "bench/policy_sim.py", r"ratio_c <= 1\.3\b"),
     (GPU, "the export waits up to 1 s for that turn", "ckptflow/demo/llm_worker.py", r"TURN_WAIT_S = 1\.0\n"),
     (GPU, "one 16 MiB piece at a time", "ckptflow/demo/llm_worker.py", r"TURN_COPY_PIECE = 16 << 20\n"),
     (GPU, "(90 % pool)", "bench/gpu_two_tier.py", r'"--b-kv-fraction", type=float, default=0\.9\b'),

@@ -30,9 +30,9 @@ def facts(**kw):
 def test_protect_with_daly_interval_and_numbers():
     d = decide(facts())
     assert d.action == Action.protect
-    c, g = 80 * 1.3, 2000 / 10_000
+    c, g = 80 * 1.3 + 80 * CostModel().bytes_s_per_gib(), 2000 / 10_000   # the pause and the 80 GiB it writes
     assert d.interval_s == pytest.approx(daly_interval(c / g, 2 * H))
-    assert "Daly interval" in d.reason and "C=104s" in d.reason and "M=2.0 h" in d.reason
+    assert "Daly interval" in d.reason and "C=104s + 91s bytes (80 GiB)" in d.reason and "M=2.0 h" in d.reason
     assert d.due is False  # 600 s since the last one < interval
     assert decide(facts(seconds_since_ckpt=d.interval_s + 1)).due is True
 

@@ -16,10 +16,11 @@ from ckptflow.sim import (TraceConfig, Workload, ckptflow_heartbeats, make_trace
 
 H = 3600.0
 KV = 65_536.0
+FREE = CostModel(shared_tier_usd_per_gib=0.0, node_usd_per_gib=0.0)   # bytes unpriced: the rule's pause and hit alone
 
 
-def ctx(mtbf_h: float, ahead: bool = False) -> ExportContext:
-    return ExportContext(mtbf_s=mtbf_h * H, interruption_ahead=ahead, kv_bytes_per_token=KV)
+def ctx(mtbf_h: float, ahead: bool = False, cost: CostModel = FREE) -> ExportContext:
+    return ExportContext(mtbf_s=mtbf_h * H, interruption_ahead=ahead, kv_bytes_per_token=KV, cost=cost)
 
 
 # --- the rule ----------------------------------------------------------------------------------
@@ -33,6 +34,26 @@ def test_new_kv_is_exported_where_an_interruption_is_likely_enough_to_pay_its_pa
     # An announced interruption is certain: exported on any node.
     ok, why = decide_export(1e5, None, ctx(6000, ahead=True))
     assert ok and "interruption announced" in why and "100.00%" in why
+
+
+def test_the_bytes_an_export_writes_are_weighed_with_its_pause():
+    # 1e5 tokens at 64 KiB: 6.1 GiB written cost 6.9 GPU-s (CostModel.bytes_s_per_gib 1.14): above the
+    # 10 s x 4.2 % re-prefill a preemptible node risks, below the 10 s an announced interruption does.
+    priced = CostModel()
+    ok, why = decide_export(1e5, None, ctx(24, cost=priced))
+    assert not ok and why.startswith("waits: 100000 new tokens would pause 0.220 s + 6.943 s for 6.10 GiB written >")
+    assert decide_export(1e5, None, ctx(24, ahead=True, cost=priced))[0]
+    # At 128 KiB a token a GiB re-prefills in 0.82 GPU-s, less than writing it: not even an announced
+    # interruption pays for moving it.
+    big = ExportContext(mtbf_s=24 * H, interruption_ahead=True, kv_bytes_per_token=131_072, cost=priced)
+    assert not decide_export(1e5, None, big)[0]
+    # At a turn end: a preemptible node's new KV never pays its bytes; a CPU worker's bytes are not priced.
+    turn = ctx(24, cost=priced).model_copy(update={"at_turn_end": True})
+    assert turns_between_exports(turn, 1200, 30) is None
+    assert decide_export(12_000, None, turn, since_s=300)[1].startswith("waits: 12000 new tokens never pay their "
+                                                                          "pause and bytes (pause 0.002 s + 0.833 s")
+    assert turns_between_exports(turn.model_copy(update={"cost": FREE}), 1200, 30) == 9
+    assert decide_export(1e5, None, ctx(24, cost=priced).model_copy(update={"device": "cpu"}))[0]
 
 
 def test_an_old_session_is_expected_to_live_longer():
@@ -65,8 +86,8 @@ def test_the_context_comes_from_the_facts_and_the_decision_that_ran_the_heartbea
 
 
 # --- the simulator decides what the live heartbeat decides -----------------------------------------
-def _tiny_trace():
-    cfg = profile_config("two-tier-h200", days=4, nodes=1, gpus_per_node=1)
+def _tiny_trace(cost: CostModel = FREE):
+    cfg = profile_config("two-tier-h200", days=4, nodes=1, gpus_per_node=1, cost=cost)
     tr = make_trace(0, cfg)
     # Sessions (start, end): alive across both heartbeats, one starting between them, one ending.
     w = Workload(node=0, short=False, footprint=80.0, start=np.array([0.0, 1000.0, 2000.0, 5000.0]),
@@ -77,8 +98,9 @@ def _tiny_trace():
 
 @pytest.mark.parametrize("mtbf_h", [24.0, 45.0, 46.0, 500.0, 6000.0])
 @pytest.mark.parametrize("ahead", [False, True])
-def test_simulator_and_live_heartbeat_decide_the_same_on_the_same_facts(mtbf_h, ahead):
-    tr, w = _tiny_trace()
+@pytest.mark.parametrize("priced", [False, True])
+def test_simulator_and_live_heartbeat_decide_the_same_on_the_same_facts(mtbf_h, ahead, priced):
+    tr, w = _tiny_trace(CostModel() if priced else FREE)
     cfg = tr.cfg
     f = WorkloadFacts(name="w", mtbf_s=mtbf_h * H, kv_bytes_per_token=cfg.kv_bytes_per_token,
                       checkpoint_mode="template-sessions")
@@ -106,7 +128,7 @@ def test_simulator_and_live_heartbeat_decide_the_same_on_the_same_facts(mtbf_h, 
     assert n == sum(any(t in ex for ex in live_exports) for t, _ in beats)
     # Every session is in its first heartbeat; grown ones move again only where it pays.
     assert all(ex and ex[0] == min(t for t, _ in beats if t >= s) for ex, s in zip(exports, w.start))
-    again = ahead or mtbf_h <= 45
+    again = ahead or (mtbf_h <= 45 and not priced)     # its bytes priced, grown KV moves only before a window
     assert exports[3] == ([6000.0, 9000.0] if again else [6000.0])    # new at 6000 s, grown by 9000 s
     assert exports[1] == [3000.0]                                      # ended at 4000 s
 
@@ -188,11 +210,16 @@ def _replay_turn_by_turn(tr, w, tick_s=300, decide_every=12):
             d = decide_sessions(session_facts({str(j): tok(k)}, records, t), context=ctx)[0]
             if d.export:
                 rec[j], exports = (tok(k), t), exports + 1
-        elif order == 1:
+        elif order == 1:  # the drain: each session as of its last turn end, weighed with the window announced
+            ahead = ExportContext(mtbf_s=declared, kv_bytes_per_token=cfg.kv_bytes_per_token, cost=cost,
+                                  at_turn_end=True, interruption_ahead=True)
             for jj, (s, e) in enumerate(zip(w.start, w.end)):
                 kd = math.floor((t - s) / T)
                 if s < t < e and kd >= 1 and (jj not in rec or tok(kd) > rec[jj][0]):
-                    rec[jj], exports = (tok(kd), s + kd * T), exports + 1   # its KV as of that turn end
+                    records = {str(jj): {"tokens": rec[jj][0], "exported_at": rec[jj][1]}} if jj in rec else {}
+                    d = decide_sessions(session_facts({str(jj): tok(kd)}, records, t), context=ahead)[0]
+                    if d.export:
+                        rec[jj], exports = (tok(kd), s + kd * T), exports + 1   # its KV as of that turn end
         else:
             alive = [jj for jj, (s, e) in enumerate(zip(w.start, w.end)) if s < t < e]
             live = float(_ctx(cfg, w.start[alive], t).sum()) if alive else 0.0
@@ -203,11 +230,15 @@ def _replay_turn_by_turn(tr, w, tick_s=300, decide_every=12):
     return {"checkpoints": exports, "lost_gpu_s": lost, "pause_gpu_s": pause, "sessions_exported": len(rec)}
 
 
-@pytest.mark.parametrize("fixed_s,cap", [(None, 128_000.0), (0.05, 60_000.0), (0.0005, 9_000.0)])
-def test_the_simulator_exports_at_turn_ends_what_the_live_rule_decides_turn_by_turn(fixed_s, cap):
+@pytest.mark.parametrize("fixed_s,cap,priced", [(None, 128_000.0, False), (0.05, 60_000.0, False),
+                                                (0.0005, 9_000.0, False), (None, 128_000.0, True),
+                                                (0.0005, 9_000.0, True)])
+def test_the_simulator_exports_at_turn_ends_what_the_live_rule_decides_turn_by_turn(fixed_s, cap, priced):
     from ckptflow.sim import turn_exports_cost
 
-    cost = CostModel() if fixed_s is None else CostModel(turn_export_fixed_s=fixed_s)
+    cost = CostModel() if priced else FREE
+    if fixed_s is not None:
+        cost = cost.model_copy(update={"turn_export_fixed_s": fixed_s})
     cfg = profile_config("two-tier-h200", days=4, nodes=4, preemptible_nodes=2, flaky_fraction=0.25,
                          context_cap_tokens=cap, cost=cost)
     tr = make_trace(3, cfg)
@@ -222,12 +253,13 @@ def test_the_simulator_exports_at_turn_ends_what_the_live_rule_decides_turn_by_t
         assert got["lost_gpu_s"] == pytest.approx(want["lost_gpu_s"], rel=1e-9)
         assert got["pause_gpu_s"] == pytest.approx(want["pause_gpu_s"], rel=1e-9)
         checked += want["checkpoints"] > want["sessions_exported"]   # grown sessions moved again
-    assert checked
+        assert got["bytes_cost"] == pytest.approx(cost.bytes_s(got["bytes"]), rel=1e-9)
+    assert checked or priced        # its bytes priced, a grown session moves again only where the drain moves it
 
 
 def test_turn_end_rule_young_interval_and_never():
     c = ExportContext(mtbf_s=24 * H, kv_bytes_per_token=KV, at_turn_end=True,
-                      cost=CostModel(turn_export_fixed_s=0.001, turn_export_s_per_gib=0.002))
+                      cost=FREE.model_copy(update={"turn_export_fixed_s": 0.001, "turn_export_s_per_gib": 0.002}))
     # 2 x 0.001 s x 24 h = 172.8 s.GPU-s: 1200 tokens a 30 s turn = 0.12 s, so 0.12 m x 30 m >= 172.8: m = 7.
     assert turns_between_exports(c, 1200, 30) == 7
     assert not decide_export(6 * 1200, None, c, since_s=6 * 30)[0]
@@ -240,7 +272,7 @@ def test_turn_end_rule_young_interval_and_never():
     # Announced: every turn end; without a since_s the one-shot rule (a heartbeat's) applies.
     assert turns_between_exports(c.model_copy(update={"interruption_ahead": True}), 1200, 30) == 1
     # ... with a fixed part a turn's KV does not cover: once a few turns' KV has built up.
-    a = c.model_copy(update={"interruption_ahead": True, "cost": CostModel(turn_export_fixed_s=0.5)})
+    a = c.model_copy(update={"interruption_ahead": True, "cost": FREE.model_copy(update={"turn_export_fixed_s": 0.5})})
     m = turns_between_exports(a, 1200, 30)
     assert m == 5 and decide_export(m * 1200, None, a)[0] and not decide_export((m - 1) * 1200, None, a)[0]
     assert decide_export(1e5, None, c)[1].startswith("export: 100000 new tokens pause")

@@ -125,7 +125,8 @@ def test_the_loop_runs_until_stopped_and_counts_its_checkpoints(demo_worker, tt)
     tt.heartbeat(live.workload)
     live.complete("a new one", 4, "z")
     # No fixed part: a new session pays at its first turn end, however small.
-    free = CostModel(turn_export_fixed_s=0.0, turn_export_s_per_gib=0.0266)   # the H200 before this fix
+    free = CostModel(turn_export_fixed_s=0.0, turn_export_s_per_gib=0.0266,    # the H200 before this fix,
+                     shared_tier_usd_per_gib=0.0, node_usd_per_gib=0.0)        # its bytes unpriced
     tt.store.put_export_context(live.workload.name, ExportContext(mtbf_s=24 * H, cost=free).model_dump_json())
     got = []
     assert TurnWatch(tt, live.workload, every_s=0.05).run(duration_s=1.0, on_checkpoint=got.append) == 1

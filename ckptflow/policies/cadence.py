@@ -22,27 +22,31 @@ Pure: facts in, a Decision out (with a one-line reason that shows the numbers).
 The cost model, in GPU-seconds of one worker:
 - a checkpoint pauses the worker for C seconds (measured pause, else footprint x 1.3 s/GiB,
   the H200 heartbeat pause of bench/gpu_checkpoint.py in bench/RESULTS.md);
+- the bytes it writes cost b GPU-seconds per GiB (``CostModel.bytes_s_per_gib``: node disk and
+  network, the shared tier, their dollars at the GPU-hour price), so C is the pause plus b x the
+  GiB written (a whole process writes its footprint);
 - a failure costs a restore R plus re-prefilling every KV token not in the checkpoint
   (at ``prefill_tokens_s``); with no checkpoint at all, a cold start instead of R.
 If the KV at risk grows at g GPU-s per second (new tokens / prefill rate), the loss since
 the last checkpoint grows like g*t, so Young's interval becomes sqrt(2 C M / g) and Daly's
-higher-order form applies to C' = C/g. A checkpoint pays off only when its pause costs less
-than the re-prefill it saves: C/tau + lambda*min(g*tau/2, A) < lambda*A, A = live KV in
+higher-order form applies to C' = C/g. A checkpoint pays off only when its pause and bytes cost
+less than the re-prefill it saves: C/tau + lambda*min(g*tau/2, A) < lambda*A, A = live KV in
 GPU-s. Short-request traffic never pays: what is at risk is a retry of a few seconds.
 
 A ``template-sessions`` workload (``WorkloadFacts.checkpoint_mode``) is checkpointed as a template of
 the initialised engine plus the session KV it exports, bytes in proportion to what changed
 (bench/gpu_two_tier.py). Its heartbeat pauses C0 + p x (GiB of KV changed since the previous
-one), so the pause is paid at a rate k = p x (GiB of new KV per second) whatever the interval,
-plus C0 per heartbeat; the interval is Daly's for C0 and it pays off only when
-C0/tau + k + lambda*min(g*tau/2, A) < lambda*A. Its restore is the template's fixed cost plus
-weights and live KV streamed at ``stream_gib_s``.
+one) and writes those GiB, so pause and bytes are paid at a rate k = (p + b) x (GiB of new KV per
+second) whatever the interval, plus C0 per heartbeat; the interval is Daly's for C0 and it pays
+off only when C0/tau + k + lambda*min(g*tau/2, A) < lambda*A. Its restore is the template's fixed
+cost plus weights and live KV streamed at ``stream_gib_s``.
 
 A CPU-only worker (``WorkloadFacts.device == "cpu"``: llama.cpp, the demo worker) is costed in
 seconds of the worker, not GPU-seconds (which are 0 for it): its lost KV is recomputed at
-``cpu_prefill_tokens_s`` and a checkpoint costs its pause. Its pause holds no accelerator, so
-new state worth more than ``burst_factor`` pauses of recompute is checkpointed whatever the
-MTBF says; the GPU order (steady-state skip before the burst check) is unchanged.
+``cpu_prefill_tokens_s`` and a checkpoint costs its pause (its bytes are not priced: b is in
+GPU-seconds). Its pause holds no accelerator, so new state worth more than ``burst_factor``
+pauses of recompute is checkpointed whatever the MTBF says; the GPU order (steady-state skip
+before the burst check) is unchanged.
 
 Example:
     >>> facts = WorkloadFacts(name="chat", traffic="long_sessions", footprint_gib=20, mtbf_s=24 * 3600,
@@ -50,24 +54,28 @@ Example:
     ...                       seconds_since_ckpt=600.0)
     >>> d = decide(facts)
     >>> d.action.value, round(d.interval_s), d.due
-    ('protect', 4653, False)
+    ('protect', 6329, False)
     >>> d.reason
-    'Daly interval 1.3 h saves 43.8 GPU-s/h (C=26s, M=24.0 h, KV at risk 2000 GPU-s growing 720/h)'
+    'Daly interval 1.8 h saves 29.2 GPU-s/h (C=26s + 23s bytes (20 GiB), M=24.0 h, KV at risk 2000 GPU-s growing 720/h)'
     >>> decide(facts, "cost-based", {"max_interval_s": 1800}).interval_s
     1800.0
 
 An agent worker on a node that fails about daily: its whole process costs more to checkpoint
-than the KV it would save; in two tiers a heartbeat moves only the new KV and pays:
+than the KV it would save; in two tiers a heartbeat pauses only to move the new KV, which pays
+while bytes are free, but not the 88 GiB an hour it would write at the default price:
     >>> agent = WorkloadFacts(name="agent", traffic="long_sessions", footprint_gib=80, mtbf_s=24 * 3600,
     ...                       live_tokens=1e6, growth_tokens_s=200, tokens_since_ckpt=1e5, seconds_since_ckpt=600.0)
     >>> decide(agent).reason
-    'checkpoints cost more than they save: 18.2 vs 4.2 GPU-s/h (C=104s, M=24.0 h, KV at risk 100 GPU-s growing 72/h)'
+    'checkpoints cost more than they save: 24.3 vs 4.2 GPU-s/h (C=104s + 91s bytes (80 GiB), M=24.0 h, KV at risk 100 GPU-s growing 72/h)'
     >>> agent.checkpoint_mode = "template-sessions"
-    >>> d = decide(agent)
+    >>> free_bytes = CostModel(shared_tier_usd_per_gib=0.0, node_usd_per_gib=0.0)
+    >>> d = decide(agent, cost=free_bytes)
     >>> d.action.value, round(d.interval_s), d.due
     ('protect', 557, True)
     >>> d.reason
     'Daly interval 9.3 min saves 0.5 GPU-s/h (C=0.04s + 0.036 s/GiB x 87.9 GiB/h changed, M=24.0 h, KV at risk 100 GPU-s growing 72/h)'
+    >>> decide(agent).reason
+    'checkpoints cost more than they save: 103.6 vs 4.2 GPU-s/h (C=0.04s + (0.036 s/GiB pause + 1.138 s/GiB bytes) x 87.9 GiB/h changed, M=24.0 h, KV at risk 100 GPU-s growing 72/h)'
 """
 
 from __future__ import annotations
@@ -96,6 +104,25 @@ class CostModel(BaseModel):
     (bench/results/gpu_two_tier.json, row B of its first run, 2026-11-29: 124 GiB reserved, pool at
     90 %; the re-run of 2026-12-01 gave 2.76 s and 20.5 GiB/s, within the model's margins). A workload's
     ``WorkloadFacts.checkpoint_mode`` picks which apply.
+
+    Bytes are priced too, in the model's one unit, GPU-seconds: the dollars a GiB written costs
+    (``node_usd_per_gib``: the node's disk and network; ``shared_tier_usd_per_gib``: the shared tier)
+    at the price of a GPU-second (``gpu_usd_per_hour`` / 3600), so ``bytes_s_per_gib`` is what a GiB
+    an export or a heartbeat writes costs beside the GPU-seconds it pauses. Defaults (1.14 GPU-s per
+    GiB): an H200 at $2.50 an hour, S3 Standard with ckptflow's 8 MiB chunks, a data-center NVMe's
+    endurance; a GiB of KV at 64 KiB/token re-prefills in 1.64 GPU-s (at 128 KiB/token in 0.82, less
+    than writing it), so moving KV pays only where an interruption is likely to need it. The
+    GPU-side contention of writing is not here but in the measured pause fields (a turn export's is
+    0 per GiB); the node's bandwidth is not charged as contention (2 GB/s across 64 nodes is 31 MB/s
+    a node, well under 1 % of its NIC). A CPU-only worker's bytes are not priced: its costs count
+    its own seconds, which a GPU-hour price does not convert.
+
+    Examples:
+        >>> cost = CostModel()
+        >>> round(cost.bytes_s_per_gib(), 3), cost.bytes_s_per_gib("cpu")
+        (1.138, 0.0)
+        >>> round(CostModel(shared_tier_usd_per_gib=0.0).bytes_s_per_gib(), 3)   # no shared tier: the disk only
+        0.115
     """
 
     pause_s_per_gib: float = Field(1.3, gt=0, description="Heartbeat pause per GiB of GPU footprint.")
@@ -133,6 +160,35 @@ class CostModel(BaseModel):
         200.0, gt=0, description="Re-prefill rate of lost KV on a CPU-only worker (device cpu). Assumed, not "
         "measured here: llama.cpp prompt processing of a 7B-class Q4 model on 8-16 cores is roughly "
         "50-300 tokens/s, 50x below prefill_tokens_s.", examples=[50, 1000])
+    gpu_usd_per_hour: float = Field(
+        2.50, gt=0, description="Price of one GPU-hour, to turn the dollars bytes cost into GPU-seconds. Assumed: an "
+        "H200 fleet serving all month on committed capacity, about $2.50 (2026 surveys: H200 on demand $2.50-3.50 "
+        "at long-tail clouds, $3.50-4.50 at specialty ones, $4.50-7.00 at hyperscalers; reservations 30-50 % less). "
+        "A dearer GPU makes bytes cheaper in GPU-seconds.", examples=[3.5, 7.0])
+    shared_tier_usd_per_gib: float = Field(
+        0.00071, ge=0, description="Dollars per GiB written to the shared tier (a fleet's S3 bucket). S3 Standard "
+        "list prices: PUT $0.005 per 1,000 requests x 128 chunks of 8 MiB (store/objects.py CHUNK) = $0.00064, plus "
+        "$0.023 per GB-month for the ~2 h a session's chunks stay referenced (its remaining life in the reference "
+        "trace, until a later export replaces them) = $0.00007. 0: no shared tier.", examples=[0.0, 0.00071])
+    node_usd_per_gib: float = Field(
+        0.00008, ge=0, description="Dollars per GiB the node's own disk and network carry: a 7.68 TB data-center "
+        "NVMe rated 1 drive write a day for 5 years (14 PB) at about $1,000 wears $0.00008 per GiB written; the "
+        "upload to an in-region bucket is not billed (across zones add $0.02: $0.01/GB each way).",
+        examples=[0.00008, 0.0216])
+
+    def bytes_s_per_gib(self, device: str = "gpu") -> float:
+        """GPU-seconds one GiB written costs (node disk and network, shared tier; 0 on a CPU-only worker)."""
+        if device == "cpu":
+            return 0.0
+        return (self.node_usd_per_gib + self.shared_tier_usd_per_gib) * 3600 / self.gpu_usd_per_hour
+
+    def bytes_s(self, n_bytes: float, device: str = "gpu") -> float:
+        """GPU-seconds writing ``n_bytes`` costs."""
+        return n_bytes / GIB * self.bytes_s_per_gib(device)
+
+    def kv_bytes_s(self, tokens: float, bytes_per_token: float | None = None, device: str = "gpu") -> float:
+        """GPU-seconds writing the KV of ``tokens`` tokens costs."""
+        return self.kv_gib(tokens, bytes_per_token) * self.bytes_s_per_gib(device)
 
     def prefill_rate(self, device: str = "gpu") -> float:
         """Tokens per second a lost KV is recomputed at, on this device."""
@@ -208,6 +264,23 @@ def heartbeat_pause_s(f: WorkloadFacts, cost: CostModel, changed_tokens: float |
     return cost.session_pause_s(max(changed_tokens, 0.0), f.kv_bytes_per_token)
 
 
+def heartbeat_bytes_gib(f: WorkloadFacts, cost: CostModel, changed_tokens: float | None = None) -> float:
+    """GiB a heartbeat now writes: the whole process's footprint, or in two tiers the KV changed since
+    the last checkpoint (``changed_tokens``, default what the facts say is new)."""
+    if not f.template_sessions:
+        return f.footprint_gib
+    if changed_tokens is None:
+        changed_tokens = f.live_tokens if f.tokens_since_ckpt is None else f.tokens_since_ckpt
+    return cost.kv_gib(max(changed_tokens, 0.0), f.kv_bytes_per_token)
+
+
+def heartbeat_cost_s(f: WorkloadFacts, cost: CostModel, changed_tokens: float | None = None) -> float:
+    """What a heartbeat now costs: its pause (``heartbeat_pause_s``) plus the bytes it writes, priced
+    at ``CostModel.bytes_s_per_gib``."""
+    return (heartbeat_pause_s(f, cost, changed_tokens)
+            + heartbeat_bytes_gib(f, cost, changed_tokens) * cost.bytes_s_per_gib(f.device))
+
+
 def restore_estimate_s(f: WorkloadFacts, cost: CostModel) -> float:
     """Restore of the workload's newest checkpoint, by its checkpoint mode."""
     if not f.template_sessions:
@@ -262,12 +335,14 @@ def _is_short(f: WorkloadFacts, short_request_s: float) -> bool:
 def cost_based_interval(f: WorkloadFacts, cost: CostModel, min_s: float = 0.0, max_s: float = INF
                         ) -> tuple[float, str]:
     """Interval for one workload (INF = not worth checkpointing) and the reason with numbers."""
+    b = cost.bytes_s_per_gib(f.device)   # what a GiB written costs, beside the pause
     if f.template_sessions:
-        # Fixed pause per heartbeat, plus a pause rate k for moving the new KV (paid whatever tau).
+        # Fixed pause per heartbeat, plus a rate k for moving the new KV: its pause and its bytes,
+        # paid whatever tau (each heartbeat writes what changed since the previous one).
         c = cost.session_pause_fixed_s
-        k = cost.session_pause_s_per_gib * cost.kv_gib(max(f.growth_tokens_s, 0.0), f.kv_bytes_per_token)
-    else:
-        c, k = cost.pause_s(f.footprint_gib, f.measured_pause_s), 0.0
+        k = (cost.session_pause_s_per_gib + b) * cost.kv_gib(max(f.growth_tokens_s, 0.0), f.kv_bytes_per_token)
+    else:  # every heartbeat writes the whole footprint
+        c, k = cost.pause_s(f.footprint_gib, f.measured_pause_s) + b * f.footprint_gib, 0.0
     g = f.growth_tokens_s / cost.prefill_rate(f.device)
     a = f.live_tokens / cost.prefill_rate(f.device)
     lam = 1.0 / f.mtbf_s
@@ -284,7 +359,11 @@ def cost_based_interval(f: WorkloadFacts, cost: CostModel, min_s: float = 0.0, m
     without = lam * a
     if f.template_sessions:
         per_h = cost.kv_gib(f.growth_tokens_s * 3600, f.kv_bytes_per_token)
-        pause = f"C={c:.2f}s + {cost.session_pause_s_per_gib:.3f} s/GiB x {per_h:.1f} GiB/h changed"
+        per_gib = (f"({cost.session_pause_s_per_gib:.3f} s/GiB pause + {b:.3f} s/GiB bytes)" if b else
+                   f"{cost.session_pause_s_per_gib:.3f} s/GiB")
+        pause = f"C={c:.2f}s + {per_gib} x {per_h:.1f} GiB/h changed"
+    elif b:
+        pause = f"C={c - b * f.footprint_gib:.0f}s + {b * f.footprint_gib:.0f}s bytes ({f.footprint_gib:.0f} GiB)"
     else:
         pause = f"C={c:.2f}s" if f.device == "cpu" else f"C={c:.0f}s"
     numbers = (f"{pause}, M={_fmt(f.mtbf_s)}, KV at risk {a:.0f} {f.unit} growing {g * 3600:.0f}/h")
@@ -393,9 +472,12 @@ def decide_cost_based(f: WorkloadFacts, params: CostBasedParams, cost: CostModel
     max_s = params.max_interval_s
     short_request_s = params.short_request_s
     burst_factor = params.burst_factor
-    c = heartbeat_pause_s(f, cost)  # two tiers: the pause of moving what is new now
-    cs = f"{c:.2f}" if f.template_sessions else f"{c:.0f}"
-    lead_s = params.maintenance_lead_s if params.maintenance_lead_s is not None else max(900.0, 3 * c)
+    pause = heartbeat_pause_s(f, cost)  # two tiers: the pause of moving what is new now
+    c = heartbeat_cost_s(f, cost)       # ... and the bytes it writes
+    ps = f"{pause:.2f}" if f.template_sessions else f"{pause:.0f}"
+    cs = f"{ps} s pause" if c == pause else (f"{ps} s pause + {c - pause:.{2 if f.template_sessions else 0}f} s "
+                                             f"for {heartbeat_bytes_gib(f, cost):.1f} GiB written")
+    lead_s = params.maintenance_lead_s if params.maintenance_lead_s is not None else max(900.0, 3 * pause)
     at_risk_tokens = f.live_tokens if f.tokens_since_ckpt is None else f.tokens_since_ckpt
     at_risk_s = at_risk_tokens / cost.prefill_rate(f.device)
     short = _is_short(f, short_request_s)
@@ -408,9 +490,9 @@ def decide_cost_based(f: WorkloadFacts, params: CostBasedParams, cost: CostModel
         if not short and at_risk_s > c and (f.seconds_since_ckpt is None or f.seconds_since_ckpt > f.now - m[1] + lead_s):
             return Decision(workload=f.name, action=Action.checkpoint_now, due=True,
                             reason=f"maintenance in {mins:.0f} min: {at_risk_s:.0f} s of re-prefill at risk "
-                                   f"> {cs} s pause")
+                                   f"> {cs}")
         why = ("short requests finish" if short else
-               f"at risk {at_risk_s:.0f} s <= pause {cs} s or already checkpointed")
+               f"at risk {at_risk_s:.0f} s <= {cs} or already checkpointed")
         return Decision(workload=f.name, action=Action.drain, reason=f"maintenance in {mins:.0f} min: drain ({why})")
     if short:
         retry = f.mean_request_s if f.mean_request_s is not None else short_request_s / 2
@@ -419,7 +501,7 @@ def decide_cost_based(f: WorkloadFacts, params: CostBasedParams, cost: CostModel
                             reason=f"short requests (mean {retry:.0f} s): no session KV worth a heartbeat; "
                                    "the template restores the worker")
         return Decision(workload=f.name, action=Action.skip,
-                        reason=f"short requests (mean {retry:.0f} s): a retry costs less than a {c:.0f} s pause")
+                        reason=f"short requests (mean {retry:.0f} s): a retry costs less than a {pause:.0f} s pause")
     if f.seconds_since_ckpt is None:
         return Decision(workload=f.name, action=Action.checkpoint_now, due=True,
                         reason=f"no valid checkpoint: a failure would cost a {cost.cold_start_s:.0f} s cold start "

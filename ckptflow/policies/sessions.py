@@ -11,7 +11,8 @@ reason out.
 
 Export now, or wait (``decide_export``, given the worker's ``ExportContext``): exporting the
 ``n`` tokens a session gained pauses the engine ``p`` s per GiB of them (two-tier-h200: 0.036
-s/GiB); waiting risks re-prefilling them (n / prefill rate) if an interruption comes while the
+s/GiB) and writes them, ``b`` GPU-s per GiB (``CostModel.bytes_s_per_gib``: node disk and network,
+the shared tier; 1.14 by default, 70 % of the re-prefill of a GiB of KV at 64 KiB/token); waiting risks re-prefilling them (n / prefill rate) if an interruption comes while the
 session lives, with probability min(1, R / M): R its expected remaining life (its age, a session
 that has lived a while tends to live as long again, and at least ``session_mean_s``), M the
 node's MTBF; an announced maintenance or a drain makes it 1. The heartbeat's fixed part of the
@@ -34,16 +35,19 @@ Example:
     >>> ds[0].reason, ds[1].reason
     ('grew by 500 tokens since its last checkpoint (4000 held)', 'new session (20 tokens)')
 
-With the worker's costs and MTBF, a grown session waits on a healthy node and is exported on a
-preemptible one or before maintenance:
+With the worker's costs and MTBF, a grown session waits on a healthy node, and on a preemptible
+one too, where the 3.7 GiB it would write cost more than the chance an interruption needs them
+(it would move there if bytes were free); it is exported before maintenance:
     >>> grown = [SessionFacts(id="agent", tokens=90_000, tokens_at_ckpt=30_000, age_s=1800)]
     >>> ctx = ExportContext(mtbf_s=6000 * 3600, kv_bytes_per_token=65536)
     >>> decide_sessions(grown, context=ctx)[0].reason
-    'waits: 60000 new tokens would pause 0.132 s > 6.0 s re-prefill x 0.02% chance an interruption hits it (remaining ~1.0 h, M=6000 h)'
-    >>> decide_sessions(grown, context=ctx.model_copy(update={"mtbf_s": 24 * 3600}))[0].export
-    True
+    'waits: 60000 new tokens would pause 0.132 s + 4.166 s for 3.66 GiB written > 6.0 s re-prefill x 0.02% chance an interruption hits it (remaining ~1.0 h, M=6000 h)'
+    >>> preemptible = ctx.model_copy(update={"mtbf_s": 24 * 3600})
+    >>> free = CostModel(shared_tier_usd_per_gib=0.0, node_usd_per_gib=0.0)    # bytes unpriced
+    >>> [decide_sessions(grown, context=c)[0].export for c in (preemptible, preemptible.model_copy(update={"cost": free}))]
+    [False, True]
     >>> decide_sessions(grown, context=ctx.model_copy(update={"interruption_ahead": True}))[0].reason
-    'export: 60000 new tokens pause 0.132 s < 6.0 s re-prefill x 100.00% chance an interruption hits it (interruption announced)'
+    'export: 60000 new tokens pause 0.132 s + 4.166 s for 3.66 GiB written < 6.0 s re-prefill x 100.00% chance an interruption hits it (interruption announced)'
 """
 
 from __future__ import annotations
@@ -133,9 +137,28 @@ def _pause(changed_tokens: float, ctx: ExportContext) -> float:
     return cost.session_pause_s_per_gib * cost.kv_gib(changed_tokens, ctx.kv_bytes_per_token)
 
 
+def _bytes_s(changed_tokens: float, ctx: ExportContext) -> float:
+    """What writing the exported KV costs (``CostModel.bytes_s_per_gib``), beside the pause."""
+    return ctx.cost.kv_bytes_s(changed_tokens, ctx.kv_bytes_per_token, ctx.device)
+
+
+def _cost(changed_tokens: float, ctx: ExportContext) -> float:
+    """An export's whole cost: its pause and its bytes."""
+    return _pause(changed_tokens, ctx) + _bytes_s(changed_tokens, ctx)
+
+
 def _per_token(ctx: ExportContext) -> float:
-    """A token's share of an export's pause (the fixed part aside)."""
-    return _pause(1.0, ctx) - _pause(0.0, ctx)
+    """A token's share of an export's cost, pause and bytes (the fixed part aside)."""
+    return _cost(1.0, ctx) - _cost(0.0, ctx)
+
+
+def _costs(changed_tokens: float, ctx: ExportContext) -> str:
+    """The export's cost as the reasons say it: 'pause 0.132 s', and its bytes where they are priced."""
+    pause, written = _pause(changed_tokens, ctx), _bytes_s(changed_tokens, ctx)
+    if not written:
+        return f"pause {pause:.3f} s"
+    gib = ctx.cost.kv_gib(changed_tokens, ctx.kv_bytes_per_token)
+    return f"pause {pause:.3f} s + {written:.3f} s for {gib:.2f} GiB written"
 
 
 def young_product_s2(ctx: ExportContext) -> float:
@@ -155,32 +178,42 @@ def decide_export(changed_tokens: float, age_s: float | None, ctx: ExportContext
     then when the re-prefill at risk x the seconds since its last export (``since_s``) reach
     2 x the export's fixed part x M, Young's interval for the session (``since_s`` None: the
     one-shot rule above)."""
-    pause = _pause(changed_tokens, ctx)
+    cost = _cost(changed_tokens, ctx)
     saved = changed_tokens / ctx.cost.prefill_rate(ctx.device)
     hit, why = _hit(age_s, ctx)
     numbers = f"{saved:.1f} s re-prefill x {hit:.2%} chance an interruption hits it ({why})"
     if ctx.at_turn_end and since_s is not None and not ctx.interruption_ahead:
         if hit / ctx.cost.prefill_rate(ctx.device) <= _per_token(ctx):
-            return False, f"waits: {changed_tokens:.0f} new tokens never pay their pause ({numbers})"
+            paid = "pause" if not _bytes_s(1.0, ctx) else "pause and bytes"
+            return False, f"waits: {changed_tokens:.0f} new tokens never pay their {paid} ({_costs(changed_tokens, ctx)}; {numbers})"
         young = young_product_s2(ctx)
         turn = (f"{saved:.2f} s re-prefill at risk x {since_s:.0f} s since its export "
                 f"{'>=' if saved * since_s >= young else '<'} 2 x {_pause(0.0, ctx):.4f} s x M={_hours(ctx.mtbf_s)}")
         return (True, f"export at turn end: {turn}") if saved * since_s >= young else (False, f"waits a turn: {turn}")
-    if saved * hit > pause:
-        return True, f"export: {changed_tokens:.0f} new tokens pause {pause:.3f} s < {numbers}"
-    return False, f"waits: {changed_tokens:.0f} new tokens would pause {pause:.3f} s > {numbers}"
+    if saved * hit > cost:
+        return True, f"export: {changed_tokens:.0f} new tokens {_costs(changed_tokens, ctx)} < {numbers}"
+    return False, f"waits: {changed_tokens:.0f} new tokens would {_costs(changed_tokens, ctx)} > {numbers}"
 
 
 def new_session_threshold_tokens(ctx: ExportContext) -> float:
     """The KV a new session needs, at a turn end, before ``decide_export`` exports it (strictly
     above; inf: never; its one-shot rule, the rule being linear in the tokens).
 
-        >>> ctx = ExportContext(mtbf_s=24 * 3600, kv_bytes_per_token=65536, at_turn_end=True)
+        >>> free = CostModel(shared_tier_usd_per_gib=0.0, node_usd_per_gib=0.0)    # bytes unpriced
+        >>> ctx = ExportContext(mtbf_s=24 * 3600, kv_bytes_per_token=65536, at_turn_end=True, cost=free)
         >>> [round(new_session_threshold_tokens(ctx.model_copy(update={"mtbf_s": m}))) for m in (86400, 6e6)]
         [398, 27667]
-        >>> free = ctx.model_copy(update={"cost": CostModel(turn_export_fixed_s=0.0, turn_export_s_per_gib=0.03)})
-        >>> new_session_threshold_tokens(free), new_session_threshold_tokens(free.model_copy(update={"mtbf_s": 6e6}))
+        >>> nofix = ctx.model_copy(update={"cost": free.model_copy(update={"turn_export_fixed_s": 0.0,
+        ...                                                                "turn_export_s_per_gib": 0.03})})
+        >>> new_session_threshold_tokens(nofix), new_session_threshold_tokens(nofix.model_copy(update={"mtbf_s": 6e6}))
         (0.0, inf)
+
+    With the bytes priced (the default), a new session's KV does not pay at 24 h; before an
+    announced window it does, once it holds more than a few dozen tokens:
+        >>> priced = ctx.model_copy(update={"cost": CostModel()})
+        >>> new_session_threshold_tokens(priced), round(new_session_threshold_tokens(
+        ...     priced.model_copy(update={"interruption_ahead": True})))
+        (inf, 54)
     """
     hit, _ = _hit(None, ctx)
     per_token = hit / ctx.cost.prefill_rate(ctx.device) - _per_token(ctx)
@@ -193,12 +226,16 @@ def turns_between_exports(ctx: ExportContext, tokens_per_turn: float, turn_s: fl
     turn_s >= 2 x fixed x M, at least 1; None: never. The simulator replays millions of turn ends
     with it; tests/test_session_policy.py holds it to ``decide_export``.
 
-        >>> ctx = ExportContext(mtbf_s=24 * 3600, kv_bytes_per_token=65536, at_turn_end=True)
+        >>> free = CostModel(shared_tier_usd_per_gib=0.0, node_usd_per_gib=0.0)    # bytes unpriced
+        >>> ctx = ExportContext(mtbf_s=24 * 3600, kv_bytes_per_token=65536, at_turn_end=True, cost=free)
         >>> m = turns_between_exports(ctx, 1200, 30)      # the H200's 0.00166 s fixed part
         >>> m, [decide_export(k * 1200, None, ctx, since_s=k * 30)[0] for k in (m - 1, m)]
         (9, [False, True])
-        >>> turns_between_exports(ctx.model_copy(update={"cost": CostModel(turn_export_fixed_s=0.0)}), 1200, 30)
+        >>> turns_between_exports(ctx.model_copy(update={"cost": free.model_copy(update={"turn_export_fixed_s": 0.0})}),
+        ...                       1200, 30)
         1
+        >>> turns_between_exports(ctx.model_copy(update={"cost": CostModel()}), 1200, 30) is None   # bytes priced
+        True
     """
     per_token = _per_token(ctx)
     hit, _ = _hit(None, ctx)
