@@ -28,6 +28,28 @@ from ckptflow.store import open_fleet_state
 NO_CHECKPOINT = (CheckpointNotFound, ChecksumMismatch, IncompatibleCheckpoint)
 
 
+def send_recovered(scope: FleetScope, workload: str, node: str, how: str, checkpoint: str | None,
+                   skipped: list[dict], flow_run_id: str | None = None) -> bool:
+    """The one "recovered" message of a successful recover; it closes the workload's open alert.
+    Sent by the flow's task (which also emits the Prefect event) and by ``recover_here``."""
+    from ckptflow.tasks.common import alerter
+
+    return alerter(scope).resolve(workload, always=True, node=node, how=how, checkpoint=checkpoint,
+                                  skipped=skipped, flow_run_id=flow_run_id)
+
+
+def send_restore_failed(scope: FleetScope, workload: str, node: str, reason: str, checkpoint: str | None,
+                        fallback: str | None, log_tail: str = "", cause: str | None = None, fix: str | None = None,
+                        flow_run_id: str | None = None) -> bool:
+    """Open (or re-post) the workload's restore-failed alert; ``node``: where it runs now;
+    ``checkpoint``: the one tried; ``cause``: the first error line of CRIU's log; ``fix``: ckptflow's."""
+    from ckptflow.tasks.common import alerter
+
+    return alerter(scope).send(AlertKind.restore_failed, workload=workload, key=reason, node=node,
+                               checkpoint=checkpoint, reason=reason, fallback=fallback, log_tail=log_tail,
+                               cause=cause, fix=fix, flow_run_id=flow_run_id)
+
+
 class Via(Protocol):
     """How each part of the sequence runs (the flow's way or this process's)."""
 
@@ -127,17 +149,11 @@ class Here:
         return restore_workload(self.fleet.scope(), w) if action == "restore" else cold_start_row(w)
 
     def recovered(self, scope, workload, node, how, checkpoint, skipped):
-        from ckptflow.tasks.common import alerter
-
-        return alerter(scope).resolve(workload, always=True, node=node, how=how, checkpoint=checkpoint,
-                                      skipped=skipped, flow_run_id=None)
+        return send_recovered(scope, workload, node, how, checkpoint, skipped)
 
     def failed(self, scope, workload, node, f):
-        from ckptflow.tasks.common import alerter
-
-        return alerter(scope).send(AlertKind.restore_failed, workload=workload, key=f["reason"], node=node,
-                                   checkpoint=f["checkpoint"], reason=f["reason"], fallback=f["fallback"],
-                                   log_tail=f["log_tail"], cause=f["cause"], fix=f["fix"], flow_run_id=None)
+        return send_restore_failed(scope, workload, node, f["reason"], f["checkpoint"], f["fallback"], f["log_tail"],
+                                   f["cause"], f["fix"])
 
     def place(self, scope, workload, node, checkpoint):
         open_fleet_state(scope.storage).put_placement(workload, node, checkpoint or "cold-start")

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -119,7 +117,6 @@ def test_heartbeat_kill_mid_generation_recover_continues_like_reference(servers,
                                                                          store):
     from ckptflow.runners import devshm
     from ckptflow.runners.node import NodeRunner
-    from ckptflow.runners.process import tree
 
     live = servers.start("live")
     w = _workload("chat", live, vllm_install, vllm_model)
@@ -138,27 +135,7 @@ def test_heartbeat_kill_mid_generation_recover_continues_like_reference(servers,
         assert any(f["name"].startswith(devshm.LINK_REMAP) for f in shm)  # and the semaphore's remap
 
         # The engine keeps logging after the dump: its log grows past the size in the image.
-        err: list[BaseException] = []
-
-        def long_turn():
-            try:
-                chats[live.url].turn(live, n=3000)
-            except BaseException as e:  # noqa: BLE001 - the kill cuts the connection
-                err.append(e)
-
-        t = threading.Thread(target=long_turn)
-        t.start()
-        deadline = time.time() + 120
-        while vllm.counter(vllm.metrics_text(live.url), "vllm:num_requests_running") < 1:
-            assert time.time() < deadline, "the long generation never started"
-            time.sleep(0.1)
-        time.sleep(0.5)
-        pids = tree(live.pid)
-        for p in pids:
-            os.kill(p, signal.SIGKILL)
-        t.join(timeout=60)
-        assert err, "the generation finished before the kill: nothing was in flight"
-        _wait_gone(pids)
+        pids = _kill_mid_generation(live, chats[live.url])
 
         res = node.restore(w)
         assert res.pid == pids[0] and res.manifest.id == m.id
@@ -170,7 +147,6 @@ def test_heartbeat_kill_mid_generation_recover_continues_like_reference(servers,
     assert got["hits"] >= 0.9 * got["n_prompt"], got
 
 
-@pytest.mark.criu
 def _held_in_dev_shm() -> set[str]:
     """Names in /dev/shm that some live process has open or mapped."""
     held = set()

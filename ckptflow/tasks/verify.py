@@ -8,7 +8,7 @@ from prefect.runtime import flow_run
 from ckptflow.alerts import AlertKind
 from ckptflow.fleet import FleetScope
 from ckptflow.models import CheckpointState, VerifyOutcome, Workload
-from ckptflow.recovery import cold_start_row
+from ckptflow.recovery import cold_start_row, send_recovered, send_restore_failed
 from ckptflow.runners.modes import manifest_runner
 from ckptflow.tasks import events
 from ckptflow.tasks.common import alerter, node_runner, node_slot, open_fleet
@@ -56,20 +56,17 @@ def cold_start_placed(w: Workload) -> dict:
 def alert_restore_failed(scope: FleetScope, workload: str, node: str, reason: str, checkpoint: str | None,
                          fallback: str | None, log_tail: str = "", cause: str | None = None,
                          fix: str | None = None) -> bool:
-    """Open (or re-post) the workload's restore-failed alert; ``node``: where it runs now;
-    ``checkpoint``: the one tried; ``cause``: the first error line of CRIU's log; ``fix``: ckptflow's."""
+    """recovery.send_restore_failed, with its Prefect event and this flow run's link."""
     events.emit("restore.failed", workload=workload, node=node, fleet=scope.fleet, checkpoint=checkpoint,
                 reason=reason, cause=cause, fix=fix, fallback=fallback)
-    return alerter(scope).send(AlertKind.restore_failed, workload=workload, key=reason, node=node,
-                               checkpoint=checkpoint, reason=reason, fallback=fallback, log_tail=log_tail,
-                               cause=cause, fix=fix, flow_run_id=flow_run.get_id())
+    return send_restore_failed(scope, workload, node, reason, checkpoint, fallback, log_tail, cause, fix,
+                               flow_run_id=flow_run.get_id())
 
 
 @task(name="alert-recovered")
 def alert_recovered(scope: FleetScope, workload: str, node: str, how: str, checkpoint: str | None,
                     skipped: list[dict]) -> bool:
-    """One "recovered" message for a successful recover; it closes the workload's open alert."""
+    """recovery.send_recovered, with its Prefect event and this flow run's link."""
     events.emit("restore.succeeded", workload=workload, node=node, fleet=scope.fleet, checkpoint=checkpoint, how=how,
                 skipped=[s.get("id") for s in skipped] or None)
-    return alerter(scope).resolve(workload, always=True, node=node, how=how, checkpoint=checkpoint,
-                                  skipped=skipped, flow_run_id=flow_run.get_id())
+    return send_recovered(scope, workload, node, how, checkpoint, skipped, flow_run_id=flow_run.get_id())
