@@ -87,7 +87,7 @@ def _select(fleet, node: str | None, workloads: list[str] | None) -> tuple[dict[
 
 def _recover_gone(results: list[dict], choices: dict[str, PolicyChoice], recover_one) -> None:
     for r in results:  # the worker is gone and its rule says recover: bring it back in this run
-        if r.get("error_type") == "WorkloadNotFound" and choices[r["workload"]].on_worker_gone == OnWorkerGone.recover:
+        if r.get("gone") and choices[r["workload"]].on_worker_gone == OnWorkerGone.recover:
             try:
                 res = recover_one(r["workload"])
                 r.update(ok=True, recovered=res.get("checkpoint"), reason=f"{r['reason']}; recovered")

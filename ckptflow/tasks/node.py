@@ -9,7 +9,7 @@ from prefect.runtime import flow_run
 
 from ckptflow import recovery
 from ckptflow.alerts import AlertKind
-from ckptflow.errors import CkptflowError
+from ckptflow.errors import CkptflowError, WorkloadNotFound
 from ckptflow.fleet import FleetScope, Node, PolicyChoice
 from ckptflow.models import Action, Workload
 from ckptflow.policies.cadence import decide, forced
@@ -54,7 +54,7 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
                 alerts.send(AlertKind.worker_gone, workload=name, key=facts.gone, node=node.name, reason=facts.gone,
                             checkpoint=newest.id if newest else None, flow_run_id=flow_run.get_id())
                 out.append({**row, "ok": False, "checkpoint": None, "error": facts.gone,
-                            "error_type": "WorkloadNotFound"})
+                            "error_type": "WorkloadNotFound", "gone": True})
                 continue
             if facts.template_sessions:  # the turn-end export weighs sessions in it until the next tick
                 runner.store.put_export_context(name, export_context(facts, d).model_dump_json())
@@ -74,7 +74,10 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
                     m = mode_runner(runner, w).checkpoint(w, None if force else export_context(facts, d))
             except CkptflowError as e:
                 log.error("checkpoint of %s failed: %s", name, e)
-                out.append({**row, "ok": False, "error": str(e).splitlines()[0], "error_type": type(e).__name__})
+                # gone: the worker vanished between its facts and the dump; the flow decides on this
+                # flag (its recover-if-gone rule), not on the exception's name.
+                out.append({**row, "ok": False, "error": str(e).splitlines()[0], "error_type": type(e).__name__,
+                            "gone": isinstance(e, WorkloadNotFound)})
                 continue
             size = checkpoint_bytes(m)  # a session checkpoint's bytes are in the chunks it names
             log.info("checkpoint %s (%s) of %s: %.1f MiB%s, pause %.2f s", m.id, m.kind, name, size / 2**20,
