@@ -105,14 +105,13 @@ def test_stale_link_remap_files_are_removed_unless_something_maps_them(tmp_path)
         assert sorted(os.listdir(shm)) == ["link_remap.8", "psm_keep"]
 
 
-def test_a_worker_that_died_by_itself_leaves_nothing_in_dev_shm_after_the_next_heartbeat(tmp_path):
+def test_a_worker_that_died_by_itself_leaves_nothing_in_dev_shm_after_the_next_heartbeat(tmp_path, monkeypatch):
     """Issue #36 finding 11: a worker that dies on its own (not killed by ckptflow) left its
     segment and semaphore in /dev/shm. The heartbeat that finds it gone removes what its
     checkpoints carry and no live process uses; a file another process still maps stays."""
     import json
     import mmap
 
-    from ckptflow.errors import WorkloadNotFound
     from ckptflow.runners import devshm
     from ckptflow.runners.node import NodeRunner
     from ckptflow.runners.process import pid_alive, tree
@@ -152,8 +151,21 @@ def test_a_worker_that_died_by_itself_leaves_nothing_in_dev_shm_after_the_next_h
             doc = json.loads(index.read_text())
             doc["files"].append({**doc["files"][0], "name": keep.name})
             index.write_text(json.dumps(doc))
-            with pytest.raises(WorkloadNotFound):
-                node.checkpoint(w)
+            # The next heartbeat, as the flow runs it: its facts find the worker gone (the batch
+            # checkpoints nothing then), and the same step removes what it left.
+            from contextlib import contextmanager
+
+            from ckptflow.fleet import FleetScope, Node, PolicyChoice, Storage
+            from ckptflow.tasks import node as node_tasks
+
+            @contextmanager
+            def this_runner(scope, name):
+                yield node
+
+            monkeypatch.setattr(node_tasks, "node_runner", this_runner)
+            scope = FleetScope(fleet="t", storage=Storage(path=str(tmp_path / "s")))
+            [row] = node_tasks.checkpoint_batch.fn(scope, Node(name="local", work_pool="local"), [PolicyChoice(workload=w)])
+            assert row["gone"] and not row["ok"] and row["checkpoint"] is None
             assert not seg.exists() and not any((Path("/dev/shm") / n).exists() for n in left)
             assert keep.exists()                                 # still mapped by this process
             held_map.close()

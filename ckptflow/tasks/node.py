@@ -50,6 +50,8 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
             row = {"workload": name, "node": node.name, "decision": d.action.value, "reason": d.reason}
             if facts.gone:
                 log.error("%s: %s", name, d.reason)
+                if w.container is None:  # what it left in the node's /dev/shm (a container's is its own)
+                    runner.remove_devshm_leftovers(w)
                 newest = next(runner.store.valid(name), None)
                 alerts.send(AlertKind.worker_gone, workload=name, key=facts.gone, node=node.name, reason=facts.gone,
                             checkpoint=newest.id if newest else None, flow_run_id=flow_run.get_id())
