@@ -221,7 +221,7 @@ def test_a_registered_mode_runs_through_the_real_heartbeat_and_restore_tasks(tmp
     monkeypatch.setattr(node_tasks, "collect_facts", lambda w, *a, **k: WorkloadFacts(   # no process to look at
         name=w.name, traffic="long_sessions", tokens_since_ckpt=0, seconds_since_ckpt=60.0))
     scope = FleetScope(fleet="t", storage=Storage(path=str(tmp_path / "store")))
-    row = node_tasks.checkpoint_batch.fn(scope, Node(name="n1", work_pool="n1"), [PolicyChoice(workload=w)],
+    row = node_tasks.checkpoint_batch(scope, Node(name="n1", work_pool="n1"), [PolicyChoice(workload=w)],
                                          force=True)[0]
     assert row["ok"] and row["checkpoint"], row
     assert store.get("w1", row["checkpoint"]).kind == "session"

@@ -164,7 +164,7 @@ def test_a_worker_that_died_by_itself_leaves_nothing_in_dev_shm_after_the_next_h
 
             monkeypatch.setattr(node_tasks, "node_runner", this_runner)
             scope = FleetScope(fleet="t", storage=Storage(path=str(tmp_path / "s")))
-            [row] = node_tasks.checkpoint_batch.fn(scope, Node(name="local", work_pool="local"), [PolicyChoice(workload=w)])
+            [row] = node_tasks.checkpoint_batch(scope, Node(name="local", work_pool="local"), [PolicyChoice(workload=w)])
             assert row["gone"] and not row["ok"] and row["checkpoint"] is None
             assert not seg.exists() and not any((Path("/dev/shm") / n).exists() for n in left)
             assert keep.exists()                                 # still mapped by this process

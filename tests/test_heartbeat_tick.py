@@ -4,7 +4,6 @@ unchanged node fingerprint is not rewritten every tick."""
 
 import os
 import subprocess
-from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -40,7 +39,7 @@ def live():
 
 
 def _per_node_rows(fleet_file) -> list[dict]:
-    """What one checkpoint-node-batch task run per node decides (its function, outside Prefect)."""
+    """What each node batch decides (tasks.node.checkpoint_batch, outside Prefect)."""
     from collections import defaultdict
 
     from prefect.logging import disable_run_logger
@@ -54,7 +53,7 @@ def _per_node_rows(fleet_file) -> list[dict]:
         by_node[w.node].append(fleet.policy_choice(w))
     nodes = {n.name: n for n in fleet.nodes}
     with disable_run_logger():
-        return [r for n in sorted(by_node) for r in checkpoint_batch.fn(fleet.scope(), nodes[n], by_node[n])]
+        return [r for n in sorted(by_node) for r in checkpoint_batch(fleet.scope(), nodes[n], by_node[n])]
 
 
 def _task_runs(flow_run_id, settle_s: float = 60) -> list:
@@ -118,9 +117,9 @@ def test_a_node_group_retries_a_retryable_failure_once_and_runs_every_node_befor
             raise StorageUnavailable("bucket unreachable")            # retryable: tried once more
         if node.name == "node-02":
             raise ValueError("a bug")                                 # not retryable: raised at the end
-        return checkpoint_batch.fn(scope, node, choices, force)
+        return checkpoint_batch(scope, node, choices, force)
 
-    monkeypatch.setattr(fleet_tasks, "checkpoint_batch", SimpleNamespace(fn=batch))
+    monkeypatch.setattr(fleet_tasks, "checkpoint_batch", batch)
     with disable_run_logger(), pytest.raises(ValueError, match="a bug"):
         fleet_tasks.checkpoint_nodes.fn(f.scope(), batches)
     assert calls == ["node-00", "node-01", "node-01", "node-02", "node-03"]

@@ -105,9 +105,9 @@ def test_a_forced_heartbeat_row_says_forced_next_to_the_checkpoint_it_made(tmp_p
     w = Workload(name="chat", node="n1", find=ProcessFinder(pid_file=str(tmp_path / "w.pid")), traffic="long_sessions")
     scope = FleetScope(fleet="t", storage=Storage(path=str(tmp_path / "store")))
     node = Node(name="n1", work_pool="n1")
-    quiet = node_tasks.checkpoint_batch.fn(scope, node, [PolicyChoice(workload=w)])[0]
+    quiet = node_tasks.checkpoint_batch(scope, node, [PolicyChoice(workload=w)])[0]
     assert quiet["decision"] == "skip" and quiet["checkpoint"] is None
-    row = node_tasks.checkpoint_batch.fn(scope, node, [PolicyChoice(workload=w)], force=True)[0]
+    row = node_tasks.checkpoint_batch(scope, node, [PolicyChoice(workload=w)], force=True)[0]
     assert row["checkpoint"] and row["decision"] == "forced"
     assert row["reason"].startswith("forced (policy said skip: nothing new")
 

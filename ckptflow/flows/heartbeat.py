@@ -13,7 +13,7 @@ from ckptflow.flows.recover import recover
 from ckptflow.tasks.common import open_fleet, run_logger
 from ckptflow.tasks.fleet import checkpoint_nodes
 
-# Task runs per tick at most: each node's batch still runs as checkpoint-node-batch decides it,
+# Task runs per tick at most: each node's batch still runs as tasks.node.checkpoint_batch decides it,
 # a group of nodes per task run (a task run per node was most of a 1,000-node tick's time and of
 # the Prefect server's work). Groups run in parallel, as many as a one-machine tick uses.
 NODE_GROUPS = 16

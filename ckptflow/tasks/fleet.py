@@ -31,13 +31,13 @@ def _retryable(e: Exception) -> bool:
 @task(name="checkpoint-nodes", cache_policy=NO_CACHE)  # a heartbeat is never a cached result: no input hashing
 def checkpoint_nodes(scope: FleetScope, batches: list[tuple[Node, list[PolicyChoice]]],
                      force: bool = False) -> list[dict]:
-    """The heartbeat of a group of nodes: each node's batch exactly as the ``checkpoint-node-batch``
-    task decides and checkpoints it (``tasks.node.checkpoint_batch``), one node after another.
+    """The heartbeat of a group of nodes: each node's batch as ``tasks.node.checkpoint_batch``
+    decides and checkpoints it, one node after another.
 
     A task run costs the client and the Prefect server ~10-20 ms of CPU each (its state
     transitions, events and rows): one per node is most of a 1,000-node tick, so the heartbeat
     runs a few of these instead. What one node task run did stays per node: a node whose batch
-    raises a retryable error is tried once more (``retries=1`` of checkpoint-node-batch), and a
+    raises a retryable error is tried once more (what retry_if_retryable retries), and a
     node that fails does not keep the group's later nodes from their heartbeat; the first failure
     is raised once all have run.
     """
@@ -46,7 +46,7 @@ def checkpoint_nodes(scope: FleetScope, batches: list[tuple[Node, list[PolicyCho
     for node, batch in batches:
         for attempt in (1, 2):
             try:
-                out += checkpoint_batch.fn(scope, node, batch, force)
+                out += checkpoint_batch(scope, node, batch, force)
                 break
             except Exception as e:  # noqa: BLE001 - kept and raised after the other nodes ran
                 if attempt == 1 and _retryable(e):

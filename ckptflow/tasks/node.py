@@ -23,15 +23,15 @@ from ckptflow.tasks.common import run_logger as get_run_logger  # tolerant: also
 from ckptflow.tasks.common import tier as fleet_tier
 
 
-@task(name="checkpoint-node-batch", retries=1, retry_condition_fn=retry_if_retryable)
 def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], force: bool = False) -> list[dict]:
     """Decide per workload of ``node`` with the policy its fleet rule chose, and checkpoint
     (leave running) those due.
 
     The flow resolved the fleet once (``scope``, the node's declaration, each workload with
     its policy): a task reads no fleet file and lists no placements. One failure does not stop
-    the rest. One task per node batch, not per workload: a task run costs ~20 KB of server DB
-    and ~10 ms, which a fleet tick over thousands of workloads cannot afford. ``force``
+    the rest. A plain function, not a task: the heartbeat's ``checkpoint-nodes`` task runs a
+    group of node batches (a task run costs ~20 KB of server DB and ~10 ms, which a fleet tick
+    over thousands of workloads cannot afford) and retries a node's batch itself. ``force``
     checkpoints every selected workload (manual run).
     """
     log = get_run_logger()
