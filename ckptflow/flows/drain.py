@@ -48,7 +48,7 @@ def drain(fleet_file: str, node: str, via_deployments: bool = True) -> list[dict
         if left:  # the node stays in service: its short-request workers keep serving
             rows.append({"workload": w.name, "action": "kept (drain incomplete)", "target": "-"})
             continue
-        r = run_step(node, "stop", fleet_file, w.name, None, via_deployments)
+        r = run_step(node, "stop", fleet_file, w.name, via_deployments=via_deployments)
         rows.append({"workload": w.name, "action": "stopped (short requests)", "target": "-", **r})
     create_markdown_artifact(key=f"drain-{node}", markdown=render("drain_report.md.j2", node=node, rows=rows))
     if left:  # a green drain is the go for maintenance: never with a worker still on the node

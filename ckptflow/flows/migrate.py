@@ -31,13 +31,15 @@ def migrate(fleet_file: str, workload: str, target_node: str, via_deployments: b
     if paired:  # the target's step starts first: the worker is down for the move only (flows.steps.move)
         out, inn_run = move(source, target_node, fleet_file, workload)
     else:
-        out = run_step(source, "migrate_out", fleet_file, workload, None, via_deployments)
+        out = run_step(source, "migrate_out", fleet_file, workload, via_deployments=via_deployments)
     try:
         inn = (wait_step(inn_run, "migrate_in", workload, target_node) if paired else
-               run_step(target_node, "migrate_in", fleet_file, workload, out["checkpoint"], via_deployments))
+               run_step(target_node, "migrate_in", fleet_file, workload, checkpoint=out["checkpoint"],
+                        via_deployments=via_deployments))
     except Exception as e:
         get_run_logger().error("move of %s to %s failed (%s); restoring on %s", workload, target_node, e, source)
-        back = run_step(source, "restore_local", fleet_file, workload, out["checkpoint"], via_deployments)
+        back = run_step(source, "restore_local", fleet_file, workload, checkpoint=out["checkpoint"],
+                        via_deployments=via_deployments)
         create_markdown_artifact(key=f"migrate-{workload}", markdown=render(
             "migrate_report.md.j2", workload=workload, source=source, target=target_node, out=out, inn=None,
             back=back, error=str(e).splitlines()[0]))

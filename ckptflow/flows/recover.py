@@ -42,7 +42,7 @@ class _Flow:
         self.fleet_file, self.workload, self.via_deployments = fleet_file, workload, via_deployments
 
     def step(self, node: str, action: str) -> dict:
-        return run_step(node, action, self.fleet_file, self.workload, None, self.via_deployments)
+        return run_step(node, action, self.fleet_file, self.workload, via_deployments=self.via_deployments)
 
     def recovered(self, scope, workload, node, how, checkpoint, skipped):
         return alert_recovered(scope, workload, node, how, checkpoint, skipped)

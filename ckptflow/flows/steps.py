@@ -57,7 +57,7 @@ def _named(fleet_file: str, node: str) -> Iterator[None]:
                           fix=f"run `ckptflow deploy {fleet_file}` (per-node deployments are named <fleet>:<node>)") from None
 
 
-def run_step(node: str, action: str, fleet_file: str, workload: str, checkpoint: str | None = None,
+def run_step(node: str, action: str, fleet_file: str, workload: str, *, checkpoint: str | None = None,
              via_deployments: bool = True, replica: str | None = None, when_ready: str | None = None) -> dict:
     """Run node-step ``action`` on ``node``: through its deployment ``node-step/<fleet>:<node>`` (its
     work pool's worker), or in this process. ``when_ready``: the flow run id of a step that
