@@ -191,9 +191,6 @@ CYCLE_ALLOWED = {
     ("ckptflow.runners.node", "ckptflow.runners.container"):
         "NodeRunner hands a container workload to ContainerRunner, which reuses NodeRunner's steps; "
         "goes with the same runtime seam",
-    ("ckptflow.runners.container", "ckptflow.runners.verify"):
-        "the container sandbox verify returns verify.py's VerifyResult; goes when VerifyResult moves to a "
-        "module below both",
     ("ckptflow.runners.gpu", "ckptflow.runners.gpu.cuda"):
         "the registration import at the bottom of gpu/__init__.py (BACKENDS is read directly, so cuda must "
         "be there on import); goes when every reader asks registry.GPU_BACKENDS, which imports it",

@@ -65,7 +65,7 @@ from ckptflow.runners.process import DeclaredProcess, start_time, tree
 
 if TYPE_CHECKING:
     from ckptflow.runners.node import NodeRunner, RestoreResult
-    from ckptflow.runners.verify import VerifyResult
+    from ckptflow.runners.digests import VerifyResult
 
 log = logging.getLogger("ckptflow")
 
@@ -502,7 +502,7 @@ class ContainerRunner:
         own PID and network namespaces), compare its golden answer and session digests with the
         checkpoint's, and remove it. The original is never touched. ``inspect_copy`` is called
         with the running copy (tests look at its namespaces)."""
-        from ckptflow.runners.verify import VerifyResult
+        from ckptflow.runners.digests import VerifyResult
 
         t: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -539,7 +539,7 @@ class ContainerRunner:
                 inspect_copy(pm.inspect(copy))
             got = engine.probe(wc)
             t["probe"] = round(time.perf_counter() - t0, 4)
-            from ckptflow.runners.verify import compare
+            from ckptflow.runners.digests import compare
 
             return compare(w, m, got, t)
         finally:

@@ -5,7 +5,7 @@ A restore in place (runners/node.py, runners/container.py), a sandbox copy besid
 turns the answer into its own outcome (RestoreFailed, verify_failed, unverified).
 
 Example:
-    >>> from ckptflow.models import EngineProbe
+    >>> from ckptflow.models import EngineProbe, Manifest, VerifyOutcome, Workload
     >>> c = compare_sessions(EngineProbe(sessions={"a": "1", "b": "2"}), EngineProbe(sessions={"a": "1", "b": "9"}))
     >>> c.outcome.value, c.differing, c.named()
     ('differ', ('b',), 'b')
@@ -15,11 +15,12 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
-from ckptflow.models import EngineProbe
+from ckptflow.models import EngineProbe, Manifest, VerifyOutcome, Workload
 
 NAMED = 5  # sessions a message names; the rest are counted in the typed result only
 
@@ -74,3 +75,40 @@ def compare_sessions(recorded: EngineProbe, got: EngineProbe | None,
         return SessionComparison(outcome=SessionMatch.equal, compared=len(have))
     return SessionComparison(outcome=SessionMatch.differ,
                              differing=tuple(sorted(k for k in set(want) | set(have) if have.get(k) != want.get(k))))
+
+
+# --- the verdict of a verify: a copy's answers against its checkpoint ---------------------------
+@dataclass
+class VerifyResult:
+    state: VerifyOutcome
+    reason: str
+    timings: dict[str, float] = field(default_factory=dict)
+    log_tail: str = ""
+
+
+def compare(w: Workload, m: Manifest, got: EngineProbe, t: dict) -> VerifyResult:
+    """A healthy copy's probe against what the checkpoint recorded: its golden digest, then its
+    session digests (``runners.digests``). Verified only when something declared was compared."""
+    checked = []
+    if w.golden:
+        want, have = m.probe.golden, got.golden
+        if want is None:
+            return VerifyResult(VerifyOutcome.skipped, "the checkpoint recorded no golden digest (golden request failed "
+                                "or was declared later)", t)
+        if have != want:
+            return VerifyResult(VerifyOutcome.verify_failed, f"golden output digest differs: {str(have)[:12]}... "
+                                f"restored vs {want[:12]}... at checkpoint", t)
+        checked.append("golden digest")
+    if w.probe_url or m.probe.sessions is not None:
+        c = compare_sessions(m.probe, got)
+        if c.outcome is SessionMatch.differ:
+            return VerifyResult(VerifyOutcome.verify_failed, f"session state differs from the checkpoint: {c.named()}", t)
+        if c.equal:
+            checked.append(f"{c.compared} session digest(s)")
+        elif w.probe_url:  # declared, but there is nothing to compare: not proven
+            return VerifyResult(VerifyOutcome.unverified, f"healthy, but sessions not compared: {c.why}"
+                                + (f" ({' and '.join(checked)} equal)" if checked else ""), t)
+    if not checked:  # a healthy copy proves only that it starts, not that it computes like the original
+        return VerifyResult(VerifyOutcome.unverified, "healthy only: no golden request or probe declared, so nothing "
+                            "compared the copy's state with the checkpoint (declare golden: or probe_url:)", t)
+    return VerifyResult(VerifyOutcome.verified, " and ".join(checked) + " equal", t)

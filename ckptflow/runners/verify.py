@@ -18,11 +18,10 @@ import secrets
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 
 from ckptflow.errors import CkptflowError, CriuError, GpuCheckpointError, NotEnoughGpuMemory
 from ckptflow.models import EngineProbe, Manifest, VerifyOutcome, Workload
-from ckptflow.runners.digests import SessionMatch, compare_sessions
+from ckptflow.runners.digests import VerifyResult, compare  # noqa: F401  (re-exported: callers import them here)
 from ckptflow.runners.engine import golden_digest
 from ckptflow.runners.node import NodeRunner
 
@@ -55,14 +54,6 @@ with httpx.Client(follow_redirects=True) as http:
         out["sessions"] = http.get(cfg["probe"], timeout=60).raise_for_status().json()["sessions"]
 print(json.dumps(out))
 """
-
-
-@dataclass
-class VerifyResult:
-    state: VerifyOutcome
-    reason: str
-    timings: dict[str, float] = field(default_factory=dict)
-    log_tail: str = ""
 
 
 def probe_in_netns(ns: str, w: Workload, timeout_s: float = 120) -> dict:
@@ -157,34 +148,6 @@ def _compare(w: Workload, m: Manifest, got: dict, t: dict) -> VerifyResult:
     have = EngineProbe.model_construct(golden=golden_digest(got["golden_answer"], w.golden.field)
                                        if w.golden and "golden_answer" in got else None, sessions=got.get("sessions"))
     return compare(w, m, have, t)
-
-
-def compare(w: Workload, m: Manifest, got: EngineProbe, t: dict) -> VerifyResult:
-    """A healthy copy's probe against what the checkpoint recorded: its golden digest, then its
-    session digests (``runners.digests``). Verified only when something declared was compared."""
-    checked = []
-    if w.golden:
-        want, have = m.probe.golden, got.golden
-        if want is None:
-            return VerifyResult(VerifyOutcome.skipped, "the checkpoint recorded no golden digest (golden request failed "
-                                "or was declared later)", t)
-        if have != want:
-            return VerifyResult(VerifyOutcome.verify_failed, f"golden output digest differs: {str(have)[:12]}... "
-                                f"restored vs {want[:12]}... at checkpoint", t)
-        checked.append("golden digest")
-    if w.probe_url or m.probe.sessions is not None:
-        c = compare_sessions(m.probe, got)
-        if c.outcome is SessionMatch.differ:
-            return VerifyResult(VerifyOutcome.verify_failed, f"session state differs from the checkpoint: {c.named()}", t)
-        if c.equal:
-            checked.append(f"{c.compared} session digest(s)")
-        elif w.probe_url:  # declared, but there is nothing to compare: not proven
-            return VerifyResult(VerifyOutcome.unverified, f"healthy, but sessions not compared: {c.why}"
-                                + (f" ({' and '.join(checked)} equal)" if checked else ""), t)
-    if not checked:  # a healthy copy proves only that it starts, not that it computes like the original
-        return VerifyResult(VerifyOutcome.unverified, "healthy only: no golden request or probe declared, so nothing "
-                            "compared the copy's state with the checkpoint (declare golden: or probe_url:)", t)
-    return VerifyResult(VerifyOutcome.verified, " and ".join(checked) + " equal", t)
 
 
 def verify_template_sessions(node: NodeRunner, w: Workload, m: Manifest) -> VerifyResult:
