@@ -294,7 +294,7 @@ def status(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET) -> Non
 
 @app.command()
 def exporter(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET,
-             port: int = typer.Option(9464, help="Port for /metrics."),
+             port: int = typer.Option(9464, min=1, max=65535, help="Port for /metrics."),
              host: str = typer.Option("127.0.0.1", help="Address to bind.")) -> None:
     """Serve Prometheus metrics about checkpoints: age, states, verification, bytes, restores."""
     import time
@@ -306,7 +306,14 @@ def exporter(fleet_file: Path = OPT_FLEET_ARG, legacy: Path = LEGACY_FLEET,
     fleet = _fleet(_fleet_path(fleet_file, legacy))
     reg = CollectorRegistry()
     reg.register(StoreCollector(fleet))
-    start_http_server(port, addr=host, registry=reg)
+    from ckptflow.demo.launch import require_free_port
+
+    require_free_port(port, host)   # a taken port: one line naming it, not the socket's errno
+    try:
+        start_http_server(port, addr=host, registry=reg)
+    except OSError as e:   # an address this machine does not have, or a port taken since the check
+        raise ConfigError(f"cannot serve metrics on {host}:{port}: {e.strerror or e}",
+                          fix="pass --host with an address of this machine and a free --port") from None
     console.print(f"serving ckptflow metrics on http://{host}:{port}/metrics")
     while True:
         time.sleep(3600)
@@ -438,7 +445,7 @@ def deploy(fleet_file: Path = FLEET_ARG,
 
 
 @app.command()
-def simulate(seed: int = typer.Option(0, help="Trace seed."),
+def simulate(seed: int = typer.Option(0, min=0, help="Trace seed."),
              failures: str = typer.Option("exponential", help="exponential or weibull"),
              profile: str = typer.Option("process-h200", help="Cost profile: process-h200 (whole-process "
                                          "checkpoints) or two-tier-h200 (template + sessions)."),

@@ -311,3 +311,23 @@ def test_heartbeat_and_recover_without_a_prefect_server_act_first_and_still_aler
     assert "temporary server" not in out.stdout + out.stderr and "Flow run" not in out.stdout + out.stderr
     assert any("recovered" in json.dumps(r["body"]) for r in slack.requests), slack.requests
     assert w.complete("and then", 8, "s") == want               # the checkpoint's session, served again
+
+
+def test_exporter_and_simulate_refuse_bad_arguments_in_one_line():
+    import socket
+
+    for args, named in ((["exporter", "--port", "99999"], "--port"), (["exporter", "--port", "-1"], "--port"),
+                        (["simulate", "--seed", "-1"], "--seed")):
+        p = _run(*args)
+        assert p.returncode == 2 and named in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+    with socket.socket() as s:     # a port something listens on: named, with how to find its owner
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p = _run("exporter", "deployments/local.yaml", "--port", str(port))
+    assert p.returncode == 2 and f"error: port {port} on 127.0.0.1 is taken by another process" in p.stderr
+    assert "ss -ltnp" in p.stderr and "Traceback" not in p.stderr
+    # an address this machine does not have is not "taken": said as it is (TEST-NET-3, never local)
+    p = _run("exporter", "deployments/local.yaml", "--port", "19466", "--host", "203.0.113.7")
+    assert p.returncode == 2 and "error: cannot listen on 203.0.113.7:19466" in p.stderr, p.stderr
+    assert "is taken" not in p.stderr

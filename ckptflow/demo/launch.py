@@ -40,6 +40,7 @@ def require_free_port(port: int, host: str = "127.0.0.1") -> None:
     Raises:
         ConfigError: the port is taken.
     """
+    import errno
     import socket
 
     from ckptflow.errors import ConfigError
@@ -48,7 +49,10 @@ def require_free_port(port: int, host: str = "127.0.0.1") -> None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT leftover is no owner
         try:
             s.bind((host, port))
-        except OSError:
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:   # not taken: an address this machine does not have
+                raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}",
+                                  fix="use an address of this machine (127.0.0.1, or one `ip -brief addr` lists)") from None
             raise ConfigError(f"port {port} on {host} is taken by another process",
                               fix=f"stop it (see `ss -ltnp 'sport = :{port}'`), e.g. an earlier demo's worker") from None
 

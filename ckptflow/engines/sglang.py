@@ -5,7 +5,7 @@ Measured with SGLang 0.5.17 on the H200 (bench/sglang_gpu.py, docs/engines/sglan
 tree checkpointed and restored through NodeRunner, and the next 32 tokens of a 4,080-token session
 equal to the engine's before the kill, 4,079 of them served from the restored radix cache. SGLang
 does not serve on CPU from registry packages (its CPU kernels are a source build), so CI tests
-this module on the answers recorded from that run (tests/fixtures/sglang/).
+this module on the answers recorded from that run (tests/data/sglang/).
 
 A fleet file declares it like this (``engine: sglang`` turns on the CRIU options its tree needs,
 ``SGLANG_CRIU`` in ckptflow.models):
