@@ -212,6 +212,13 @@ def run_isolated(ctx: typer.Context,
                           fix="put the command after `--`: ckptflow run-isolated --pid-file F -- python3 -m ...")
     if os.geteuid() != 0:
         raise ConfigError("run-isolated needs root (new PID and mount namespaces)", fix="run it as root, as the node runner")
+    import shutil
+
+    # Checked here: inside the namespaces a command that cannot start fails only into --log
+    # (often /dev/null), after the PID file naming a dead PID was written.
+    if shutil.which(argv[0]) is None:
+        raise ConfigError(f"run-isolated: cannot run {argv[0]!r}: no such executable file",
+                          fix="give the worker's command as it runs in a shell on this node (on PATH, or its full path)")
     pid_file.parent.mkdir(parents=True, exist_ok=True)
     os.execvp("unshare", isolated_argv(argv, pid_file.resolve(), log.resolve() if str(log) != os.devnull else log))
 

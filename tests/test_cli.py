@@ -331,3 +331,9 @@ def test_exporter_and_simulate_refuse_bad_arguments_in_one_line():
     p = _run("exporter", "deployments/local.yaml", "--port", "19466", "--host", "203.0.113.7")
     assert p.returncode == 2 and "error: cannot listen on 203.0.113.7:19466" in p.stderr, p.stderr
     assert "is taken" not in p.stderr
+
+
+def test_run_isolated_with_a_command_that_cannot_start_says_so_and_writes_no_pid_file(tmp_path):
+    p = _run("run-isolated", "--pid-file", str(tmp_path / "w.pid"), "--", str(tmp_path / "no-such-worker"))
+    assert p.returncode == 2 and "cannot run" in p.stderr and "no-such-worker" in p.stderr, p.stderr
+    assert not (tmp_path / "w.pid").exists()
