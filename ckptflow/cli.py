@@ -497,7 +497,12 @@ def heartbeat(fleet_file: Path = FLEET_ARG, node: str = typer.Option(None, help=
         rows = flow(str(fleet_file), node=node, workloads=workload or None, force=force)
     except HeartbeatFailed as e:
         _table("heartbeat", e.rows, ("workload", "decision", "checkpoint", "reason", "error"))
-        _print_error(str(e), None)
+        gone = [r["workload"] for r in e.rows if r.get("gone") and not r.get("ok")]
+        fix = None
+        if gone:  # the worker is not running: what brings it back
+            fix = (f"start it again, or `ckptflow recover {fleet_file} {gone[0]}` restores its newest checkpoint; "
+                   "`on_worker_gone: recover` in its policy rule makes the heartbeat do that")
+        _print_error(str(e), fix)
         raise typer.Exit(1)
     _table("heartbeat", rows, ("workload", "decision", "checkpoint", "reason"))
 

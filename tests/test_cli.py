@@ -337,3 +337,15 @@ def test_run_isolated_with_a_command_that_cannot_start_says_so_and_writes_no_pid
     p = _run("run-isolated", "--pid-file", str(tmp_path / "w.pid"), "--", str(tmp_path / "no-such-worker"))
     assert p.returncode == 2 and "cannot run" in p.stderr and "no-such-worker" in p.stderr, p.stderr
     assert not (tmp_path / "w.pid").exists()
+
+
+def test_a_heartbeat_that_finds_a_worker_gone_says_how_to_bring_it_back(tmp_path):
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(LOCAL.read_text().replace(".ckptflow/store", str(tmp_path / "store"))
+                     .replace(".ckptflow/run/demo-chat.pid", str(tmp_path / "gone.pid")))
+    out = _cli(tmp_path, "heartbeat", fleet)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert lines[-2].startswith("error: demo-chat: workload demo-chat: pid file "), lines[-3:]
+    assert lines[-1] == (f"fix: start it again, or `ckptflow recover {fleet} demo-chat` restores its newest "
+                         "checkpoint; `on_worker_gone: recover` in its policy rule makes the heartbeat do that")
