@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shlex
@@ -53,6 +54,24 @@ def record_run(name: str, result: dict) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
     return run
+
+
+def append_device_run(name: str, fetched: Path, title: str, carry: str, table) -> None:
+    """Here, after a device call: the ``NAME.json`` a GPU bench wrote under the device's $OUT is
+    appended as a run to bench/results/NAME.json (every run kept) and to RESULTS.md, with the
+    device's own machine and commands (``table``: the bench's table of that run)."""
+    res = json.loads(fetched.read_text())
+    if "runs" in res:
+        raise SystemExit(f"--append-results: {fetched} is a results file (it has runs); "
+                         f"pass the {name}.json the device run wrote under $OUT")
+    record_run(name, res)
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cmds = "; ".join(f"`{c}`" for c in res.get("commands", []))
+    block = (f"\n## {title} — {stamp}\n\nMachine: {res.get('machine')} ({res.get('gpu')}; torch {res.get('torch')}), "
+             f"kind nvidia-h200  \nCommand (on the device, after `eval \"$(scripts/{carry} env)\"`): {cmds}\n\n"
+             f"{table(res)}\n\n{res.get('notes_md', '')}\n")
+    with RESULTS_MD.open("a") as f:
+        f.write(block)
 
 
 def runs_of(name: str) -> list[dict]:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vllm_gpu as V  # noqa: E402  (the model, HTTP, log watch, engine start/kill and runner helpers)
-from _common import machine, md_table, record_run  # noqa: E402
+from _common import append_device_run, machine, md_table  # noqa: E402
 
 from ckptflow.engines.sglang import CMDLINE, VERSION as SGLANG_VERSION  # noqa: E402
 
@@ -319,23 +319,8 @@ def main() -> None:
         print(json.dumps(phases_of_log(a.phases_of)))
         return
     if a.append_results:
-        res = json.loads(a.append_results.read_text())
-        if "runs" in res:
-            raise SystemExit(f"--append-results: {a.append_results} is a results file (it has runs); "
-                             "pass the sglang_gpu.json the device run wrote under $OUT")
-        record_run("sglang_gpu", res)
-        from datetime import datetime, timezone
-
-        from _common import RESULTS_MD
-
-        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        cmds = "; ".join(f"`{c}`" for c in res.get("commands", []))
-        block = (f"\n## SGLang {SGLANG_VERSION} on the H200: cold start, whole process (bench/sglang_gpu.py) — "
-                 f"{stamp}\n\nMachine: {res.get('machine')} ({res.get('gpu')}; torch {res.get('torch')}), kind "
-                 f"nvidia-h200  \nCommand (on the device, after `eval \"$(scripts/carry-sglang.sh env)\"`): {cmds}\n\n"
-                 f"{table(res)}\n\n{res.get('notes_md', '')}\n")
-        with RESULTS_MD.open("a") as f:
-            f.write(block)
+        append_device_run("sglang_gpu", a.append_results, f"SGLang {SGLANG_VERSION} on the H200: cold start, whole "
+                          "process (bench/sglang_gpu.py)", "carry-sglang.sh", table)
         return
     a.rows = [r.strip() for r in a.rows.split(",") if r.strip()]
     unknown = sorted(set(a.rows) - {"a", "b"})

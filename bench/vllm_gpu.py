@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import machine, md_table, record_run  # noqa: E402
+from _common import append_device_run, machine, md_table  # noqa: E402
 
 GiB = 2**30
 VLLM_VERSION = "0.26.0"
@@ -872,24 +872,8 @@ def main() -> None:
         print(json.dumps(info))
         return
     if a.append_results:
-        res = json.loads(a.append_results.read_text())
-        if "runs" in res:
-            raise SystemExit(f"--append-results: {a.append_results} is a results file (it has runs); "
-                             "pass the vllm_gpu.json the device run wrote under $OUT")
-        # Date and command of the recording; the device's own machine and commands are the run's.
-        record_run("vllm_gpu", res)
-        from datetime import datetime, timezone
-
-        from _common import RESULTS_MD
-
-        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        cmds = "; ".join(f"`{c}`" for c in res.get("commands", []))
-        block = (f"\n## vLLM {VLLM_VERSION} on the H200: cold start, whole process, two tiers (bench/vllm_gpu.py) — "
-                 f"{stamp}\n\nMachine: {res.get('machine')} ({res.get('gpu')}; torch {res.get('torch')}), kind "
-                 f"nvidia-h200  \nCommand (on the device, after `eval \"$(scripts/carry-vllm.sh env)\"`): {cmds}\n\n"
-                 f"{table(res)}\n\n{res.get('notes_md', '')}\n")
-        with RESULTS_MD.open("a") as f:
-            f.write(block)
+        append_device_run("vllm_gpu", a.append_results, f"vLLM {VLLM_VERSION} on the H200: cold start, whole process, "
+                          "two tiers (bench/vllm_gpu.py)", "carry-vllm.sh", table)
         return
     a.rows = [r.strip() for r in a.rows.split(",") if r.strip()]
     a.work.mkdir(parents=True, exist_ok=True)
