@@ -42,13 +42,14 @@ def test_the_benchmarks_pages_fleet_tick_figures_are_the_runs_range():
 
 # The benches that overwrote their JSON before they kept every run, and the file each appends to.
 RECORDED = {"gpu_checkpoint.py": "gpu_checkpoint", "gpu_tp.py": "gpu_tp", "gpu_two_tier.py": "gpu_two_tier",
-            "soak.py": "soak", "vllm_gpu.py": "vllm_gpu", "gpu_pidns_born.py": "gpu_pidns"}
+            "soak.py": "soak", "vllm_gpu.py": "vllm_gpu", "gpu_pidns_born.py": "gpu_pidns",
+            "sglang_gpu.py": "sglang_gpu"}
 
 
 @pytest.mark.parametrize("script,name", RECORDED.items())
 def test_the_bench_appends_runs_and_its_file_keeps_them(script, name):
     src = (ROOT / "bench" / script).read_text()
-    assert f'record_run("{name}"' in src
+    assert f'record_run("{name}"' in src or f'append_device_run("{name}"' in src   # the GPU benches, from $OUT
     runs = _runs(name)
     assert runs
     for r in runs:  # dated, or the file from before runs were kept, named by the commit it stood at
