@@ -405,6 +405,9 @@ FIGURES = [
 
 # Settings, not measurements: (doc, text, file that sets it, what must stand there).
 CONFIG = [
+    (OPS, "`fixed` (`interval_s`, 3600 s when left out)", "ckptflow/policies/cadence.py",
+     r'interval_s: float = Field\(3600\.0, ge=0, description="Checkpoint interval\."'),
+    (OPS, "priced for a $2.50 H200", "ckptflow/policies/cadence.py", r"gpu_usd_per_hour: float = Field\(\s*2\.50,"),
     (GPU, "free GPU memory ≥ footprint + 1 GiB first", "ckptflow/runners/cuda.py", r"RESTORE_MARGIN_GIB = 1\.0\b"),
     (GPU, "(48 MiB of weights", "tests/test_template_sessions.py", r"BALLAST_MIB = 48\b"),
     (GPU, "within the 1.3× target", "bench/policy_sim.py", r"ratio_c <= 1\.3\b"),
