@@ -39,6 +39,7 @@ from ckptflow.errors import ConfigError
 # WORKER_QUERY_S: how often each node's worker asks the server for flow runs
 # (PREFECT_WORKER_QUERY_SECONDS) unless the fleet file or `deploy --worker-query-seconds` says.
 from ckptflow.fleet import WORKER_QUERY_S, load_fleet, node_deployment
+from ckptflow.registry import RESULT_STORAGES
 from ckptflow.render import env
 
 # The flow files prefect.yaml's entrypoints name (templates/prefect.yaml.j2): a directory holds
@@ -98,7 +99,8 @@ class ResultStorage:
     build: Callable[[Any], Any]      # storage -> the (unsaved) block; imports its integration itself
 
 
-RESULT_STORAGE: dict[str, ResultStorage] = {}
+# The registry's own dict (registry.RESULT_STORAGES, keyed by storage.kind; only deploy reads it).
+RESULT_STORAGE: dict[str, ResultStorage] = RESULT_STORAGES.entries
 
 
 def register_result_storage(kind: str, block_type: str, build: Callable[[Any], Any]) -> None:
@@ -111,7 +113,7 @@ def register_result_storage(kind: str, block_type: str, build: Callable[[Any], A
         >>> register_result_storage("gcs", "gcs-bucket", lambda st: __import__("prefect_gcp").GcsBucket(
         ...     bucket=st.bucket, bucket_folder=f"{st.prefix}/prefect-results"))   # doctest: +SKIP
     """
-    RESULT_STORAGE[kind] = ResultStorage(block_type, build)
+    RESULT_STORAGES.add(kind, ResultStorage(block_type, build))
 
 
 def _s3_bucket(st) -> Any:
@@ -134,7 +136,7 @@ def _kind(fleet) -> str:
 def results_block_name(fleet) -> str | None:
     """The block holding the fleet's flow results (None where its kind registers none, e.g.
     ``local``: Prefect's default, the worker's own disk)."""
-    if _kind(fleet) not in RESULT_STORAGE:
+    if _kind(fleet) not in RESULT_STORAGES:
         return None
     return "ckptflow-results-" + re.sub(r"[^a-z0-9-]", "-", fleet.fleet)
 
@@ -142,13 +144,15 @@ def results_block_name(fleet) -> str | None:
 def results_env(fleet) -> dict[str, str]:
     """The environment that points a deployment's flow runs at the fleet's results block."""
     name = results_block_name(fleet)
-    return {"PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK": f"{RESULT_STORAGE[_kind(fleet)].block_type}/{name}"} if name else {}
+    if name is None:
+        return {}
+    return {"PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK": f"{RESULT_STORAGES.lookup(_kind(fleet)).block_type}/{name}"}
 
 
 def save_results_block(fleet) -> str:
     """Create (or update) the fleet's results block; its name."""
     name = results_block_name(fleet)
-    RESULT_STORAGE[_kind(fleet)].build(fleet.storage).save(name, overwrite=True)
+    RESULT_STORAGES.lookup(_kind(fleet)).build(fleet.storage).save(name, overwrite=True)
     return name
 
 

@@ -39,9 +39,9 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationErr
 
 from ckptflow.errors import ConfigError
 from ckptflow.models import EngineField, Name, TrafficClass, Workload
-from ckptflow.policies.cadence import POLICIES, PolicyParams
+from ckptflow.policies.cadence import PolicyParams
 from ckptflow.policies.retention import Retention
-from ckptflow.registry import ENGINES, GPU_BACKENDS, STORAGE_KINDS
+from ckptflow.registry import CADENCE_POLICIES, ENGINES, GPU_BACKENDS, STORAGE_KINDS
 
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: ~10x faster on a 1,000-workload file
@@ -91,9 +91,9 @@ class Storage(BaseModel):
     @classmethod
     def _registered_kind(cls, v: Any) -> Any:
         # The enum's own message would name only the built-in kinds.
-        if isinstance(v, str) and v not in STORAGE_KINDS.loaded():
-            raise ValueError(f"unknown storage kind {v!r} (known: {', '.join(STORAGE_KINDS.known())}); a new kind "
-                             "is registered with ckptflow.store.register_tier (docs/extending/storage-tier.md)")
+        if isinstance(v, str) and v not in STORAGE_KINDS:
+            raise ValueError(f"{STORAGE_KINDS.unknown(v)}; a new kind is registered with ckptflow.store.register_tier "
+                             "(docs/extending/storage-tier.md)")
         return v
 
     @model_validator(mode="after")
@@ -165,7 +165,7 @@ class OnWorkerGone(StrEnum):
 class PolicyRule(BaseModel):
     """First matching rule wins; the policy is chosen by name (see ckptflow.policies).
 
-    ``params`` are validated against the named policy's own model (``POLICIES[name].params``):
+    ``params`` are validated against the named policy's own model (``CADENCE_POLICIES.get(name).params``):
     an unknown key or a bad value is reported at ``policies[i].params.<key>`` with its line.
     """
 
@@ -186,19 +186,14 @@ class PolicyRule(BaseModel):
     def _typed_params(cls, data: Any) -> Any:
         if not isinstance(data, dict) or not isinstance(data.get("policy"), str):
             return data  # the schema reports a missing or non-string policy
-        name = data["policy"]
-        if name not in POLICIES:
-            raise _PathErrors([(("policy",), _unknown_policy(name))])
-        chosen = POLICIES[name]
+        chosen = CADENCE_POLICIES.get(data["policy"])
+        if chosen is None:
+            raise _PathErrors([(("policy",), CADENCE_POLICIES.unknown(data["policy"]))])
         try:
             params = chosen.parse(data.get("params", {}))
         except ValidationError as e:
             raise _PathErrors([(("params", *err["loc"]), _param_problem(chosen, err)) for err in e.errors()]) from None
         return {**data, "params": params}
-
-
-def _unknown_policy(name: str) -> str:
-    return f"unknown policy {name!r} (known: {', '.join(sorted(POLICIES))})"
 
 
 def _param_problem(chosen, err: dict) -> str:
@@ -312,7 +307,8 @@ class Fleet(BaseModel):
         no rule matches)."""
         rule = self.rule_for(w)
         if rule is None:
-            return PolicyChoice(workload=w, policy=DEFAULT_POLICY, params=POLICIES[DEFAULT_POLICY].defaults)
+            return PolicyChoice(workload=w, policy=DEFAULT_POLICY,
+                                params=CADENCE_POLICIES.lookup(DEFAULT_POLICY).defaults)
         return PolicyChoice(workload=w, policy=rule.policy, params=rule.params, on_worker_gone=rule.on_worker_gone)
 
     def scope(self) -> "FleetScope":

@@ -30,8 +30,8 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       ValidationInfo, field_serializer, field_validator, model_validator)
 
 from ckptflow.container_models import ContainerSpec, PortMap
-from ckptflow.modes import DEFAULT_MODE, MODES, ModeParams, canonical_mode, unknown_mode
-from ckptflow.registry import ENGINES
+from ckptflow.modes import DEFAULT_MODE, ModeParams
+from ckptflow.registry import CHECKPOINT_MODES, ENGINES
 
 # Names end up in paths and object keys: keep them to a safe alphabet so that a workload
 # called "../../etc" can never address anything outside its own directory.
@@ -171,7 +171,7 @@ SGLANG_CRIU = VLLM_CRIU.model_copy()
 
 class CheckpointMode(StrEnum):
     """The built-in checkpoint modes' names (every mode, built-in or not, is registered in
-    ckptflow.modes.MODES; ``Workload.checkpoint`` holds the name)."""
+    registry.CHECKPOINT_MODES with ckptflow.modes.register_mode; ``Workload.checkpoint`` holds the name)."""
 
     process = "process"     # the whole worker: CUDA checkpoint + CRIU (any engine)
     template_sessions = "template-sessions"  # template + sessions through the engine protocol (docs/engines/protocol.md)
@@ -246,10 +246,8 @@ class Workload(BaseModel):
     @field_validator("checkpoint")
     @classmethod
     def _known_mode(cls, v: str, info: ValidationInfo) -> str:
-        v = canonical_mode(v)  # an old name (two-tier) reads as the mode it names now
-        if v not in MODES:
-            raise ValueError(unknown_mode(v))
-        why = MODES[v].refuse(info.data)  # the fields declared above checkpoint are validated already
+        v = CHECKPOINT_MODES.check(v)  # an old name (two-tier) reads as the mode it names now
+        why = CHECKPOINT_MODES.lookup(v).refuse(info.data)  # the fields declared above checkpoint are validated already
         if why:
             raise ValueError(why)
         return v
@@ -257,7 +255,7 @@ class Workload(BaseModel):
     @field_validator("checkpoint_params", mode="before")
     @classmethod
     def _typed_mode_params(cls, v: Any, info: ValidationInfo) -> ModeParams:
-        spec = MODES.get(info.data.get("checkpoint", ""))
+        spec = CHECKPOINT_MODES.get(info.data.get("checkpoint", ""))
         if spec is None:
             return ModeParams()  # the unknown mode is the error reported
         try:

@@ -12,12 +12,12 @@ silently used::
         checkpoint_params: {min_session_tokens: 64}
 
 Modes are registered by name (``register_mode("template-sessions", TemplateSessionsParams, runner=...)``)
-in ``MODES``, which the workload model checks ``checkpoint:`` against; an unknown one is refused in
-one line naming the known ones. A mode may keep an old name as an alias (``two-tier``, which
-fleet files in the wild still say, is ``template-sessions``). ``runner`` is where the mode's
-implementation lives (``"module:Class"``, a ``runners.modes.ModeRunner``), imported only when a
-node step uses it, so this module stays pure and importable by the models. docs/extending/checkpoint-mode.md walks
-through adding one.
+in ``registry.CHECKPOINT_MODES`` (``MODES`` is its dict), which the workload model checks ``checkpoint:``
+against; an unknown one is refused in the line every seam's registry gives, naming the known ones. A
+mode may keep an old name as an alias (``two-tier``, which fleet files in the wild still say, is
+``template-sessions``). ``runner`` is where the mode's implementation lives (``"module:Class"``, a
+``runners.modes.ModeRunner``), imported only when a node step uses it, so this module stays pure
+and importable by the models. docs/extending/checkpoint-mode.md walks through adding one.
 
 Example:
     >>> sorted(MODES)
@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from ckptflow.registry import CHECKPOINT_MODES, Entry
 
 DEFAULT_MODE = "process"
 
@@ -70,30 +72,15 @@ Refusal = Callable[[Mapping[str, Any]], "str | None"]
 
 
 @dataclass(frozen=True, slots=True)
-class CheckpointModeSpec:
-    """A registered mode: its name in fleet files, its parameters' model, where its runner lives,
-    the manifest kinds it writes, and what it refuses."""
+class CheckpointModeSpec(Entry):
+    """A registered mode: its name in fleet files, its parameters' model (``name``, ``params`` and
+    ``parse`` are the registry's ``Entry``'s), where its runner lives, the manifest kinds it writes,
+    and what it refuses."""
 
-    name: str
-    params: type[ModeParams]
     runner: str                     # "module:Class" of its runners.modes.ModeRunner
     kinds: tuple[str, ...]          # CheckpointKind values its heartbeats write
     refuse: Refusal
     summary: str = ""
-
-    def parse(self, params: Mapping[str, Any] | ModeParams | None) -> ModeParams:
-        """``params`` as this mode's model.
-
-        Raises:
-            pydantic.ValidationError: an unknown key, or a value of the wrong type or range.
-        """
-        if params is None:
-            params = {}  # its defaults; a mode with a required parameter refuses a workload without it
-        if isinstance(params, self.params):
-            return params
-        if isinstance(params, ModeParams):
-            params = params.model_dump(exclude_unset=True)
-        return self.params.model_validate(params)
 
     def load(self) -> type:
         """The mode's runner class (imported now)."""
@@ -101,8 +88,9 @@ class CheckpointModeSpec:
         return getattr(importlib.import_module(module), cls)
 
 
-MODES: dict[str, CheckpointModeSpec] = {}
-MODE_ALIASES: dict[str, str] = {}  # an old name -> the registered name (fleet files keep working)
+# The registry's own dicts (registry.CHECKPOINT_MODES, which models.py validates names against).
+MODES: dict[str, CheckpointModeSpec] = CHECKPOINT_MODES.entries
+MODE_ALIASES: dict[str, str] = CHECKPOINT_MODES.aliases  # an old name -> the registered name
 
 
 def register_mode(name: str, params: type[ModeParams], *, runner: str, kinds: tuple[str, ...],
@@ -111,30 +99,26 @@ def register_mode(name: str, params: type[ModeParams], *, runner: str, kinds: tu
     """Register a checkpoint mode under ``name``: what a workload's ``checkpoint:`` names
     (``aliases``: older names that mean the same mode)."""
     spec = CheckpointModeSpec(name, params, runner, kinds, refuse or (lambda w: None), summary)
-    MODES[name] = spec
-    MODE_ALIASES.update({a: name for a in aliases})
-    return spec
+    return CHECKPOINT_MODES.add(name, spec, aliases)
 
 
 def canonical_mode(name: str) -> str:
     """The registered name ``name`` stands for (itself unless it is an alias)."""
-    return MODE_ALIASES.get(name, name)
+    return CHECKPOINT_MODES.canonical(name)
 
 
 def unknown_mode(name: object) -> str:
-    return f"unknown checkpoint mode {name!r} (known: {', '.join(sorted(MODES))})"
+    """The line that refuses mode ``name`` (``registry.Registry.unknown``'s)."""
+    return CHECKPOINT_MODES.unknown(name)
 
 
 def get_mode(name: str) -> CheckpointModeSpec:
-    """The registered mode called ``name``.
+    """The registered mode called ``name`` (or an alias of it).
 
     Raises:
         KeyError: no mode of that name (the workload model checks names first).
     """
-    try:
-        return MODES[canonical_mode(name)]
-    except KeyError:
-        raise KeyError(unknown_mode(name)) from None
+    return CHECKPOINT_MODES.lookup(name)
 
 
 def mode_of_kind(kind: str) -> CheckpointModeSpec:

@@ -9,8 +9,9 @@ import pytest
 
 import ckptflow.policies
 
-MODULES = ["ckptflow.models", "ckptflow.fleet", "ckptflow.settings", "ckptflow.container_models", "ckptflow.runners.engine",
-           "ckptflow.runners.isolate", "ckptflow.runners.digests", "ckptflow.runners.gpu",
+MODULES = ["ckptflow.registry", "ckptflow.modes", "ckptflow.models", "ckptflow.fleet", "ckptflow.settings",
+           "ckptflow.container_models", "ckptflow.runners.engine", "ckptflow.runners.isolate", "ckptflow.runners.digests",
+           "ckptflow.runners.gpu",
            *sorted(m.name for m in pkgutil.iter_modules(ckptflow.policies.__path__, "ckptflow.policies."))]
 
 

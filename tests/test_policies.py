@@ -299,16 +299,16 @@ def test_a_misspelt_parameter_is_refused_not_ignored():
 
 
 def test_a_registered_policy_is_chosen_by_name_from_the_fleet_file(tmp_path, monkeypatch):
-    import ckptflow.fleet
     from ckptflow.fleet import load_fleet
     from ckptflow.models import Decision
     from ckptflow.policies import cadence
+    from ckptflow.registry import CADENCE_POLICIES
 
     class EveryParams(cadence.PolicyParams):
         every_s: float = 60.0
 
-    monkeypatch.setattr(cadence, "POLICIES", dict(cadence.POLICIES))  # the registry as it was, after the test
-    monkeypatch.setattr(ckptflow.fleet, "POLICIES", cadence.POLICIES)
+    # the registry as it was, after the test (register and the fleet loader both go through it)
+    monkeypatch.setattr(CADENCE_POLICIES, "entries", dict(CADENCE_POLICIES.loaded()))
 
     @cadence.register("every", EveryParams)
     def decide_every(f, params, cost):

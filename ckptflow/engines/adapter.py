@@ -162,7 +162,7 @@ def get_adapter(name: object) -> EngineAdapter:
     key = str(getattr(name, "value", name))
     adapter = ENGINES.loaded().get(key)
     if adapter is None:
-        raise ConfigError(f"unknown engine {key!r} (known: {', '.join(known_engines())})",
+        raise ConfigError(ENGINES.unknown(key),
                           fix="declare one of the known engines, or register an adapter for it "
                               "(docs/extending/engine-adapter.md)")
     return adapter

@@ -14,8 +14,9 @@ that names its line instead of a default silently used::
         policy: fixed                      # FixedParams
         params: {interval_s: 1800}
 
-Policies are registered by name (``@register("fixed", FixedParams)``) in ``POLICIES``, which
-the fleet loader checks rules against.
+Policies are registered by name (``@register("fixed", FixedParams)``) in
+``registry.CADENCE_POLICIES`` (``POLICIES`` is its dict), which the fleet loader checks rules
+against; an unknown name is refused in the line every seam's registry gives.
 
 Pure: facts in, a Decision out (with a one-line reason that shows the numbers).
 
@@ -88,6 +89,7 @@ from typing import Any, Callable, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ckptflow.models import Action, Decision
+from ckptflow.registry import CADENCE_POLICIES, Entry
 
 INF = math.inf
 
@@ -420,36 +422,30 @@ DecideFn = Callable[[WorkloadFacts, Any, CostModel], Decision]
 
 
 @dataclass(frozen=True, slots=True)
-class Policy:
-    """A registered policy: its name in fleet files, its parameters' model, its decision."""
+class Policy(Entry):
+    """A registered policy: its name in fleet files, its parameters' model (``name`` and ``params``
+    are the registry's ``Entry``'s), its decision."""
 
-    name: str
-    params: type[PolicyParams]
     decide: DecideFn
     defaults: PolicyParams          # what a rule without ``params:`` gets
 
     def parse(self, params: Mapping[str, Any] | PolicyParams | None) -> PolicyParams:
-        """``params`` as this policy's model.
+        """``params`` as this policy's model (None: ``defaults``).
 
         Raises:
             pydantic.ValidationError: an unknown key, or a value of the wrong type or range.
         """
-        if params is None:
-            return self.defaults
-        if isinstance(params, self.params):
-            return params
-        if isinstance(params, PolicyParams):
-            params = params.model_dump(exclude_unset=True)
-        return self.params.model_validate(params)
+        return self.defaults if params is None else Entry.parse(self, params)
 
 
-POLICIES: dict[str, Policy] = {}
+# The registry's own dict (registry.CADENCE_POLICIES, which fleet.py checks rules against).
+POLICIES: dict[str, Policy] = CADENCE_POLICIES.entries
 
 
 def register(name: str, params: type[P]) -> Callable[[DecideFn], DecideFn]:
     """Register a decision function under ``name`` with its parameters' model."""
     def add(fn: DecideFn) -> DecideFn:
-        POLICIES[name] = Policy(name, params, fn, params())
+        CADENCE_POLICIES.add(name, Policy(name, params, fn, params()))
         return fn
     return add
 
@@ -460,10 +456,7 @@ def get_policy(name: str) -> Policy:
     Raises:
         KeyError: no policy of that name (the fleet file loader checks names first).
     """
-    try:
-        return POLICIES[name]
-    except KeyError:
-        raise KeyError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+    return CADENCE_POLICIES.lookup(name)
 
 
 @register("cost-based", CostBasedParams)

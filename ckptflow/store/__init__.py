@@ -86,7 +86,7 @@ def tier_kinds() -> list[str]:
 def _kind(storage) -> TierKind:
     kind = getattr(storage.kind, "value", storage.kind)
     if kind not in _KINDS:
-        raise ConfigError(f"storage.kind {kind!r} is not supported",
+        raise ConfigError(STORAGE_KINDS.unknown(kind),
                           fix=f"use storage.kind: {' or '.join(_KINDS)} (or register the kind with "
                               "ckptflow.store.register_tier)")
     return _KINDS[kind]

@@ -277,7 +277,8 @@ def register_backend(name: str) -> Callable[[B], B]:
 
 
 def unknown_backend(name: str) -> str:
-    return f"unknown GPU backend {name!r} (known: {', '.join(sorted(BACKENDS))})"
+    """The line that refuses backend ``name`` (``registry.Registry.unknown``'s)."""
+    return GPU_BACKENDS.unknown(name)
 
 
 def get_backend(name: str | None = None, **kwargs: Any) -> GpuBackend:
