@@ -220,7 +220,7 @@ def _row(name, a, row, t0, pid_file, tmp, transparent, host_gib, node_box) -> di
 
 
 def _in_ns(base: str, netns: str, path: str, body: dict | None = None, timeout_s: float = 300) -> dict:
-    from ckptflow.engines.http import request_in_netns
+    from ckptflow.engines.protocol_http import request_in_netns
 
     got = request_in_netns(netns, base + path, body, timeout_s)
     if "ok" not in got:

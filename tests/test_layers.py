@@ -259,3 +259,16 @@ def test_the_checker_sees_what_it_must():
     assert {"ckptflow.deploy", "ckptflow.flows.heartbeat"} <= set(edges["ckptflow.cli"])
     # relative imports resolve (engines/vllm_connector.py: from .vllm_layout import ...)
     assert "ckptflow.engines.vllm_layout" in edges["ckptflow.engines.vllm_connector"]
+
+
+def test_no_module_shadows_the_standard_library():
+    """A script run from a package folder (``python ckptflow/engines/vllm_model.py``, as the vLLM
+    helpers and the how-to do) has that folder first on sys.path: a module there named like a
+    standard one is imported in its place. ``engines/http.py`` did that to ``http.client``, and
+    every vLLM model write failed inside torch's import."""
+    import sys
+
+    shadows = sorted(str(p.relative_to(PKG.parent)) for p in PKG.rglob("*")
+                     if (p.suffix == ".py" and p.stem in sys.stdlib_module_names)
+                     or (p.is_dir() and p.name in sys.stdlib_module_names))
+    assert not shadows, f"named like standard-library modules: {shadows}"

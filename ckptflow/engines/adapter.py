@@ -29,8 +29,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from ckptflow.engines.http import EXPORT_TIMEOUT_S
-from ckptflow.engines.http import call as _protocol_call
+from ckptflow.engines.protocol_http import EXPORT_TIMEOUT_S
+from ckptflow.engines.protocol_http import call as _protocol_call
 from ckptflow.errors import ConfigError, EngineProtocolError
 from ckptflow.registry import ENGINES
 
@@ -65,7 +65,7 @@ class EngineAdapter:
     engine does differently, and ``@register`` the class.
 
     The defaults speak ckptflow's two-tier protocol over HTTP on the engine's own address
-    (engines/http.py ``call``); an engine without it sets ``protocol = None`` and its
+    (engines/protocol_http.py ``call``); an engine without it sets ``protocol = None`` and its
     session/template calls are refused with ``no_protocol_fix``.
     """
 

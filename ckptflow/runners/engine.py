@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from ckptflow.engines.adapter import EXPORT_TIMEOUT_S, get_adapter
-from ckptflow.engines.http import JSON_HEADERS as _JSON
-from ckptflow.engines.http import base_url, http
-from ckptflow.engines.http import call as protocol_call
+from ckptflow.engines.protocol_http import JSON_HEADERS as _JSON
+from ckptflow.engines.protocol_http import base_url, http
+from ckptflow.engines.protocol_http import call as protocol_call
 from ckptflow.errors import EngineProtocolError, RestoreFailed, WorkloadBusy
 from ckptflow.poll import NotYet, poll
 
@@ -216,14 +216,14 @@ def rank_states(url: str | None) -> str:
 
 
 # --- the two-tier protocol (docs/engines/protocol.md) -----------------------------------------
-# The HTTP exchange is engines/http.py's; what each call sends, and whether the engine takes it at all,
+# The HTTP exchange is engines/protocol_http.py's; what each call sends, and whether the engine takes it at all,
 # is its adapter's (engines/adapter.py): the orchestration calls the functions at the end of this file.
 PROTOCOL = 1
 
 
 def call(w: Workload, path: str, body: dict | None = None, timeout_s: float = EXPORT_TIMEOUT_S, *,
          base: str | None = None, netns: str | None = None) -> dict:
-    """One protocol call (engines/http.py ``call``), with the fix the workload's adapter gives when
+    """One protocol call (engines/protocol_http.py ``call``), with the fix the workload's adapter gives when
     the engine does not serve ``path``.
 
     Raises:
