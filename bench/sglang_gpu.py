@@ -124,7 +124,7 @@ def phases_of_log(path: Path) -> dict:
     return phases(w)
 
 
-def record(eng: Engine, name: str, data: bytes | str) -> None:
+def record(name: str, data: bytes | str) -> None:
     """A live answer, kept for the CPU tests (tests/fixtures/sglang/)."""
     if OUT:
         d = OUT / "sglang-recorded"
@@ -203,22 +203,22 @@ def row_ab(a, model: dict, work: Path, res: dict) -> None:
         first_run = generate(eng.url, nxt, V.TURN_TOKENS)
         rb["next_turn_s"] = round(time.perf_counter() - t1, 3)
         before = generate(eng.url, nxt, V.TURN_TOKENS)      # the state the checkpoint will hold: nxt cached
-        record(eng, "generate.json", json.dumps({"request": {"input_ids_len": len(nxt), "max_new_tokens": V.TURN_TOKENS},
+        record("generate.json", json.dumps({"request": {"input_ids_len": len(nxt), "max_new_tokens": V.TURN_TOKENS},
                                                  "response": before}, indent=1))
         rb["recompute_vs_cached_equal"] = first_run["output_ids"] == before["output_ids"]
         rb["cached_tokens_before_kill"] = before["meta_info"].get("cached_tokens")
         before_ids = before["output_ids"]
         rb["distinct_tokens"] = len(set(before_ids))
         st, raw = V.http("GET", eng.url + "/metrics", timeout=10)
-        record(eng, "metrics.txt", raw)
+        record("metrics.txt", raw)
         for path in ("/server_info", "/model_info", "/health"):
             st, body = V.http("GET", eng.url + path, timeout=10)
-            record(eng, path.strip("/") + ".json", json.dumps({"status": st, "body": body.decode(errors="replace")}))
+            record(path.strip("/") + ".json", json.dumps({"status": st, "body": body.decode(errors="replace")}))
         m0 = metrics(eng.url)
         rb["gpu_used_gib"] = V.gpu_used_gib()
         rb["host_mem_gib"] = V.mem_total_gib()
         rb["tree"] = tree_info(eng.pid)
-        record(eng, "tree.json", json.dumps(rb["tree"], indent=1))
+        record("tree.json", json.dumps(rb["tree"], indent=1))
         node = V.node_runner(a.store / "store-b")
         w = workload("sglang-b", eng, model)
         from ckptflow.runners import xcomp

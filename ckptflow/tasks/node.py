@@ -50,7 +50,9 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
             row = {"workload": name, "node": node.name, "decision": d.action.value, "reason": d.reason}
             if facts.gone:
                 log.error("%s: %s", name, d.reason)
-                if w.container is None:  # what it left in the node's /dev/shm (a container's is its own)
+                # What it left in the node's /dev/shm (a container's is its own), once: the first
+                # heartbeat that finds it gone (its alert not yet open), not every tick after.
+                if w.container is None and name not in gone_alerts:
                     runner.remove_devshm_leftovers(w)
                 newest = next(runner.store.valid(name), None)
                 alerts.send(AlertKind.worker_gone, workload=name, key=facts.gone, node=node.name, reason=facts.gone,
