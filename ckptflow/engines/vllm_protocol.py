@@ -46,9 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import ipaddress
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -56,7 +54,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from ckptflow.engines.vllm_layout import BLOCKS, SESSIONS, safe_name
+from ckptflow.engines.control import error_response as _error
+from ckptflow.engines.control import is_loopback
+from ckptflow.engines.kv_files import BlockFiles
+from ckptflow.engines.vllm_layout import BLOCKS, SESSIONS
 
 PROTOCOL = 1
 PREFIX = "/v1/ckptflow/"
@@ -82,18 +83,6 @@ class _State:
 STATE = _State()
 
 
-def is_loopback(host: str | None) -> bool:
-    """Whether an ASGI client address is this machine's loopback.
-
-        >>> is_loopback("127.0.0.1"), is_loopback("::1"), is_loopback("10.0.0.5"), is_loopback(None)
-        (True, True, False, False)
-    """
-    try:
-        return ipaddress.ip_address(host or "").is_loopback
-    except ValueError:
-        return False
-
-
 async def ckptflow_protocol(request: Request, call_next):
     """vLLM ``--middleware``: the protocol's routes, the control guard, the parked state."""
     path = request.url.path
@@ -117,10 +106,6 @@ async def ckptflow_protocol(request: Request, call_next):
             return _error(410, f"session {sid} was lost in a restore (its KV was not checkpointed): send its "
                                "whole history again to start it afresh")
     return await call_next(request)
-
-
-def _error(code: int, msg: str) -> JSONResponse:
-    return JSONResponse({"error": msg}, status_code=code)
 
 
 async def _session_of(request: Request) -> str | None:
@@ -206,103 +191,25 @@ def _block_file(chunk_dir: Path, key: str) -> Path:
     return chunk_dir / BLOCKS / f"{key}.safetensors"
 
 
-def _digest_of(chunk_dir: Path, key: str) -> str:
-    d = STATE.digests.get(key)
-    if d is None:
-        d = hashlib.sha256(_block_file(chunk_dir, key).read_bytes()).hexdigest()
-        STATE.digests[key] = d
-    return d
+def _files(chunk_dir: Path) -> BlockFiles:
+    """The connector's blocks: written before their session is listed, so an export never waits."""
+    return BlockFiles(chunk_dir / SESSIONS, lambda key: _block_file(chunk_dir, key), STATE.digests,
+                      make_dirs=(chunk_dir / BLOCKS, chunk_dir / SESSIONS),
+                      listed_when="a request carrying kv_transfer_params.ckptflow_session finishes")
 
 
-def session_digest(chunks: list[str], tokens: int) -> str:
-    """A session's digest: its tokens and its chunks in order (each chunk named by its bytes).
-
-        >>> session_digest(["ab" * 32], 16)[:12]
-        'ff4ab0a05eaf'
-    """
-    return hashlib.sha256(json.dumps([tokens, chunks]).encode()).hexdigest()
+def _sessions(chunk_dir: Path) -> dict[str, dict]:
+    return _files(chunk_dir).sessions()
 
 
 def _export(chunk_dir: Path, body: dict) -> dict:
-    out_dir = Path(body["dir"])
-    known = {sid: set(ds) for sid, ds in (body.get("known") or {}).items()}
-    listed = _sessions(chunk_dir)
-    wanted = body.get("sessions")
-    missing = sorted(set(wanted or ()) - set(listed))
-    if missing:
-        raise ValueError(f"no session {missing[0]!r} here (a session is listed when a request carrying "
-                         "kv_transfer_params.ckptflow_session finishes)")
-    t0 = time.perf_counter()
-    recs = {}
-    for sid, doc in listed.items():
-        if wanted is not None and sid not in wanted:
-            continue
-        chunks, written, total = [], 0, 0
-        for key in doc["blocks"]:
-            src = _block_file(chunk_dir, key)
-            d = _digest_of(chunk_dir, key)
-            size = src.stat().st_size
-            total += size
-            if d not in known.get(sid, ()) and not (out_dir / d).exists():
-                tmp = out_dir / f".{d}.{os.getpid()}.tmp"
-                tmp.write_bytes(src.read_bytes())
-                os.replace(tmp, out_dir / d)
-                written += size
-            chunks.append(d)
-        recs[sid] = {"tokens": doc["tokens"], "digest": session_digest(chunks, doc["tokens"]),
-                     "tensors": [{"name": "kv_blocks", "dtype": "uint8", "shape": [total], "nbytes": total,
-                                  "chunks": chunks}],
-                     "blocks": list(doc["blocks"]), "block_size": doc["block_size"],
-                     "written_bytes": written, "total_bytes": total}
-    # The blocks were on disk already: the engine was not held.
-    return {"sessions": recs, "held_s": 0.0, "turn": True, "seconds": round(time.perf_counter() - t0, 4)}
-
-
-def _chunk_path(root: Path, digest: str) -> Path:
-    nested = root / digest[:2] / digest   # the runner's store layout, or flat (a staging directory)
-    return nested if nested.exists() else root / digest
+    return _files(chunk_dir).export(body)
 
 
 def _import(chunk_dir: Path, body: dict) -> dict:
-    """All or nothing: every chunk of every session is checked before any block is written."""
-    root = Path(body["dir"])
-    checked: dict[str, tuple[dict, list[tuple[str, bytes]]]] = {}
-    for sid, rec in (body.get("sessions") or {}).items():
-        chunks = [d for t in rec["tensors"] for d in t["chunks"]]
-        keys = rec["blocks"]
-        if len(keys) != len(chunks):
-            raise ValueError(f"session {sid}: {len(keys)} block keys for {len(chunks)} chunks")
-        blocks = []
-        for key, d in zip(keys, chunks):
-            try:
-                data = _chunk_path(root, d).read_bytes()
-            except FileNotFoundError:
-                raise ValueError(f"session {sid}: chunk {d[:12]}… is missing") from None
-            if hashlib.sha256(data).hexdigest() != d:
-                raise ValueError(f"session {sid}: chunk {d[:12]}… is torn")
-            _block_file(chunk_dir, key)   # a well-formed key, before anything is written
-            blocks.append((key, data))
-        checked[sid] = (rec, blocks)
-    (chunk_dir / BLOCKS).mkdir(parents=True, exist_ok=True, mode=0o700)
-    (chunk_dir / SESSIONS).mkdir(parents=True, exist_ok=True, mode=0o700)
-    digests = {}
-    for sid, (rec, blocks) in checked.items():
-        for key, data in blocks:
-            dst = _block_file(chunk_dir, key)
-            if not dst.exists():
-                tmp = dst.with_name(f".{key}.{os.getpid()}.import")
-                tmp.write_bytes(data)
-                os.chmod(tmp, 0o600)
-                os.replace(tmp, dst)   # the connector never sees half a block
-            STATE.digests[key] = hashlib.sha256(data).hexdigest()
-        doc = {"session": sid, "block_size": rec["block_size"], "tokens": rec["tokens"], "blocks": rec["blocks"]}
-        path = chunk_dir / SESSIONS / f"{safe_name(sid)}.json"
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, path)
-        digests[sid] = session_digest([d for t in rec["tensors"] for d in t["chunks"]], rec["tokens"])
-    STATE.lost |= set(body.get("lost") or ()) - set(checked)
-    return {"imported": sorted(checked), "digests": digests}
+    out = _files(chunk_dir).import_(body)
+    STATE.lost |= set(body.get("lost") or ()) - set(out["imported"])
+    return out
 
 
 # --- template -----------------------------------------------------------------------------------
