@@ -55,7 +55,7 @@ from typing import Any
 
 from ckptflow.engines.kv_files import BlockFiles
 from ckptflow.engines.control import error_response as _error
-from ckptflow.engines.control import is_loopback
+from ckptflow.engines.control import answer_first
 
 log = logging.getLogger(__name__)
 
@@ -168,22 +168,10 @@ def write_entry_point(dest: Path) -> Path:
 # --- the middleware ------------------------------------------------------------------------------
 async def ckptflow_protocol(request, call_next):
     """The protocol's routes, the control guard, the parked state, the session listing."""
+    first = await answer_first(request, SGLANG_CONTROL, GENERATION, _route, STATE.parked)
+    if first is not None:
+        return first
     path = request.url.path
-    control = path.startswith(PREFIX) or path.startswith(SGLANG_CONTROL)
-    if control and not is_loopback(request.client.host if request.client else None):
-        return _error(403, f"{path} answers only on loopback (ckptflow's node runner); inference clients "
-                           "cannot reach control calls")
-    if path.startswith(PREFIX):
-        from starlette.responses import JSONResponse
-
-        try:
-            return JSONResponse(await _route(request, path[len(PREFIX):]))
-        except KeyError as e:
-            return _error(404, f"no ckptflow call {path}") if e.args == (path,) else _error(400, f"missing field {e}")
-        except (ValueError, OSError) as e:
-            return _error(400, str(e))
-    if STATE.parked and path.startswith(GENERATION):
-        return _error(503, "the engine is parked for a template checkpoint; retry in a few seconds")
     sid = request.headers.get(SESSION_HEADER)
     if sid and STATE.lost and sid in STATE.lost and path.startswith(GENERATION):
         STATE.lost.discard(sid)

@@ -52,10 +52,9 @@ from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
 
 from ckptflow.engines.control import error_response as _error
-from ckptflow.engines.control import is_loopback
+from ckptflow.engines.control import answer_first
 from ckptflow.engines.kv_files import BlockFiles
 from ckptflow.engines.vllm_layout import BLOCKS, SESSIONS
 
@@ -85,20 +84,10 @@ STATE = _State()
 
 async def ckptflow_protocol(request: Request, call_next):
     """vLLM ``--middleware``: the protocol's routes, the control guard, the parked state."""
+    first = await answer_first(request, VLLM_CONTROL, GENERATION, _route, STATE.parked)
+    if first is not None:
+        return first
     path = request.url.path
-    control = path.startswith(PREFIX) or path.startswith(VLLM_CONTROL)
-    if control and not is_loopback(request.client.host if request.client else None):
-        return _error(403, f"{path} answers only on loopback (ckptflow's node runner); inference clients "
-                           "cannot reach control calls")
-    if path.startswith(PREFIX):
-        try:
-            return JSONResponse(await _route(request, path[len(PREFIX):]))
-        except KeyError as e:
-            return _error(404, f"no ckptflow call {path}") if e.args == (path,) else _error(400, f"missing field {e}")
-        except (ValueError, OSError) as e:
-            return _error(400, str(e))
-    if STATE.parked and path.startswith(GENERATION):
-        return _error(503, "the engine is parked for a template checkpoint; retry in a few seconds")
     if STATE.lost and path.startswith(GENERATION):
         sid = await _session_of(request)
         if sid in STATE.lost:
