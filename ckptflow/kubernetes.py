@@ -27,6 +27,7 @@ from ckptflow.models import Workload
 from ckptflow.render import env
 from ckptflow.runners.kubelet import KUBELET_CHECKPOINT_DIR
 from ckptflow.runners.pod import RESTORE_REPO, checkpoint_image, restore_pod  # noqa: F401  (rendered at restore time)
+from ckptflow.runners.runtime import runtime_name
 
 NAMESPACE = "ckptflow"  # the node agent's namespace (deploy.K8S_NAMESPACE)
 SERVICE_ACCOUNT = "ckptflow-node-agent"
@@ -35,7 +36,7 @@ PLACEHOLDER = "CHECKPOINT"
 
 def pod_workloads(fleet: Fleet) -> list[Workload]:
     """The fleet's workloads that run in pods (``container.kubernetes`` set)."""
-    return [w for w in fleet.workloads if w.container is not None and w.container.kubernetes is not None]
+    return [w for w in fleet.workloads if runtime_name(w) == "pod"]
 
 
 def render_pod_fleet(fleet_file: Path, out_dir: Path | None = None, namespace: str = NAMESPACE) -> list[Path]:

@@ -31,7 +31,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 from ckptflow.container_models import ContainerSpec, PortMap
 from ckptflow.modes import DEFAULT_MODE, ModeParams
-from ckptflow.registry import CHECKPOINT_MODES, ENGINES
+from ckptflow.registry import CHECKPOINT_MODES, ENGINES, WORKLOAD_RUNTIMES
 
 # Names end up in paths and object keys: keep them to a safe alphabet so that a workload
 # called "../../etc" can never address anything outside its own directory.
@@ -52,6 +52,18 @@ def check_ckpt_id(value: str) -> str:
     if not CKPT_ID_RE.match(value):
         raise ValueError(f"{value!r} is not a checkpoint id (expected like 20261129T081500Z-1a2b3c4d)")
     return value
+
+
+def did_you_mean(name: str, known: list[str]) -> str:
+    """``"; did you mean 'X'?"`` for the closest of ``known`` (a misspelt key), or "" when none is close.
+
+        >>> did_you_mean("min_intervl_s", ["min_interval_s", "max_interval_s"]), did_you_mean("zzz", ["keep"])
+        ("; did you mean 'min_interval_s'?", '')
+    """
+    import difflib
+
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 Name = Annotated[str, AfterValidator(check_name)]
@@ -106,8 +118,8 @@ class ProcessFinder(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    pid_file: str | None = Field(None, description="Path of a file holding the worker's PID.",
-                                 examples=["/run/vllm/chat-a.pid"])
+    pid_file: str | None = Field(None, description="Path of a file holding the worker's PID; a relative one is "
+                                 "relative to the fleet file's directory.", examples=["/run/vllm/chat-a.pid"])
     systemd_unit: str | None = Field(None, description="systemd unit whose MainPID is the worker.",
                                      examples=["vllm@chat-a.service"])
     cmdline_match: str | None = Field(
@@ -188,7 +200,12 @@ class Workload(BaseModel):
     find: ProcessFinder | None = Field(None, description="How to find the worker's process (or give container).")
     container: ContainerSpec | None = Field(
         None, description="The worker runs in this container: checkpointed and restored through its runtime "
-        "(runners/container.py) instead of a process found by find.", examples=[{"name": "chat-c"}])
+        "(runners/runtime/podman.py, or pod.py with container.kubernetes) instead of a process found by find.",
+        examples=[{"name": "chat-c"}])
+    runtime: str | None = Field(
+        None, description="Workload runtime, by registered name (registry.WORKLOAD_RUNTIMES, runners/runtime/): what "
+        "finds, dumps, restores, verifies, stops and cold starts the worker. Default: the one its declaration names: "
+        "process for find, podman for container, pod for container.kubernetes.", examples=["podman"])
     engine: EngineField = Field(EngineName("other"), description="Serving engine: a registered engine adapter's "
                                 "name (engines/adapter.py), which says how its metrics, golden request, sessions "
                                 "and template are handled.", examples=["vllm", "llamacpp", "demo"])
@@ -243,6 +260,11 @@ class Workload(BaseModel):
                               examples=[{"link_remap": True, "devshm": True}])
     labels: dict[str, str] = Field(default_factory=dict, description="Free labels for policy rules.")
 
+    @field_validator("runtime")
+    @classmethod
+    def _known_runtime(cls, v: str | None) -> str | None:
+        return None if v is None else WORKLOAD_RUNTIMES.check(v)
+
     @field_validator("checkpoint")
     @classmethod
     def _known_mode(cls, v: str, info: ValidationInfo) -> str:
@@ -265,7 +287,8 @@ class Workload(BaseModel):
             if err["type"] == "extra_forbidden":
                 known = ", ".join(spec.params.model_fields) or "none"
                 raise ValueError(f"checkpoint mode {spec.name} has no parameter {err['loc'][-1]!r} "
-                                 f"(its parameters: {known})") from None
+                                 f"(its parameters: {known})"
+                                 + did_you_mean(str(err["loc"][-1]), list(spec.params.model_fields))) from None
             where = ".".join(map(str, err["loc"]))
             raise ValueError(f"{where}: {err['msg']}" if where else err["msg"]) from None
 
@@ -287,6 +310,18 @@ class Workload(BaseModel):
         if self.container is not None and self.gpu:  # other modes refuse containers themselves (ckptflow.modes)
             raise ValueError("a container workload is checkpointed whole and on CPU only for now: "
                              "drop checkpoint: template-sessions and gpu: true, or run it as a process")
+        return self
+
+    @model_validator(mode="after")
+    def _runtime_fits_declaration(self) -> "Workload":
+        if self.runtime is None:
+            return self
+        needs = getattr(WORKLOAD_RUNTIMES.get(self.runtime), "declares", "find")
+        has = ("find" if self.find is not None else
+               "container.kubernetes" if self.container.kubernetes is not None else "container")
+        if needs != has:
+            raise ValueError(f"runtime {self.runtime} runs a workload declared with {needs}, and this one gives "
+                             f"{has}: declare {needs}, or leave runtime out (yours picks its own)")
         return self
 
 

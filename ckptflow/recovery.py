@@ -76,7 +76,9 @@ def recover_sequence(fleet: Fleet, workload: str, node: str | None, via: Via) ->
         res = via.step(target, "restore")
     except NO_CHECKPOINT as e:
         f = failure(e)
-        can_start = w.start_command or (w.container is not None and w.container.image)  # a container: its image
+        from ckptflow.runners.runtime import runtime_for
+
+        can_start = runtime_for(w).can_cold_start(w)  # a start_command, or a container's image
         cold = via.step(target, "cold_start") if can_start else None
         f["fallback"] = (f"cold start on {target} ({cold['cold_start_s']:.1f} s)" if cold else
                          f"none: {workload} declares no start_command")
@@ -128,10 +130,11 @@ def restore_workload(scope: FleetScope, w: Workload) -> dict:
 
 
 def cold_start_row(w: Workload) -> dict:
-    """Start ``w`` from its start_command on this node, wait until healthy. The cold-start task's body."""
-    from ckptflow.runners.coldstart import cold_start
+    """Start ``w`` from scratch on this node through its runtime (its start_command, or a container's
+    image), wait until healthy. The cold-start task's body."""
+    from ckptflow.runners.runtime import runtime_for
 
-    pid, seconds = cold_start(w)
+    pid, seconds = runtime_for(w).cold_start(w)
     return {"workload": w.name, "pid": pid, "cold_start_s": round(seconds, 3)}
 
 

@@ -1,8 +1,9 @@
 """The seams' names: which engine adapters, GPU backends, storage kinds, checkpoint modes, cadence
-policies and result storages are registered.
+policies, result storages and workload runtimes are registered.
 
 A fleet file picks each by name (``engine: vllm``, ``gpu_backend: cuda``, ``storage.kind: s3``,
-``checkpoint: template-sessions``, ``policy: cost-based``); ``ckptflow deploy`` picks a kind's
+``checkpoint: template-sessions``, ``policy: cost-based``, ``runtime: podman``, by default the one a
+workload's ``find:`` or ``container:`` declares); ``ckptflow deploy`` picks a kind's
 result storage by ``storage.kind``. The names live here, at the bottom of the package
 (docs/ARCHITECTURE.md), so that ``models.py`` and ``fleet.py`` validate them without importing an
 implementation; each implementation adds itself when its module is imported, through its seam's
@@ -17,6 +18,7 @@ registry               what a name picks               registered with
 ``CHECKPOINT_MODES``   a checkpoint mode (an Entry)    ``modes.register_mode``
 ``CADENCE_POLICIES``   a cadence policy (an Entry)     ``policies.cadence.register``
 ``RESULT_STORAGES``    a kind's Prefect results block  ``deploy.register_result_storage``
+``WORKLOAD_RUNTIMES``  what a worker runs under        ``runners.runtime.register_runtime``
 =====================  ==============================  ============================================
 
 A registry knows the modules of its built-in implementations and imports them on its first
@@ -41,6 +43,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -87,7 +90,11 @@ class Registry(Generic[T]):
         self.entries: dict[str, T] = {}
         self.aliases: dict[str, str] = {}  # an old name -> the registered name (fleet files keep working)
         self._builtins = builtins
-        self._loaded = not builtins
+        self._loaded = not builtins  # every built-in module imported
+        self._loading = False
+        # Re-entrant: a built-in module's own lookups (same thread) get the entries registered so far;
+        # another thread's first lookup waits for all of them (the heartbeat's node tasks look up at once).
+        self._lock = threading.RLock()
 
     def add(self, name: str, entry: T, aliases: Iterable[str] = ()) -> T:
         """Register ``entry`` as ``name``, and ``aliases`` as older names for it (a later
@@ -99,9 +106,16 @@ class Registry(Generic[T]):
     def loaded(self) -> dict[str, T]:
         """Every registered entry, the built-in modules imported first (once)."""
         if not self._loaded:
-            self._loaded = True  # first: a built-in module's own lookups must not import it again
-            for module in self._builtins:
-                importlib.import_module(module)
+            with self._lock:
+                if not self._loading:
+                    self._loading = True  # first: a built-in module's own lookups must not import it again
+                    try:
+                        for module in self._builtins:
+                            importlib.import_module(module)
+                    except BaseException:
+                        self._loading = False
+                        raise
+                    self._loaded = True
         return self.entries
 
     def canonical(self, name: str) -> str:
@@ -157,7 +171,11 @@ CADENCE_POLICIES: Registry[Any] = Registry("policy", builtins=("ckptflow.policie
 # deploy.py holds Prefect's side of a storage kind (the store package imports no Prefect), so only
 # deploy looks here, and the built-in (s3) is registered there.
 RESULT_STORAGES: Registry[Any] = Registry("result storage", builtins=("ckptflow.deploy",))
+# What a worker runs under (a host process, a podman container, a pod through its kubelet): each finds,
+# dumps, restores, verifies, stops and cold starts its workloads its own way (ckptflow/runners/runtime/).
+WORKLOAD_RUNTIMES: Registry[Any] = Registry("workload runtime", builtins=(
+    "ckptflow.runners.runtime.process", "ckptflow.runners.runtime.podman", "ckptflow.runners.runtime.pod"))
 
 # Every seam's registry, for whoever lists them (tests, docs).
 SEAMS: tuple[Registry[Any], ...] = (ENGINES, GPU_BACKENDS, STORAGE_KINDS, CHECKPOINT_MODES, CADENCE_POLICIES,
-                                    RESULT_STORAGES)
+                                    RESULT_STORAGES, WORKLOAD_RUNTIMES)

@@ -86,7 +86,8 @@ def test_an_unknown_mode_is_one_line_naming_the_known_ones(tmp_path):
 def test_a_misspelt_or_foreign_mode_parameter_names_the_key_and_the_modes_parameters(tmp_path):
     f = _fleet(tmp_path, checkpoint="template-sessions", checkpoint_params={"min_sesion_tokens": 64})
     assert re.search(r"workloads\[0\]\.checkpoint_params \(line \d+\): checkpoint mode template-sessions has no parameter "
-                     r"'min_sesion_tokens' \(its parameters: min_session_tokens\)$", _problem(f))
+                     r"'min_sesion_tokens' \(its parameters: min_session_tokens\); did you mean 'min_session_tokens'\?$",
+                     _problem(f))
     f = _fleet(tmp_path, checkpoint_params={"min_session_tokens": 64})          # process takes none
     assert _problem(f).endswith("checkpoint mode process has no parameter 'min_session_tokens' (its parameters: none)")
     f = _fleet(tmp_path, checkpoint="template-sessions", checkpoint_params={"min_session_tokens": -1})

@@ -59,12 +59,11 @@ class DemoContainer:
         self.workload = Workload(**data, container=spec)
 
     def start(self, store_root: Path):
-        from ckptflow.runners.container import ContainerRunner
         from ckptflow.runners.node import NodeRunner
         from ckptflow.store.local import LocalStore
 
         with NodeRunner(LocalStore(store_root)) as node:
-            ContainerRunner(node).start(self.workload, timeout_s=60)
+            node.runtime_for(self.workload).cold_start(self.workload, timeout_s=60)
         return self
 
     def complete(self, prompt, n, sid=None):
@@ -189,8 +188,8 @@ def test_verify_restores_a_copy_beside_the_running_original(tmp_path, prefect_ha
     from ckptflow.flows.heartbeat import heartbeat
     from ckptflow.flows.verify import verify
     from ckptflow.models import CheckpointState
-    from ckptflow.runners.container import ContainerRunner
     from ckptflow.runners.node import NodeRunner
+    from ckptflow.runners.verify import verify_checkpoint
     from ckptflow.store.local import LocalStore
 
     c = container("chat")
@@ -213,7 +212,7 @@ def test_verify_restores_a_copy_beside_the_running_original(tmp_path, prefect_ha
 
     with NodeRunner(store) as node:
         m = store.get("chat", ckpt)
-        res = ContainerRunner(node).verify(c.workload, m, inspect_copy=look)
+        res = verify_checkpoint(node, c.workload, m, inspect_copy=look)
     assert res.state.value == "verified", res.reason
     orig_ns = {k: os.readlink(f"/proc/{before.pid}/ns/{k}") for k in ("pid", "net")}
     host_ns = {k: os.readlink(f"/proc/self/ns/{k}") for k in ("pid", "net")}

@@ -185,18 +185,9 @@ def test_every_module_has_a_layer():
 # Edges that still close a circle inside runners/, each with why and what removes it. To shrink:
 # an entry whose import is gone fails the test below until it is taken out of this list.
 CYCLE_ALLOWED = {
-    ("ckptflow.runners.process", "ckptflow.runners.container"):
-        "resolve() hands a container workload to the container runtime's resolver, which uses process's "
-        "helpers; goes when the workload runtime (process, podman, pod) is a registered seam (DESIGN.md)",
-    ("ckptflow.runners.node", "ckptflow.runners.container"):
-        "NodeRunner hands a container workload to ContainerRunner, which reuses NodeRunner's steps; "
-        "goes with the same runtime seam",
     ("ckptflow.runners.gpu", "ckptflow.runners.gpu.cuda"):
         "the registration import at the bottom of gpu/__init__.py (BACKENDS is read directly, so cuda must "
         "be there on import); goes when every reader asks registry.GPU_BACKENDS, which imports it",
-    ("ckptflow.runners.verify", "ckptflow.runners.template_sessions"):
-        "verify of a two-tier checkpoint drives TemplateSessionsRunner, which calls verify's checks; goes "
-        "when that verify moves into the template-sessions mode",
 }
 
 

@@ -14,7 +14,7 @@ from ckptflow import registry
 from ckptflow.errors import ConfigError
 from ckptflow.fleet import load_fleet
 from ckptflow.registry import (CADENCE_POLICIES, CHECKPOINT_MODES, ENGINES, GPU_BACKENDS, RESULT_STORAGES, SEAMS,
-                               STORAGE_KINDS, Entry, Registry)
+                               STORAGE_KINDS, WORKLOAD_RUNTIMES, Entry, Registry)
 
 # unknown <what> '<name>' (known: a, b, c)
 UNKNOWN = re.compile(r"unknown (?P<what>[A-Za-z ]+) '(?P<name>[^']*)' \(known: (?P<known>[^)]*)\)")
@@ -37,12 +37,15 @@ def test_every_seam_has_a_registry_and_each_seam_module_reads_it():
     from ckptflow.engines import adapter
     from ckptflow.policies import cadence
     from ckptflow.runners import gpu
+    from ckptflow.runners.runtime import WorkloadRuntime
 
     assert all(isinstance(reg, Registry) for reg in SEAMS)
     assert {r.what for r in SEAMS} == {"engine", "GPU backend", "storage kind", "checkpoint mode", "policy",
-                                       "result storage"}
+                                       "result storage", "workload runtime"}
     assert {name for name, v in vars(registry).items() if isinstance(v, Registry)} == {
-        "ENGINES", "GPU_BACKENDS", "STORAGE_KINDS", "CHECKPOINT_MODES", "CADENCE_POLICIES", "RESULT_STORAGES"}
+        "ENGINES", "GPU_BACKENDS", "STORAGE_KINDS", "CHECKPOINT_MODES", "CADENCE_POLICIES", "RESULT_STORAGES",
+        "WORKLOAD_RUNTIMES"}
+    assert all(issubclass(c, WorkloadRuntime) for c in WORKLOAD_RUNTIMES.loaded().values())
     # the seams' old names for their dicts are the registries' own
     assert adapter.ADAPTERS is ENGINES.entries and gpu.BACKENDS is GPU_BACKENDS.entries
     assert modes.MODES is CHECKPOINT_MODES.entries and modes.MODE_ALIASES is CHECKPOINT_MODES.aliases
@@ -59,6 +62,8 @@ def test_each_seams_registration_lands_in_its_registry(monkeypatch):
     from ckptflow.engines.adapter import EngineAdapter, register
     from ckptflow.policies import cadence
     from ckptflow.runners.gpu import NoGpu, register_backend
+    from ckptflow.runners.runtime import register_runtime
+    from ckptflow.runners.runtime.process import ProcessRuntime
 
     for reg in SEAMS:  # each registry as it was, after the test
         monkeypatch.setattr(reg, "entries", dict(reg.loaded()))
@@ -80,6 +85,11 @@ def test_each_seams_registration_lands_in_its_registry(monkeypatch):
         raise AssertionError("not called")
 
     deploy.register_result_storage("toy", "toy-results", lambda st: None)
+
+    @register_runtime("toy")
+    class ToyRuntime(ProcessRuntime):
+        pass
+
     assert all("toy" in reg and reg.get("toy") is reg.lookup("toy") is not None for reg in SEAMS)
     assert CHECKPOINT_MODES.check("old-toy") == "toy" and modes.get_mode("old-toy") is CHECKPOINT_MODES.lookup("toy")
     assert "old-toy" not in CHECKPOINT_MODES.known()                      # an alias is not listed as known
@@ -104,6 +114,7 @@ def _fleet_problem(tmp_path: Path, edit) -> str:
     (STORAGE_KINDS, "storage.kind", lambda d: d.update(storage={"kind": "nope"})),
     (CHECKPOINT_MODES, "workloads[0].checkpoint", lambda d: d["workloads"][0].update(checkpoint="nope")),
     (CADENCE_POLICIES, "policies[0].policy", lambda d: d["policies"][0].update(policy="nope")),
+    (WORKLOAD_RUNTIMES, "workloads[0].runtime", lambda d: d["workloads"][0].update(runtime="nope")),
 ], ids=lambda v: v.what if isinstance(v, Registry) else "")
 def test_the_fleet_loader_refuses_an_unknown_name_of_every_seam_in_the_same_line(tmp_path, reg, where, edit):
     line = _fleet_problem(tmp_path, edit)
@@ -117,6 +128,7 @@ def test_each_seams_own_lookup_refuses_an_unknown_name_in_the_same_line():
     from ckptflow.modes import get_mode
     from ckptflow.policies.cadence import get_policy
     from ckptflow.runners.gpu import get_backend
+    from ckptflow.runners.runtime import get_runtime
     from ckptflow.store import has_shared_tier
 
     for reg, lookup, error in [
@@ -126,6 +138,7 @@ def test_each_seams_own_lookup_refuses_an_unknown_name_in_the_same_line():
         (CHECKPOINT_MODES, get_mode, KeyError),
         (CADENCE_POLICIES, get_policy, KeyError),
         (RESULT_STORAGES, RESULT_STORAGES.lookup, KeyError),   # deploy's results_env / save_results_block
+        (WORKLOAD_RUNTIMES, get_runtime, ConfigError),          # NodeRunner.runtime_for, runners.runtime.runtime_for
     ]:
         with pytest.raises(error) as e:
             lookup("nope")
@@ -133,3 +146,27 @@ def test_each_seams_own_lookup_refuses_an_unknown_name_in_the_same_line():
         with pytest.raises(ValueError) as v:
             reg.check("nope")
         assert str(v.value) == reg.unknown("nope")
+
+
+def test_a_first_lookup_from_many_threads_at_once_sees_every_builtin(tmp_path, monkeypatch):
+    # The heartbeat's node tasks start together and each looks its workload's runtime up: a thread
+    # that arrived while another was still importing the built-ins once got "known: " (none).
+    import sys
+    import threading
+    import time
+
+    from ckptflow.registry import Registry
+
+    reg = Registry("thing", builtins=("ckptflow_slow_builtin",))
+    (tmp_path / "ckptflow_slow_builtin.py").write_text(
+        "import time, sys\ntime.sleep(0.3)\nsys.modules['__registry_under_test__'].add('slow', object())\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "__registry_under_test__", reg)
+    seen: list[list[str]] = []
+    threads = [threading.Thread(target=lambda: seen.append(reg.known())) for _ in range(8)]
+    for t in threads:
+        t.start()
+        time.sleep(0.01)
+    for t in threads:
+        t.join()
+    assert seen == [["slow"]] * 8

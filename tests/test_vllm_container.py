@@ -81,7 +81,7 @@ def _shm(pid: int) -> list[str]:
 
 def test_kill_then_recover_the_vllm_container_continues_like_the_reference(tmp_path, vllm_install, vllm_model,
                                                                            base_image, ref, io_uring_off):
-    from ckptflow.runners.container import ContainerRunner, Podman
+    from ckptflow.runners.container import Podman
     from ckptflow.runners.node import NodeRunner
     from ckptflow.store.local import LocalStore
 
@@ -106,7 +106,7 @@ def test_kill_then_recover_the_vllm_container_continues_like_the_reference(tmp_p
 
         store = LocalStore(tmp_path / "store")
         with NodeRunner(store) as node:
-            m = node.checkpoint(w)                       # heartbeat through ContainerRunner: it serves on
+            m = node.checkpoint(w)                       # heartbeat through the podman runtime: it serves on
             assert m.kind == "heartbeat" and [f.path for f in m.files] == ["container.json", "container.tar"]
             assert m.fingerprint.engine == "vllm" and m.fingerprint.container_runtime.startswith("podman ")
             assert pm.inspect(name).running and pm.inspect(name).pid == c0.pid
@@ -117,7 +117,7 @@ def test_kill_then_recover_the_vllm_container_continues_like_the_reference(tmp_p
             while pm.inspect(name).running:
                 assert time.time() < deadline, "podman never saw the container die"
                 time.sleep(0.1)
-            res = ContainerRunner(node).restore(w)
+            res = node.restore(w)
             assert res.manifest.id == m.id
         c1 = pm.inspect(name)
         assert c1.running and c1.pid == res.pid != c0.pid and c1.name == name

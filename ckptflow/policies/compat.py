@@ -114,18 +114,20 @@ def diff(old: Fingerprint | None, new: Fingerprint, overrides: frozenset[str] | 
 
 
 def stale(manifests: list[Manifest], current: dict[str, Fingerprint], gpu: bool,
-          container: bool = False, gpu_groups: tuple[str, ...] = ("gpu",)) -> list[tuple[Manifest, str]]:
+          runtime_groups: tuple[str, ...] = (), gpu_groups: tuple[str, ...] = ("gpu",)) -> list[tuple[Manifest, str]]:
     """Restorable checkpoints that no eligible node can restore any more, with the reason.
 
     ``current`` maps each eligible node (same GPU class as the workload's node) to its
     fingerprint now, with the workload's current engine and model filled in. A checkpoint
     stays valid while one of them still matches; with no node known, nothing is judged.
-    ``gpu_groups``: the groups the nodes' GPU backend gates (``GpuBackend.gated``).
+    ``gpu_groups``: the groups the nodes' GPU backend gates (``GpuBackend.gated``);
+    ``runtime_groups``: those the workload's runtime adds (``WorkloadRuntime.gated``: a container's
+    runtime versions).
     """
     if not current:
         return []
     groups = ("host", *gpu_groups, "workload") if gpu else ("host", "workload")
-    groups += ("container",) if container else ()  # a container workload: its runtime's versions too
+    groups += tuple(runtime_groups)  # a container workload: its runtime's versions too
     out = []
     for m in manifests:
         if not m.state.restorable:

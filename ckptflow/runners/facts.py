@@ -18,6 +18,7 @@ from ckptflow.policies.multigpu import tp_problems
 from ckptflow.runners import process
 from ckptflow.runners.engine import read_load
 from ckptflow.runners.gpu import GpuBackend, backend_for, get_backend, holds_device_state
+from ckptflow.runners.runtime import runtime_for
 from ckptflow.store.local import LocalStore
 
 
@@ -39,7 +40,7 @@ def tp_unsupported(w: Workload, pids: list[int] | None = None, gpu: GpuBackend |
         return None
     if pids is None:
         try:
-            pids = backend_for(w, gpu or get_backend()).processes(process.resolve(w).pid)
+            pids = backend_for(w, gpu or get_backend()).processes(runtime_for(w).resolve(w).pid)
         except (WorkloadNotFound, UndeclaredProcess):
             return None  # not running: nothing to decide about yet
     if not pids:
@@ -56,7 +57,7 @@ def collect_facts(w: Workload, store: LocalStore, *, mtbf_s: float | None = None
     ``gpu``: the node's GPU backend (default cuda), which finds a TP worker's ranks."""
     now = time.time() if now is None else now
     try:
-        process.resolve(w)
+        runtime_for(w).resolve(w)  # a process, a container, a pod: whatever it runs under
         gone = None
     except (WorkloadNotFound, UndeclaredProcess) as e:  # no metrics either: without this it read as "nothing new"
         gone = e.message

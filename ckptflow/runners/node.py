@@ -36,12 +36,14 @@ from ckptflow.runners.criu import CriuRunner, SandboxCopy, copy_pids, image_isol
 from ckptflow.runners.digests import compare_sessions
 from ckptflow.runners.engine import probe, read_load
 from ckptflow.runners.facts import tp_unsupported
-from ckptflow.runners.fingerprint import node_fingerprint, workload_fingerprint
+from ckptflow.runners.fingerprint import node_fingerprint
 from ckptflow.runners.gpu import GpuBackend, backend_for, get_backend, restore_needs
+from ckptflow.runners.runtime import runtime_for
 from ckptflow.store.local import LocalStore
 
 if TYPE_CHECKING:
     from ckptflow.runners.cuda import CudaRunner
+    from ckptflow.runners.runtime import WorkloadRuntime
 
 log = logging.getLogger("ckptflow")
 # The timing keys of the device steps, whatever the backend: manifests, bench results and the
@@ -108,14 +110,21 @@ class NodeRunner:
             self._node_fp = node_fingerprint(self.criu.criu_bin, self.gpu.name)
         return self._node_fp
 
+    def runtime_for(self, w: Workload) -> "WorkloadRuntime":
+        """The runtime ``w`` runs under (runners/runtime: its ``runtime:``, else what it declares), on this node."""
+        return runtime_for(w, self)
+
     def gate(self, w: Workload, m: Manifest, overrides: frozenset[str] = frozenset()) -> None:
-        """Refuse a checkpoint taken on another fingerprint, before any CRIU or CUDA call.
+        """Refuse a checkpoint taken on another fingerprint, before any CRIU, CUDA or runtime call:
+        the host, the GPU backend's groups and the workload, plus the workload runtime's own (a
+        container's runtime versions).
 
         Raises:
             IncompatibleCheckpoint: naming every differing field as old -> new (final).
         """
-        groups = ("host", *self.gpu_for(w).gated, "workload")
-        c = diff(m.fingerprint, workload_fingerprint(w, self.node_fp), overrides, groups)
+        rt = self.runtime_for(w)
+        groups = ("host", *self.gpu_for(w).gated, "workload", *rt.gated)
+        c = diff(m.fingerprint, rt.fingerprint(w), overrides, groups)
         if c.skipped:
             log.warning("checkpoint %s of %s: neither it nor this node records %s; not checked", m.id, w.name,
                         ", ".join(c.skipped))
@@ -223,42 +232,41 @@ class NodeRunner:
     _dump_gpu = dump  # the name the CUDA path's tests call
 
     def checkpoint(self, w: Workload, *, leave_running: bool = True, kind: str | None = None) -> Manifest:
-        """Dump ``w`` into the store and commit its manifest.
+        """Dump ``w`` into the store and commit its manifest, through its workload runtime
+        (runners/runtime: a process by CRIU, a container by its runtime, a pod by its kubelet).
 
         Raises:
             WorkloadNotFound / UndeclaredProcess: nothing declared to dump.
             CriuError: the dump failed (bytes discarded; the worker keeps running on heartbeat).
             StorageFull: the volume filled up (bytes discarded).
         """
-        if w.container is not None:  # through the container runtime (runners/container.py)
-            from ckptflow.runners.container import ContainerRunner
-
-            return ContainerRunner(self).checkpoint(w, leave_running=leave_running, kind=kind)
         with self.store.lock(w.name):
             return self._checkpoint(w, leave_running, kind)
 
     def _checkpoint(self, w: Workload, leave_running: bool, kind: str | None = None) -> Manifest:
+        rt = self.runtime_for(w)
         try:
-            proc = process.resolve(w)
+            proc = rt.resolve(w)
         except WorkloadNotFound:
-            self.remove_devshm_leftovers(w)
+            rt.clear_leftovers(w)
             raise
-        state = probe_for_checkpoint(w, probe)
+        rt.refuse(w, proc)
+        state = rt.record(w, proc, probe_for_checkpoint(w, probe))
         pending = self.store.begin(w.name, node=w.node)
         try:
-            d = self.dump(w, proc, pending.images_dir, leave_running)
+            d = rt.dump(w, proc, pending.images_dir, leave_running)
         except CriuError as e:
             self.store.abort(pending)
-            raise _died_during_dump(w, proc.pid, e) or e
+            raise rt.dump_failed(w, proc, e) or e
         except BaseException:
             self.store.abort(pending)
             raise
-        if not leave_running:  # the worker is gone from here; its /dev/shm files travel in the image
-            devshm.remove(pending.images_dir)
         kind = kind or ("heartbeat" if leave_running else "migrate")
-        return self.store.commit(pending, timings=d.timings, probe=state, kind=kind, pid=d.pid,
-                                 gpu_footprint_bytes=d.footprint, gpu_pids=d.gpu_pids, gpu_footprints=d.per_gpu,
-                                 fingerprint=workload_fingerprint(w, self.node_fp))
+        m = self.store.commit(pending, timings=d.timings, probe=state, kind=kind, pid=d.pid,
+                              gpu_footprint_bytes=d.footprint, gpu_pids=d.gpu_pids, gpu_footprints=d.per_gpu,
+                              fingerprint=rt.fingerprint(w))
+        rt.dumped(w, leave_running)
+        return m
 
     def copy_unsupported(self, w: Workload, m: Manifest) -> str | None:
         """Why ``m`` cannot be restored as a copy beside its running original here, or None. A
@@ -347,11 +355,6 @@ class NodeRunner:
                 process is unhealthy or its state differs from the checkpoint's.
             CheckpointNotFound: no valid checkpoint is left.
         """
-        if w.container is not None:  # through the container runtime (runners/container.py)
-            from ckptflow.runners.container import ContainerRunner
-
-            return ContainerRunner(self).restore(w, manifest=manifest, fallback=fallback, overrides=overrides,
-                                                 tier=tier)
         self._trying: str | None = None
         with self.store.lock(w.name):
             try:
@@ -427,7 +430,8 @@ class NodeRunner:
 
     def _restore(self, w: Workload, manifest: Manifest | None, fallback: bool,
                  gpu_pairs: list[tuple[str, str]] | None, overrides: frozenset[str], tier=None) -> RestoreResult:
-        self.refuse_if_running(w)
+        rt = self.runtime_for(w)
+        rt.clear(w)
         skipped: list[dict] = []
         candidates = iter([(manifest, {}, 0)]) if manifest else self._candidates(w, tier, skipped, overrides)
         tried = 0
@@ -435,9 +439,9 @@ class NodeRunner:
             tried += 1
             self._trying = m.id
             self.gate(w, m, overrides)
-            self.gate_gpu_memory(w, m, gpu_pairs)  # before CRIU: refuse early, nothing touched
+            rt.preflight(w, m, gpu_pairs)  # before the restore: refuse early, nothing touched
             try:
-                pid = self._restore_verified(w, m, timings)
+                pid = rt.restore(w, m, timings)
             except ChecksumMismatch as e:
                 self.store.set_state(m, CheckpointState.verify_failed, f"checksum: {e}")
                 skipped.append({"id": m.id, "reason": str(e).splitlines()[0]})
@@ -448,15 +452,10 @@ class NodeRunner:
                 self._failed_restore(w, m, e)
                 raise
             try:
-                timings.update(self.resume_devices(w, pid, m, gpu_pairs))
-                if w.find.pid_file:
-                    write_pid_file(Path(w.find.pid_file), pid)
+                rt.resumed(w, pid, m, gpu_pairs, timings)
                 timings["health"] = round(engine.wait_healthy(w), 4)
                 self._check_state(w, m)
-                t0 = time.perf_counter()
-                engine.answers_real_work(w, pid, f"restored from {m.id}")
-                if w.golden is not None:
-                    timings["golden"] = round(time.perf_counter() - t0, 4)
+                rt.serving(w, pid, m, timings)
             except CkptflowError as e:
                 self._failed_restore(w, m, e)
                 raise
@@ -466,10 +465,10 @@ class NodeRunner:
         if not tried and not skipped:
             raise CheckpointNotFound(f"workload {w.name} has no valid checkpoint in {self.store.root}"
                                      + (f" or {tier.location}" if tier is not None else ""),
-                                     fix="run a heartbeat first, or cold start the worker")
+                                     fix=f"run a heartbeat first, or cold start the {rt.what}")
         err = ChecksumMismatch(f"workload {w.name}: every valid checkpoint failed its checksums: "
                                + "; ".join(s["reason"] for s in skipped),
-                               fix="cold start the worker; the store volume may be failing")
+                               fix=f"cold start the {rt.what}; the store volume may be failing")
         err.checkpoint = ", ".join(dict.fromkeys(s["id"] for s in skipped))
         raise err
 
@@ -511,7 +510,7 @@ class NodeRunner:
             log.warning("workload %s: checkpoint %s marked verify_failed: %s", w.name, m.id, reason)
         self.store.set_state(cur, state, reason, restores=history)
 
-    def _restore_verified(self, w: Workload, m: Manifest, timings: dict[str, float]) -> int:
+    def restore_verified(self, w: Workload, m: Manifest, timings: dict[str, float]) -> int:
         """CRIU restore (left stopped) while the image checksums are verified in parallel; the
         process runs (SIGCONT) only once every byte matched, and is killed unrun otherwise.
 
@@ -613,19 +612,6 @@ def probe_for_checkpoint(w: Workload, read=probe) -> ManifestProbe:
     load = read_load(w)
     return ManifestProbe.model_validate(state.model_dump(exclude_defaults=True)
                                         | ({"tokens_total": load.tokens_total} if load is not None else {}))
-
-
-def _died_during_dump(w: Workload, pid: int, e: CriuError) -> CriuError | None:
-    """The dump failed because the worker exited under it (CRIU then says e.g. "Operation not
-    permitted", whose usual fix, run as root, is wrong here): that error, said plainly; else None."""
-    if process.pid_alive(pid):
-        return None
-    err = CriuError(f"criu dump of {w.name} failed: the worker (PID {pid}) exited during the dump, so "
-                    "nothing was checkpointed", cmd=e.cmd, log_tail=e.log_tail, returncode=e.returncode,
-                    fix="the worker is gone, not the permissions: recover it from its newest valid checkpoint "
-                        "(ckptflow recover) and see its own log for why it exited")
-    err.__cause__ = e
-    return err
 
 
 def write_pid_file(path: Path, pid: int) -> None:

@@ -1,5 +1,5 @@
-"""Pod workloads (``container.kubernetes``): what the container runner does differently for a worker
-that runs in a Kubernetes pod (docs/kubernetes.md).
+"""Pod workloads (``container.kubernetes``): the kubelet and API server calls of the pod runtime
+(runners/runtime/pod.py), for a worker that runs in a Kubernetes pod (docs/kubernetes.md).
 
 - alive: the API server says the pod is Running (``KubeApi.get_pod``);
 - checkpoint: the kubelet's checkpoint API (KEP-2008) on the pod's node writes the archive; the
@@ -52,7 +52,7 @@ def _phase(pod: dict | None) -> str:
 
 def resolve_pod(w: Workload) -> DeclaredProcess:
     """The pod of ``w`` while it runs. Its pid is 0: the agent never acts on a pod's processes
-    itself, and nothing may signal it (runners.container.stop_container deletes the pod instead).
+    itself, and nothing may signal it (the pod runtime's ``stop`` deletes the pod instead).
 
     Raises:
         WorkloadNotFound: no such pod, or it is not Running.

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from ckptflow.errors import UndeclaredProcess, WorkloadNotFound
+from ckptflow.errors import UndeclaredProcess, UnsupportedWorkload, WorkloadNotFound
 from ckptflow.models import Workload
 
 
@@ -155,15 +155,16 @@ def _candidates(w: Workload) -> list[int]:
 
 
 def resolve(w: Workload) -> DeclaredProcess:
-    """Find the single live process of a declared workload.
+    """Find the single live process of a declared workload by its ``find:`` (the process
+    runtime's finder: a workload of another runtime is found by it, runners.runtime).
 
     Raises:
         WorkloadNotFound: no live process, or several match (ambiguous: refuse, never guess).
+        UnsupportedWorkload: ``w`` declares no ``find:``.
     """
-    if w.container is not None:  # the container's init (runners/container.py)
-        from ckptflow.runners.container import resolve_container
-
-        return resolve_container(w)
+    if w.find is None:
+        raise UnsupportedWorkload(f"workload {w.name} declares no find: it is found by its runtime, not as a process",
+                                  fix="call runners.runtime.runtime_for(w).resolve(w)")
     pids = [p for p in _candidates(w) if pid_alive(p)]
     if not pids:
         raise WorkloadNotFound(f"workload {w.name}: no live process found ({_describe(w)})",

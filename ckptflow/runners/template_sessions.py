@@ -47,6 +47,7 @@ from ckptflow.store.chunks import REFS_FILE, ChunkStore
 
 if TYPE_CHECKING:
     from ckptflow.runners.criu import SandboxCopy
+    from ckptflow.runners.digests import VerifyResult
 
 log = logging.getLogger("ckptflow")
 SESSIONS_FILE = "sessions.json"
@@ -419,7 +420,7 @@ class TemplateSessionsRunner:
             recs, weights, listed = self._checked_records(m, tmpl)
             t["chunks_checked"] = time.perf_counter() - t0
             self.node.gate_gpu_memory(w, tmpl)  # each GPU against its share; a template that recorded none is refused
-            pid = self.node._restore_verified(w, tmpl, t)
+            pid = self.node.restore_verified(w, tmpl, t)
             t.update(self.node.resume_devices(w, pid, tmpl, None))
             if w.find.pid_file:
                 write_pid_file(Path(w.find.pid_file), pid)
@@ -682,6 +683,33 @@ class TemplateSessionsMode(ModeRunner):
         return self.runner().push(m, tier)
 
     def verify(self, w: Workload, m: Manifest):
-        from ckptflow.runners.verify import verify_template_sessions
-
         return verify_template_sessions(self.node, w, m)
+
+
+def verify_template_sessions(node: NodeRunner, w: Workload, m: Manifest) -> "VerifyResult":
+    """A two-tier checkpoint, verified the way a whole one is (runners/verify.py): a copy of the
+    workload's template given its sessions ``m``, in its own PID and network namespaces beside the
+    live original; every imported session must hold the state that was exported. GPU workloads:
+    skipped (GPU_SANDBOX)."""
+    from ckptflow.models import VerifyOutcome
+    from ckptflow.runners.digests import VerifyResult
+    from ckptflow.runners.verify import GPU_SANDBOX, del_netns, new_netns
+
+    if not node.gpu_for(w).restores_beside:
+        return VerifyResult(state=VerifyOutcome.skipped, reason=GPU_SANDBOX)
+    ns = new_netns("cktv")
+    copy = None
+    try:
+        t0 = time.perf_counter()
+        copy, info = TemplateSessionsRunner(node).start_replica(w, ns)
+        timings = {k: v for k, v in info.items() if isinstance(v, float)} | {"total": time.perf_counter() - t0}
+        if info["sessions"] != m.id:
+            return VerifyResult(state=VerifyOutcome.skipped, reason=f"a newer session checkpoint {info['sessions']} exists")
+        return VerifyResult(state=VerifyOutcome.verified, reason=f"template {info['template']} + sessions {m.id}: every "
+                            "session came back as exported", timings=timings)
+    except CkptflowError as e:
+        return VerifyResult(state=VerifyOutcome.verify_failed, reason=e.message.splitlines()[0])
+    finally:
+        if copy is not None:
+            copy.stop()
+        del_netns(ns)

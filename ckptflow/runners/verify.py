@@ -18,6 +18,7 @@ import secrets
 import subprocess
 import sys
 import time
+from typing import Callable
 
 from ckptflow.errors import CkptflowError, CriuError, GpuCheckpointError, NotEnoughGpuMemory
 from ckptflow.models import EngineProbe, Manifest, VerifyOutcome, Workload
@@ -89,13 +90,12 @@ GPU_SANDBOX = ("fingerprint and checksums pass; a GPU checkpoint cannot be resto
                "prove it by a restore in place (recover) on a drained node")
 
 
-def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: float = 120) -> VerifyResult:
-    """Restore ``m`` in a sandbox beside the original and compare its answers. Never raises
-    for a bad checkpoint (that is the result); raises only when the node cannot sandbox."""
-    if w.container is not None:  # a copy of the container beside it (runners/container.py)
-        from ckptflow.runners.container import ContainerRunner
-
-        return ContainerRunner(node).verify(w, m, timeout_s)
+def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: float = 120,
+                      inspect_copy: Callable | None = None) -> VerifyResult:
+    """Restore ``m`` in a sandbox beside the original and compare its answers: the fingerprint
+    gate and the checksums here, the copy through ``w``'s workload runtime (``verify_copy``).
+    Never raises for a bad checkpoint (that is the result); raises only when the node cannot
+    sandbox. ``inspect_copy``: called with the running copy, where the runtime shows one (tests)."""
     t: dict[str, float] = {}
     t0 = time.perf_counter()
     try:
@@ -104,6 +104,13 @@ def verify_checkpoint(node: NodeRunner, w: Workload, m: Manifest, timeout_s: flo
     except CkptflowError as e:
         return VerifyResult(VerifyOutcome.verify_failed, str(e).splitlines()[0], t)
     t["checksum"] = round(time.perf_counter() - t0, 4)
+    return node.runtime_for(w).verify_copy(w, m, t, timeout_s, inspect_copy=inspect_copy)
+
+
+def verify_process_copy(node: NodeRunner, w: Workload, m: Manifest, t: dict[str, float],
+                        timeout_s: float = 120) -> VerifyResult:
+    """The process runtime's copy: criu-ns into its own PID namespace and a fresh network
+    namespace, its device state restored where the backend can, asked from inside the namespace."""
     why = node.copy_unsupported(w, m)
     if why:
         return VerifyResult(VerifyOutcome.skipped, GPU_SANDBOX + (" (or start the worker with `ckptflow run-isolated`, "
@@ -148,29 +155,3 @@ def _compare(w: Workload, m: Manifest, got: dict, t: dict) -> VerifyResult:
     have = EngineProbe.model_construct(golden=golden_digest(got["golden_answer"], w.golden.field)
                                        if w.golden and "golden_answer" in got else None, sessions=got.get("sessions"))
     return compare(w, m, have, t)
-
-
-def verify_template_sessions(node: NodeRunner, w: Workload, m: Manifest) -> VerifyResult:
-    """A two-tier checkpoint, verified the same way: a copy of the workload's template given its
-    sessions ``m``, in its own PID and network namespaces beside the live original; every
-    imported session must hold the state that was exported. GPU workloads: skipped (GPU_SANDBOX)."""
-    from ckptflow.runners.template_sessions import TemplateSessionsRunner
-
-    if not node.gpu_for(w).restores_beside:
-        return VerifyResult(state=VerifyOutcome.skipped, reason=GPU_SANDBOX)
-    ns = new_netns("cktv")
-    copy = None
-    try:
-        t0 = time.perf_counter()
-        copy, info = TemplateSessionsRunner(node).start_replica(w, ns)
-        timings = {k: v for k, v in info.items() if isinstance(v, float)} | {"total": time.perf_counter() - t0}
-        if info["sessions"] != m.id:
-            return VerifyResult(state=VerifyOutcome.skipped, reason=f"a newer session checkpoint {info['sessions']} exists")
-        return VerifyResult(state=VerifyOutcome.verified, reason=f"template {info['template']} + sessions {m.id}: every "
-                            "session came back as exported", timings=timings)
-    except CkptflowError as e:
-        return VerifyResult(state=VerifyOutcome.verify_failed, reason=e.message.splitlines()[0])
-    finally:
-        if copy is not None:
-            copy.stop()
-        del_netns(ns)

@@ -16,6 +16,7 @@ from ckptflow.models import CheckpointKind, CheckpointState, Workload
 from ckptflow.policies.compat import stale
 from ckptflow.runners.fingerprint import node_fingerprint, workload_fingerprint
 from ckptflow.runners.gpu import get_backend
+from ckptflow.runners.runtime import runtime_for
 from ckptflow.store import open_fleet_state, open_store
 from ckptflow.tasks import events
 from ckptflow.tasks.common import alerter, fingerprints, tier, transient
@@ -92,12 +93,13 @@ def invalidate_stale(scope: FleetScope, node: str | None, workloads: list[Worklo
     for w in workloads:
         eligible = {n: workload_fingerprint(w, reported[n]) for n in by_class[gpu_class[w.node]]}
         groups = gated[w.node]
-        for m, why in stale(store.list(w.name), eligible, w.gpu, w.container is not None, groups):
+        own = runtime_for(w).gated  # a container's runtime versions, say
+        for m, why in stale(store.list(w.name), eligible, w.gpu, own, groups):
             store.set_state(m, CheckpointState.invalidated, why)
             rows.append({"workload": w.name, "node": m.node, "checkpoint": m.id, "reason": why,
                          "copy": store.copy_tier.value})
         if t is not None and w.node == node:
-            for m, why in stale(t.manifests(w.name), eligible, w.gpu, w.container is not None, groups):
+            for m, why in stale(t.manifests(w.name), eligible, w.gpu, own, groups):
                 t.set_state(m, CheckpointState.invalidated, why)
                 rows.append({"workload": w.name, "node": m.node, "checkpoint": m.id, "reason": why,
                              "copy": t.copy_tier.value})

@@ -9,8 +9,6 @@ runs there) and node names. No task here reads the fleet file.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -20,7 +18,6 @@ from prefect import get_run_logger, task
 from ckptflow.errors import ConfigError, RestoreFailed, WorkloadNotFound
 from ckptflow.fleet import FleetScope
 from ckptflow.models import CheckpointKind, Workload
-from ckptflow.poll import PollTimeout, poll
 from ckptflow.runners import process
 from ckptflow.store import has_shared_tier
 from ckptflow.tasks.common import node_runner, node_slot
@@ -113,21 +110,11 @@ def restore_local(scope: FleetScope, w: Workload, node: str, checkpoint: str) ->
 
 @task(name="stop-workload")
 def stop_workload(w: Workload, grace_s: float = 30) -> dict:
-    """SIGTERM a declared worker and wait for it to exit (SIGKILL after ``grace_s``)."""
-    if w.container is not None:  # through its runtime, never a signal to a host PID
-        from ckptflow.runners.container import stop_container
+    """Stop a declared worker through its runtime (runners/runtime): SIGTERM a process and wait
+    for it to exit (SIGKILL after ``grace_s``), ``podman stop`` a container, delete a pod."""
+    from ckptflow.runners.runtime import runtime_for
 
-        return stop_container(w, grace_s)
-    try:
-        proc = process.resolve(w)
-    except WorkloadNotFound:
-        return {"stopped": False, "reason": "not running"}
-    os.kill(proc.pid, signal.SIGTERM)
-    try:
-        poll(lambda: not process.pid_alive(proc.pid), grace_s, 0.1, what=f"PID {proc.pid} to exit")
-    except PollTimeout:
-        os.kill(proc.pid, signal.SIGKILL)
-    return {"stopped": True, "pid": proc.pid}
+    return runtime_for(w).stop(w, grace_s)
 
 
 @task(name="take-template")
@@ -148,12 +135,10 @@ def scale_up_in(scope: FleetScope, w: Workload, checkpoint: str) -> dict:
     from ckptflow.runners.engine import golden_digest
     from ckptflow.runners.verify import del_netns, new_netns, probe_in_netns
 
-    workload, node = w.name, w.node
-    if w.container is not None:
-        from ckptflow.errors import UnsupportedWorkload
+    from ckptflow.runners.runtime import runtime_for
 
-        raise UnsupportedWorkload(f"workload {workload}: scale-up replicas of a container workload are not built yet",
-                                  fix="start another container of its image; verify already restores copies beside it")
+    workload, node = w.name, w.node
+    runtime_for(w).refuse_replica(w)  # a container's: not built yet
     t0 = time.perf_counter()
     with node_runner(scope, node) as runner:
         m, pulled = _tier(scope).pull(runner.store, workload, checkpoint, node)

@@ -49,11 +49,13 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
             d = decide(facts, choice.policy, choice.params)
             row = {"workload": name, "node": node.name, "decision": d.action.value, "reason": d.reason}
             if facts.gone:
-                log.error("%s: %s", name, d.reason)
+                # No log line of its own: the row carries the reason and the flow fails with it (the
+                # CLI's error line, the run's final state), the alert takes it to Slack; each more
+                # was the same line again.
                 # What it left in the node's /dev/shm (a container's is its own), once: the first
                 # heartbeat that finds it gone (its alert not yet open), not every tick after.
-                if w.container is None and name not in gone_alerts:
-                    runner.remove_devshm_leftovers(w)
+                if name not in gone_alerts:
+                    runner.runtime_for(w).clear_leftovers(w)
                 newest = next(runner.store.valid(name), None)
                 alerts.send(AlertKind.worker_gone, workload=name, key=facts.gone, node=node.name, reason=facts.gone,
                             checkpoint=newest.id if newest else None, flow_run_id=flow_run.get_id())
