@@ -159,7 +159,10 @@ class Alerter:
         _fit(body, self.ui, flow_run_id)
         cfg = self.cfg
         if cfg is None:
-            log.warning("alert (no slack configured): %s", body.get("text"))
+            # Its header only: the step that alerts reports the reason itself (a row, its error), and
+            # the whole text was that line once more in every heartbeat of a gone worker.
+            header = next((b["text"]["text"] for b in body.get("blocks", []) if b.get("type") == "header"), None)
+            log.warning("alert (no slack configured): %s", header or body.get("text"))
             return False
         secret = self.secret or _secret_from(cfg)
         try:

@@ -169,8 +169,8 @@ LEGACY_FLEET = typer.Option(None, "--fleet", hidden=True, help="Deprecated: pass
 @app.command()
 def demo(port: int = typer.Option(
         18001, min=1, max=65534, help="Port of the demo worker; its uninterrupted reference twin takes the next "
-        "one. deployments/local.yaml names 18001: on another port the demo runs on a copy of it under "
-        ".ckptflow/run.")) -> None:
+        "one. deployments/local.yaml names 18001: the demo runs on a copy of it under .ckptflow/demo, "
+        "on this port.")) -> None:
     """Run the end-to-end demo on this machine; exit 0 only if the continuation matched."""
     from ckptflow.demo.main import run_demo
 
@@ -182,7 +182,7 @@ def doctor() -> None:
     """List every prerequisite with its state and the fix."""
     from rich.markup import escape
 
-    from ckptflow.doctor import checks
+    from ckptflow.doctor import WARN, checks
 
     table = Table(title="ckptflow doctor")
     for col in ("check", "state", "detail / fix"):
@@ -190,7 +190,7 @@ def doctor() -> None:
     bad = 0
     for name, ok, detail in checks():
         bad += ok is False
-        state = {True: "[green]ok[/]", False: "[red]FAIL[/]", None: "[yellow]n/a[/]"}[ok]
+        state = {True: "[green]ok[/]", False: "[red]FAIL[/]", None: "[yellow]n/a[/]", WARN: "[yellow]warn[/]"}[ok]
         table.add_row(name, state, escape(detail))  # a detail may hold [brackets]: pip install 'ckptflow[gpu]'
     console.print(table)
     raise typer.Exit(1 if bad else 0)
@@ -436,10 +436,8 @@ def deploy(fleet_file: Path = FLEET_ARG,
     # Plain lines, not rich: paths are long and an operator copies them whole.
     typer.echo(f"{'rendered' if render_only else 'deployed'} {out}")
     units, (ds,) = workers["systemd"], workers["kubernetes"]
-    typer.echo(f"rendered {units[0].parent}/ckptflow-prefect-worker-<node>.service ({len(units)} systemd units)")
-    if workers.get("turns"):
-        typer.echo(f"rendered {units[0].parent}/ckptflow-turns-<workload>.service "
-                   f"({len(workers['turns'])} turn-end exporters of two-tier workloads)")
+    for unit in [*units, *workers.get("turns", [])]:  # a turn-end exporter beside each two-tier workload
+        typer.echo(f"rendered {unit}")
     typer.echo(f"rendered {ds} ({len({n.work_pool for n in fleet.nodes})} DaemonSets, one per node pool)")
     for p in workers.get("pods", []):  # pod workloads: rbac.yaml, restore/<workload>.yaml (docs/kubernetes.md)
         typer.echo(f"rendered {p}")
@@ -496,7 +494,9 @@ def heartbeat(fleet_file: Path = FLEET_ARG, node: str = typer.Option(None, help=
     try:
         rows = flow(str(fleet_file), node=node, workloads=workload or None, force=force)
     except HeartbeatFailed as e:
-        _table("heartbeat", e.rows, ("workload", "decision", "checkpoint", "reason", "error"))
+        # Each failure's error is the error line below: the table says what happened, not that again.
+        rows = [r if r.get("ok") else {**r, "reason": _without(r.get("reason"), r.get("error"))} for r in e.rows]
+        _table("heartbeat", rows, ("workload", "decision", "checkpoint", "reason"))
         gone = [r["workload"] for r in e.rows if r.get("gone") and not r.get("ok")]
         fix = None
         if gone:  # the worker is not running: what brings it back
@@ -505,6 +505,17 @@ def heartbeat(fleet_file: Path = FLEET_ARG, node: str = typer.Option(None, help=
         _print_error(str(e), fix)
         raise typer.Exit(1)
     _table("heartbeat", rows, ("workload", "decision", "checkpoint", "reason"))
+
+
+def _without(reason: str | None, error: str | None) -> str | None:
+    """``reason`` without the ``error`` it ends with ("worker gone: <error>" is "worker gone").
+
+        >>> _without("worker gone: pid file w.pid does not exist", "pid file w.pid does not exist")
+        'worker gone'
+    """
+    if reason and error and reason.endswith(error) and reason != error:
+        return reason[:-len(error)].rstrip(" :;")
+    return reason
 
 
 @app.command()

@@ -66,7 +66,8 @@ class Mount(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    source: str = Field(..., description="Path on the node.", examples=["/var/lib/models"])
+    source: str = Field(..., description="Path on the node; a relative one (./models) is relative to the fleet "
+                        "file's directory, a bare name is a podman named volume.", examples=["/var/lib/models"])
     target: str = Field(..., description="Path inside the container.", examples=["/models"])
     read_only: bool = Field(True, description="Mount read-only.")
 
@@ -109,7 +110,8 @@ class ContainerSpec(BaseModel):
     image: str | None = Field(None, description="Image to cold start it from.",
                               examples=["localhost/ckptflow-demo:latest"])
     rootfs: str | None = Field(None, description="A rootfs tar (python -m ckptflow.runners.rootfs build) imported "
-                               "as ``image`` on a node that lacks the image.", examples=["/srv/images/demo-rootfs.tar"])
+                               "as ``image`` on a node that lacks the image (relative: to the fleet file's directory).",
+                               examples=["/srv/images/demo-rootfs.tar"])
     command: list[str] | None = Field(None, description="Command of a cold start (default: the image's).",
                                       examples=[["python3", "-m", "ckptflow.demo.worker", "--host", "0.0.0.0"]])
     ports: list[PortMap] = Field(default_factory=list, description="Published ports. A restore publishes the "

@@ -20,7 +20,9 @@ does not hold the project, so the assumption is written down once and checked.
 Example:
     $ ckptflow deploy deployments/example-h200-fleet.yaml --render-only
     rendered deployments/prefect.example-h200.yaml
-    rendered deployments/example-h200.workers/systemd/ckptflow-prefect-worker-<node>.service (8 systemd units)
+    rendered deployments/example-h200.workers/systemd/ckptflow-prefect-worker-h200-01.service
+    ...
+    rendered deployments/example-h200.workers/systemd/ckptflow-prefect-worker-h200-08.service
     rendered deployments/example-h200.workers/kubernetes/daemonset.yaml (8 DaemonSets, one per node pool)
 """
 
@@ -51,6 +53,7 @@ K8S_NAMESPACE = "ckptflow"
 # system CRIU wins and a node without one uses the bundle (runners.criu.BUNDLE_CANDIDATES).
 _SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 API_URL_PLACEHOLDER = "http://PREFECT-SERVER:4200/api"
+API_URL_EXAMPLE = "http://prefect.internal:4200/api"  # what a refused --api-url is shown to look like
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 NODE_LIMIT = "ckptflow-node-{node}"  # one checkpoint or restore per node at a time (tasks.common.node_slot)
 
@@ -326,13 +329,18 @@ def check_api_url(fleet, api_url: str | None, given: bool, all_nodes_here: bool 
     the operator says every node of the fleet runs on this machine (a one-box fleet, tests).
 
     Raises:
-        ConfigError: ``api_url`` is loopback and a node is remote; ``given``: it came from
-            --api-url (else from this shell's PREFECT_API_URL, which the message says).
+        ConfigError: ``api_url`` is not an http(s) URL with a host, or it is loopback and a node is
+            remote; ``given``: it came from --api-url (else from this shell's PREFECT_API_URL, which
+            the message says).
     """
+    where = "--api-url" if given else "this shell's PREFECT_API_URL"
+    if api_url and not _is_http_url(api_url):  # rendered as it is, it would fail only on the nodes, at their start
+        raise ConfigError(f"{where} {api_url!r} is not a URL: expected http(s)://<host>[:<port>]/api, e.g. "
+                          f"{API_URL_EXAMPLE}", fix=f"pass the Prefect API URL as the nodes reach it, e.g. --api-url "
+                          f"{API_URL_EXAMPLE}" + ("" if given else " (or correct PREFECT_API_URL)"))
     remote = [] if all_nodes_here else remote_nodes(fleet)
     addrs = loopback_addresses(api_url) if api_url and remote else None
     if addrs is not None:
-        where = "--api-url" if given else "this shell's PREFECT_API_URL"
         # A name is not visibly loopback: say what it resolved to here.
         why = f" ({urlsplit(api_url).hostname} resolves to {', '.join(addrs)} here)" if addrs else ""
         raise ConfigError(f"{where} {api_url} is a loopback address{why}: on node {remote[0]}"
@@ -341,6 +349,20 @@ def check_api_url(fleet, api_url: str | None, given: bool, all_nodes_here: bool 
                           fix=f"pass --api-url http://<the Prefect server, as the nodes reach it>:"
                               f"{urlsplit(api_url).port or 4200}{urlsplit(api_url).path or '/api'} (or "
                               "--all-nodes-here when every node of the fleet runs on this machine)")
+
+
+def _is_http_url(url: str) -> bool:
+    """Whether ``url`` is http(s) with a host (and a numeric port, when it has one).
+
+        >>> _is_http_url("http://prefect.internal:4200/api"), _is_http_url("notaurl"), _is_http_url("http://")
+        (True, False, False)
+    """
+    try:
+        u = urlsplit(url)
+        u.port  # noqa: B018 -- raises on a port that is not a number
+    except ValueError:
+        return False
+    return u.scheme in ("http", "https") and bool(u.hostname)
 
 
 def node_mounts(fleet, nodes, wd: Path) -> list[tuple[str, str]]:

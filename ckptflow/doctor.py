@@ -1,4 +1,4 @@
-"""Prerequisite checks for `ckptflow doctor`: (name, ok | None for n/a, detail with fix)."""
+"""Prerequisite checks for `ckptflow doctor`: (name, ok | None for n/a | WARN, detail with fix)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ from pathlib import Path
 
 from ckptflow.errors import CkptflowError
 
+
+# Needed by some workloads and not set: said with the fix, not a failure of the node.
+WARN = "warn"
 
 _FROM = {"argument": "given explicitly", "CKPTFLOW_CRIU": "from $CKPTFLOW_CRIU", "PATH": "on PATH",
          "bundle": "relocatable bundle from scripts/criu-bundle.sh, used because `criu` is not on PATH"}
@@ -46,10 +49,35 @@ def _criu_ns(criu_path: str | None) -> tuple[str, bool, str]:
     return (name, False, "missing: run ./scripts/setup.sh as root")
 
 
-def checks() -> list[tuple[str, bool | None, str]]:
+def io_uring_check(sysctl: Path | None = None) -> tuple[str, bool | str | None, str]:
+    """``kernel.io_uring_disabled``, which engines need at 2 before they start: uvloop's libuv (vLLM's
+    and SGLang's API servers, torch.distributed's TCPStore) maps an io_uring ring otherwise, which
+    CRIU cannot dump (the runner refuses such a tree before freezing it). Not a failure where it is
+    not 2: a node of CPU demo workers alone checkpoints without it.
+
+    Example:
+        >>> io_uring_check(Path("/nonexistent"))[1:]
+        (None, 'no such sysctl on this kernel (before 6.6): nothing to set')
+    """
+    from ckptflow.engines.vllm import IO_URING_SYSCTL
+
+    name = "kernel.io_uring_disabled (engines)"
+    try:
+        value = (sysctl or IO_URING_SYSCTL).read_text().strip()
+    except OSError:
+        return (name, None, "no such sysctl on this kernel (before 6.6): nothing to set")
+    if value == "2":
+        return (name, True, "2: io_uring is off, so an engine's event loop uses epoll and CRIU can dump it")
+    who = "every process" if value == "0" else "root's processes (an engine's, as a node runs it)"
+    return (name, WARN, f"{value}: io_uring is open to {who}; a vLLM, SGLang or tensor-parallel worker started "
+                        "now maps a ring CRIU cannot dump: run `sysctl -w kernel.io_uring_disabled=2` before "
+                        "starting it (persist it in /etc/sysctl.d/); CPU demo workers need nothing")
+
+
+def checks() -> list[tuple[str, bool | str | None, str]]:
     from ckptflow.runners.criu import CriuRunner
 
-    out: list[tuple[str, bool | None, str]] = []
+    out: list[tuple[str, bool | str | None, str]] = []
     out.append(("python >= 3.11", sys.version_info >= (3, 11), sys.version.split()[0]))
     root = os.geteuid() == 0
     out.append(("root", root, "ok" if root else "CRIU needs root: run the node worker as root"))
@@ -70,6 +98,7 @@ def checks() -> list[tuple[str, bool | None, str]]:
     out.append(_criu_ns(shutil.which(r.criu_bin)))
     out.append(("nft (TCP network lock)", bool(shutil.which("nft")),
                 shutil.which("nft") or "missing: apt-get install nftables"))
+    out.append(io_uring_check())
     from ckptflow.runners.fingerprint import runtime_versions
 
     rt = runtime_versions()  # container workloads only: n/a, not a failure, where podman is absent

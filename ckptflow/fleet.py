@@ -3,13 +3,13 @@
 Example (``deployments/local.yaml``)::
 
     fleet: local
-    storage: {kind: local, path: .ckptflow/store}
+    storage: {kind: local, path: ../.ckptflow/store}      # relative paths: to this file's directory
     nodes:
       - {name: local, work_pool: local, gpu_class: cpu, mtbf_hours: 6000}
     workloads:
       - name: demo-chat
         node: local
-        find: {pid_file: .ckptflow/run/demo-chat.pid, cmdline_must_contain: ckptflow.demo.worker}
+        find: {pid_file: ../.ckptflow/run/demo-chat.pid, cmdline_must_contain: ckptflow.demo.worker}
         engine: vllm
         traffic: long_sessions
     policies:
@@ -20,7 +20,11 @@ expected; every problem of the file in one report. A misspelt policy parameter, 
 
     ConfigError: deployments/local.yaml: policies[0].params.min_intervl_s (line 35): policy cost-based
     has no parameter 'min_intervl_s' (its parameters: min_interval_s, max_interval_s, short_request_s,
-    burst_factor, maintenance_lead_s)
+    burst_factor, maintenance_lead_s); did you mean 'min_interval_s'?
+
+A relative path in the file (``storage.path``, ``find.pid_file``, a container's ``rootfs`` and
+mount sources) is relative to the file's directory, wherever the command runs; load_fleet
+returns them absolute.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from ckptflow.errors import ConfigError
-from ckptflow.models import EngineField, Name, TrafficClass, Workload
+from ckptflow.models import EngineField, Name, TrafficClass, Workload, did_you_mean
 from ckptflow.policies.cadence import PolicyParams
 from ckptflow.policies.retention import Retention
 from ckptflow.registry import CADENCE_POLICIES, ENGINES, GPU_BACKENDS, STORAGE_KINDS
@@ -70,8 +74,9 @@ class Storage(BaseModel):
 
     kind: StorageKind = Field(StorageKind.local, description="local directory, S3-compatible bucket, or a tier "
                               "kind registered with ckptflow.store.register_tier")
-    path: str = Field(".ckptflow/store", description="Root directory for kind=local (relative to the "
-                      "fleet file's working directory).")
+    path: str = Field(".ckptflow/store", description="Root directory for kind=local; a relative one is "
+                      "relative to the fleet file's directory.", examples=["../.ckptflow/store",
+                                                                          "/var/lib/ckptflow/{node}"])
     bucket: str | None = Field(None, description="Bucket for kind=s3.", examples=["ckpt-prod"])
     prefix: str = Field("ckptflow", description="Key prefix inside the bucket.")
     endpoint_url: str | None = Field(None, description="S3 endpoint (omit for AWS).",
@@ -199,7 +204,8 @@ class PolicyRule(BaseModel):
 def _param_problem(chosen, err: dict) -> str:
     if err["type"] == "extra_forbidden":
         known = ", ".join(chosen.params.model_fields) or "none"
-        return f"policy {chosen.name} has no parameter {err['loc'][-1]!r} (its parameters: {known})"
+        return (f"policy {chosen.name} has no parameter {err['loc'][-1]!r} (its parameters: {known})"
+                + did_you_mean(str(err["loc"][-1]), list(chosen.params.model_fields)))
     return err["msg"].removeprefix("Value error, ")
 
 
@@ -373,6 +379,7 @@ _CROSS_FIELDS = {"nodes": {"__all__": {"name", "gpus"}},
 _ONE_WORKER = (("health_url",), ("metrics_url",), ("probe_url",), ("find", "pid_file"), ("find", "systemd_unit"))
 STORAGE_PLACEHOLDERS = ("node",)  # what open_store fills into storage.path
 _LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
+EVERY_FIELD = "deployments/example-every-field.yaml"  # a fleet file that sets every field: what a config error points to
 
 
 def _url_problem(value: object) -> str | None:
@@ -578,7 +585,10 @@ def _line_of(root: yaml.Node | None, loc: tuple) -> int | None:
 
 
 def load_fleet(path: Path | str) -> Fleet:
-    """Read and validate a fleet file.
+    """Read and validate a fleet file; its relative paths (``storage.path``, ``find.pid_file``,
+    a container's ``rootfs``, ``mounts[].source``, ``kubelet_ca``, ``token_file``) come back
+    absolute, relative to the file's directory: ``cd /tmp && ckptflow heartbeat /srv/f.yaml``
+    finds the same worker as a run beside it.
 
     Raises:
         ConfigError: naming the file, each bad field's YAML path and line, and what was expected.
@@ -589,8 +599,44 @@ def load_fleet(path: Path | str) -> Fleet:
     except FileNotFoundError:
         raise ConfigError(f"{path}: fleet file not found",
                           fix="pass a file from deployments/, e.g. deployments/local.yaml") from None
+    resolved = path.resolve()
     # Every node-batch task of a tick reads the same file: parse it once per version of it.
-    return _load(str(path.resolve()), st.st_mtime_ns, st.st_size, str(path)).model_copy(deep=True)
+    fleet = _load(str(resolved), st.st_mtime_ns, st.st_size, str(path)).model_copy(deep=True)
+    return relative_to_file(fleet, resolved.parent)
+
+
+def _under(base: Path, value: str | None) -> str | None:
+    """``value`` as the fleet file means it: a relative path is relative to the file's directory
+    (``base``), not to wherever the command runs.
+
+        >>> _under(Path("/srv/fleet"), "../run/w.pid"), _under(Path("/srv/fleet"), "/run/w.pid")
+        ('/srv/run/w.pid', '/run/w.pid')
+    """
+    if not value or os.path.isabs(value):
+        return value
+    return os.path.normpath(os.path.join(base, value))
+
+
+def relative_to_file(fleet: Fleet, base: Path) -> Fleet:
+    """A copy of ``fleet`` with every relative path made absolute under ``base`` (see load_fleet).
+    ``start_command`` is left as written: it is a command, run in the worker's directory."""
+    storage = fleet.storage.model_copy(update={"path": _under(base, fleet.storage.path)})  # {node} kept
+    workloads = []
+    for w in fleet.workloads:
+        update: dict[str, Any] = {}
+        if w.find is not None and w.find.pid_file:
+            update["find"] = w.find.model_copy(update={"pid_file": _under(base, w.find.pid_file)})
+        if w.container is not None:
+            c = w.container
+            # A bare name is a podman named volume, not a path: only what looks like a path moves.
+            mounts = [m.model_copy(update={"source": _under(base, m.source)})
+                      if "/" in m.source or m.source.startswith(".") else m for m in c.mounts]
+            k8s = c.kubernetes and c.kubernetes.model_copy(update={
+                "kubelet_ca": _under(base, c.kubernetes.kubelet_ca), "token_file": _under(base, c.kubernetes.token_file)})
+            update["container"] = c.model_copy(update={"rootfs": _under(base, c.rootfs), "mounts": mounts,
+                                                       "kubernetes": k8s})
+        workloads.append(w.model_copy(update=update) if update else w)
+    return fleet.model_copy(update={"storage": storage, "workloads": workloads})
 
 
 @lru_cache(maxsize=16)
@@ -613,6 +659,8 @@ def _load(resolved: str, mtime_ns: int, size: int, shown: str) -> Fleet:
             ctx_err = (err.get("ctx") or {}).get("error")
             if isinstance(ctx_err, _PathErrors):
                 problems += [(loc + p, m) for p, m in ctx_err.problems]
+            elif err["type"] == "extra_forbidden":  # pydantic's "Extra inputs are not permitted" says no more
+                problems.append((loc, unknown_field(str(loc[-1]), _fields_at(loc[:-1]))))
             else:
                 problems.append((loc, err["msg"].removeprefix("Value error, ")))
         # Schema errors stop pydantic before the cross-field checks: run them on the raw file,
@@ -624,7 +672,57 @@ def _load(resolved: str, mtime_ns: int, size: int, shown: str) -> Fleet:
                  for line, loc, msg in located]
         if len(lines) > 1:
             lines.insert(0, f"{path}: {len(lines)} problems")
-        raise ConfigError("\n".join(lines), fix="see deployments/example-h200-fleet.yaml for every field") from None
+        raise ConfigError("\n".join(lines), fix=f"see {EVERY_FIELD} for every field") from None
+
+
+def unknown_field(name: str, known: list[str]) -> str:
+    """A key no field has, with the one it most likely meant, else the ones there are.
+
+        >>> unknown_field("pid_flie", ["pid_file", "systemd_unit"])
+        "unknown field 'pid_flie'; did you mean 'pid_file'?"
+        >>> unknown_field("zzz", ["keep", "max_age_h"])
+        "unknown field 'zzz' (fields here: keep, max_age_h)"
+    """
+    return f"unknown field {name!r}" + (did_you_mean(name, known) or f" (fields here: {', '.join(known) or 'none'})")
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    """The field names (and aliases) of the model at YAML path ``loc`` of a fleet file; [] where
+    the path leads to no model."""
+    import types
+    import typing
+
+    def unwrap(t: Any) -> Any:
+        while True:
+            origin = typing.get_origin(t)
+            if origin is typing.Annotated:
+                t = typing.get_args(t)[0]
+            elif origin in (typing.Union, types.UnionType):
+                args = [a for a in typing.get_args(t) if a is not type(None)]
+                t = args[0] if len(args) == 1 else next((a for a in args if _is_model(a)), args[0])
+            else:
+                return t
+
+    t: Any = Fleet
+    for part in loc:
+        t = unwrap(t)
+        origin, args = typing.get_origin(t), typing.get_args(t)
+        if origin is list and isinstance(part, int):
+            t = args[0]
+        elif origin is dict and args:
+            t = args[1]
+        elif _is_model(t) and isinstance(part, str) and part in t.model_fields:
+            t = t.model_fields[part].annotation
+        else:
+            return []
+    t = unwrap(t)
+    if not _is_model(t):
+        return []
+    return [n for name, f in t.model_fields.items() for n in (name, f.alias) if n]
+
+
+def _is_model(t: Any) -> bool:
+    return isinstance(t, type) and issubclass(t, BaseModel)
 
 
 def _yaml_problem(e: yaml.YAMLError, text: str) -> str:

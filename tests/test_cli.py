@@ -138,7 +138,7 @@ def test_deploy_without_a_prefect_api_url_is_refused_with_the_fix(tmp_path):
 
 def test_fleet_file_is_positional_for_ls_and_status_and_fleet_still_works(tmp_path):
     fleet = tmp_path / "f.yaml"
-    fleet.write_text(LOCAL.read_text().replace(".ckptflow/store", str(tmp_path / "store")))
+    fleet.write_text(LOCAL.read_text().replace("../.ckptflow/store", "store"))   # tmp_path/store
     for cmd in ("ls", "status"):
         out = _cli(tmp_path, cmd, fleet)
         assert out.returncode == 0, out.stderr
@@ -341,11 +341,43 @@ def test_run_isolated_with_a_command_that_cannot_start_says_so_and_writes_no_pid
 
 def test_a_heartbeat_that_finds_a_worker_gone_says_how_to_bring_it_back(tmp_path):
     fleet = tmp_path / "fleet.yaml"
-    fleet.write_text(LOCAL.read_text().replace(".ckptflow/store", str(tmp_path / "store"))
-                     .replace(".ckptflow/run/demo-chat.pid", str(tmp_path / "gone.pid")))
+    fleet.write_text(LOCAL.read_text().replace("../.ckptflow/store", str(tmp_path / "store"))
+                     .replace("../.ckptflow/run/demo-chat.pid", str(tmp_path / "gone.pid")))
     out = _cli(tmp_path, "heartbeat", fleet)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
-    assert lines[-2].startswith("error: demo-chat: workload demo-chat: pid file "), lines[-3:]
+    assert lines[-2] == f"error: demo-chat: workload demo-chat: pid file {tmp_path / 'gone.pid'} does not exist"
     assert lines[-1] == (f"fix: start it again, or `ckptflow recover {fleet} demo-chat` restores its newest "
                          "checkpoint; `on_worker_gone: recover` in its policy rule makes the heartbeat do that")
+    # Said once, in the error line: not again in the table, the log and the alert's log line (#36).
+    assert (out.stdout + out.stderr).count("does not exist") == 1, out.stdout + out.stderr
+    assert "worker gone" in out.stdout                        # the table still says what happened to it
+
+
+def test_a_fleet_files_relative_paths_follow_the_file_not_the_working_directory(tmp_path):
+    """`cd /tmp && ckptflow heartbeat /abs/deployments/local.yaml` looked for the pid file and the
+    store under /tmp (#36): relative paths are the fleet file's directory's."""
+    (tmp_path / "fleet").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    fleet = tmp_path / "fleet" / "local.yaml"
+    fleet.write_text(LOCAL.read_text().replace("../.ckptflow/store", "state/store")
+                     .replace("../.ckptflow/run/demo-chat.pid", "state/run/demo-chat.pid"))
+    out = subprocess.run([str(CKPTFLOW), "heartbeat", str(fleet)], cwd=tmp_path / "elsewhere", capture_output=True,
+                         text=True, timeout=180, env=_env(tmp_path))
+    assert out.returncode == 1, out.stderr[-2000:]
+    pid_file = tmp_path / "fleet" / "state" / "run" / "demo-chat.pid"
+    assert f"error: demo-chat: workload demo-chat: pid file {pid_file} does not exist" in out.stderr, out.stderr
+    assert (tmp_path / "fleet" / "state" / "store").is_dir() and not any((tmp_path / "elsewhere").iterdir())
+
+
+@pytest.mark.parametrize("url", ["notaurl", "prefect.internal:4200/api", "ftp://prefect.internal/api", "http://"])
+def test_deploy_refuses_an_api_url_that_is_not_a_url(tmp_path, url):
+    fleet = tmp_path / "local.yaml"
+    fleet.write_text(LOCAL.read_text())
+    out = _cli(tmp_path, "deploy", fleet, "--render-only", "--api-url", url)
+    err = _refused(out)
+    assert err.strip().splitlines() == [
+        f"error: --api-url {url!r} is not a URL: expected http(s)://<host>[:<port>]/api, e.g. "
+        "http://prefect.internal:4200/api",
+        "fix: pass the Prefect API URL as the nodes reach it, e.g. --api-url http://prefect.internal:4200/api"]
+    assert not (tmp_path / "local.workers").exists() and not (tmp_path / "prefect.local.yaml").exists()

@@ -37,7 +37,8 @@ def test_a_container_workload_loads_with_its_defaults(tmp_path):
      "less than or equal to 65535"),
     ({"container": {"name": "c", "runtime": "docker"}}, "workloads[0].container.runtime", "'podman'"),
     ({"container": {"name": "c"}, "gpu": True}, "workloads[0]", "CPU only for now"),
-    ({"container": {"name": "c", "imagee": "x"}}, "workloads[0].container.imagee", "Extra inputs"),
+    ({"container": {"name": "c", "imagee": "x"}}, "workloads[0].container.imagee",
+     "unknown field 'imagee'; did you mean 'image'?"),
 ])
 def test_a_bad_container_declaration_names_the_field_and_line(tmp_path, workload, where, says):
     with pytest.raises(ConfigError) as e:

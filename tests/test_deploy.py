@@ -166,9 +166,10 @@ def test_cli_refuses_a_workdir_without_the_project_in_one_line(tmp_path, example
 def test_cli_render_only_writes_every_file_and_says_where(tmp_path, example):
     out = _ckptflow(ROOT, "deploy", example, "--render-only", PREFECT_API_URL=API)
     assert out.returncode == 0, out.stderr
+    # Every file by its own name: `ckptflow-prefect-worker-<node>.service` named no file (#36).
     assert out.stdout.splitlines() == [
         f"rendered {tmp_path}/prefect.example-h200.yaml",
-        f"rendered {tmp_path}/example-h200.workers/systemd/ckptflow-prefect-worker-<node>.service (8 systemd units)",
+        *(f"rendered {tmp_path}/example-h200.workers/systemd/ckptflow-prefect-worker-h200-0{i}.service" for i in range(1, 9)),
         f"rendered {tmp_path}/example-h200.workers/kubernetes/daemonset.yaml (8 DaemonSets, one per node pool)"]
     assert API in (tmp_path / "example-h200.workers/systemd/ckptflow-prefect-worker-h200-03.service").read_text()
     assert "warning" not in out.stderr

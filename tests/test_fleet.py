@@ -32,6 +32,10 @@ policies:
 def test_shipped_fleets_load():
     local = load_fleet(ROOT / "deployments/local.yaml")
     assert local.workload("demo-chat").kv_capacity_tokens == 65536
+    # Relative to the file: the repository's .ckptflow/, wherever the command runs (issue #36).
+    assert local.storage.path == str(ROOT.resolve() / ".ckptflow" / "store")
+    assert local.workload("demo-chat").find.pid_file == str(ROOT.resolve() / ".ckptflow" / "run" / "demo-chat.pid")
+    assert load_fleet(ROOT / "deployments" / "example-every-field.yaml").workloads
     ex = load_fleet(ROOT / "deployments/example-h200-fleet.yaml")
     assert len(ex.nodes) == 8 and all(n.gpus == 8 for n in ex.nodes)
     assert {w.engine.value for w in ex.workloads} == {"vllm", "sglang"}
@@ -40,7 +44,22 @@ def test_shipped_fleets_load():
 
 MISTAKES = [
     # (what, edit of the parsed GOOD yaml, expected path, expected text)
-    ("unknown top-level key", lambda d: d.update(fleets="x"), "fleets", "Extra inputs are not permitted"),
+    ("unknown top-level key", lambda d: d.update(fleets="x"), "fleets", "unknown field 'fleets'; did you mean 'fleet'?"),
+    # Issue #36: pydantic's "Extra inputs are not permitted" named no field that was meant.
+    ("misspelt workload field", lambda d: d["workloads"][0].update(helth_url="http://127.0.0.1:8000/health"),
+     "workloads[0].helth_url", "unknown field 'helth_url'; did you mean 'health_url'?"),
+    ("misspelt finder field", lambda d: d["workloads"][0]["find"].update(cmdline_must_contian="vllm"),
+     "workloads[0].find.cmdline_must_contian", "unknown field 'cmdline_must_contian'; did you mean "
+     "'cmdline_must_contain'?"),
+    ("misspelt schedule field", lambda d: d.update(schedules={"heartbeat": {"intervel_s": 60}}),
+     "schedules.heartbeat.intervel_s", "unknown field 'intervel_s'; did you mean 'interval_s'?"),
+    ("misspelt retention field", lambda d: d.update(retention={"kep": 5}),
+     "retention.kep", "unknown field 'kep'; did you mean 'keep'?"),
+    ("misspelt container mount field", lambda d: d["workloads"].append(
+        {"name": "c1", "node": "n1", "container": {"name": "c1", "mounts": [{"source": "/m", "traget": "/m"}]}}),
+     "workloads[1].container.mounts[0].traget", "unknown field 'traget'; did you mean 'target'?"),
+    ("unknown field like none", lambda d: d["nodes"][0].update(zzz=1),
+     "nodes[0].zzz", "unknown field 'zzz' (fields here: name, work_pool, gpu_class,"),
     ("missing nodes", lambda d: d.pop("nodes"), "nodes", "Field required"),
     ("empty nodes", lambda d: d.update(nodes=[]), "nodes", "at least 1 item"),
     ("workload on undeclared node", lambda d: d["workloads"][0].update(node="n9"), "workloads[0].node",
@@ -73,7 +92,11 @@ MISTAKES = [
      "workloads[0].gpu_footprint_gib", "greater than or equal to 0"),
     ("misspelt policy parameter", lambda d: d["policies"][0].update(params={"min_intervl_s": 60}),
      "policies[0].params.min_intervl_s", "policy cost-based has no parameter 'min_intervl_s' (its parameters: "
-     "min_interval_s, max_interval_s"),
+     "min_interval_s, max_interval_s, short_request_s, burst_factor, maintenance_lead_s); did you mean 'min_interval_s'?"),
+    ("misspelt checkpoint mode parameter", lambda d: d["workloads"][0].update(
+        checkpoint="template-sessions", checkpoint_params={"min_sesion_tokens": 64}),
+     "workloads[0].checkpoint_params", "checkpoint mode template-sessions has no parameter 'min_sesion_tokens' "
+     "(its parameters: min_session_tokens); did you mean 'min_session_tokens'?"),
     ("parameter of another policy", lambda d: d["policies"][0].update(policy="never", params={"interval_s": 60}),
      "policies[0].params.interval_s", "policy never has no parameter 'interval_s' (its parameters: none)"),
     ("policy parameter not a number", lambda d: d["policies"][0].update(params={"max_interval_s": "daily"}),
@@ -265,3 +288,94 @@ def test_an_unknown_storage_kind_names_the_registered_ones_and_how_to_add_one(tm
         load_fleet(f)
     assert str(e.value).startswith(f"{f}: storage.kind (line 2): unknown storage kind 'gcs' (known: local, s3")
     assert "ckptflow.store.register_tier" in str(e.value)
+
+
+def test_relative_paths_are_the_fleet_files_directorys_wherever_the_command_runs(tmp_path, monkeypatch):
+    """Issue #36: `cd /tmp && ckptflow heartbeat /abs/deployments/local.yaml` found no demo worker:
+    relative paths followed the working directory."""
+    d = tmp_path / "fleets"
+    d.mkdir()
+    data = yaml.safe_load(GOOD)
+    data["storage"] = {"kind": "local", "path": "../state/{node}"}
+    data["workloads"][0]["find"] = {"pid_file": "run/w1.pid"}
+    data["workloads"].append({"name": "c1", "node": "n1", "container": {
+        "name": "c1", "rootfs": "images/c1.tar",
+        "mounts": [{"source": "./models", "target": "/models"}, {"source": "hf-cache", "target": "/cache"},
+                   {"source": "/abs", "target": "/a"}],
+        "kubernetes": {"namespace": "s", "pod": "p", "container": "c", "kubelet_ca": "pki/ca.crt"}}})
+    f = d / "f.yaml"
+    f.write_text(yaml.safe_dump(data, sort_keys=False))
+    for cwd in (tmp_path, d, Path("/")):
+        monkeypatch.chdir(cwd)
+        fleet = load_fleet(f)
+        assert fleet.storage.path == f"{tmp_path}/state/{{node}}"
+        assert fleet.workload("w1").find.pid_file == f"{d}/run/w1.pid"
+        c = fleet.workload("c1").container
+        assert c.rootfs == f"{d}/images/c1.tar" and c.kubernetes.kubelet_ca == f"{d}/pki/ca.crt"
+        assert [m.source for m in c.mounts] == [f"{d}/models", "hf-cache", "/abs"]   # a bare name: a named volume
+        assert c.kubernetes.token_file == "/var/run/secrets/kubernetes.io/serviceaccount/token"
+
+
+def test_a_relative_path_given_to_load_fleet_resolves_the_same(tmp_path, monkeypatch):
+    (tmp_path / "deployments").mkdir()
+    (tmp_path / "deployments" / "f.yaml").write_text(GOOD.replace("/run/w1.pid", "../run/w1.pid"))
+    monkeypatch.chdir(tmp_path)
+    assert load_fleet("deployments/f.yaml").workload("w1").find.pid_file == f"{tmp_path.resolve()}/run/w1.pid"
+
+
+def _field_paths(model, prefix=()) -> set[tuple]:
+    """Every field of a fleet file, as its path of field names (list items and dict values folded)."""
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    def models_in(t):
+        origin = typing.get_origin(t)
+        if origin is None:
+            return [t] if isinstance(t, type) and issubclass(t, BaseModel) else []
+        return [m for a in typing.get_args(t) for m in models_in(a)]
+
+    out: set[tuple] = set()
+    for name, f in model.model_fields.items():
+        out.add(prefix + (name,))
+        for sub in models_in(f.annotation):
+            if sub.__name__ not in ("PolicyParams", "ModeParams"):   # typed per policy / mode: below
+                out |= _field_paths(sub, prefix + (name,))
+    return out
+
+
+def _keys_in(data, prefix=()) -> set[tuple]:
+    out: set[tuple] = set()
+    if isinstance(data, dict):
+        for k, v in data.items():
+            out.add(prefix + (k,))
+            out |= _keys_in(v, prefix + (k,))
+    elif isinstance(data, list):
+        for v in data:
+            out |= _keys_in(v, prefix)
+    return out
+
+
+def test_the_every_field_example_sets_every_field_the_fleet_file_has(tmp_path):
+    """A config error's fix points at it (issue #36: it pointed at an example without checkpoint:,
+    criu:, golden: and more). A field added to the models and not to the example fails here."""
+    from ckptflow.fleet import EVERY_FIELD, Fleet
+    from ckptflow.modes import MODES
+    from ckptflow.registry import CADENCE_POLICIES
+
+    data = yaml.safe_load((ROOT / EVERY_FIELD).read_text())
+    keys = {tuple(k for k in path if k not in ("heartbeat", "invalidate", "verify", "recover", "prune"))
+            for path in _keys_in(data)}
+    want = _field_paths(Fleet)
+    want |= {("policies", "params", p) for name in CADENCE_POLICIES.known()
+             for p in CADENCE_POLICIES.lookup(name).params.model_fields}
+    want |= {("workloads", "checkpoint_params", p) for spec in MODES.values() for p in spec.params.model_fields}
+    missing = sorted(".".join(p) for p in want - keys)
+    assert not missing, f"{EVERY_FIELD} does not set: {', '.join(missing)}"
+    load_fleet(ROOT / EVERY_FIELD)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((ROOT / EVERY_FIELD).read_text() + "\nfleets: x\n")
+    with pytest.raises(ConfigError) as e:
+        load_fleet(bad)
+    assert e.value.fix == f"see {EVERY_FIELD} for every field"

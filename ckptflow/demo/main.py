@@ -46,9 +46,10 @@ def _fleet_file(port: int, demo_dir: Path) -> str:
 
     text = Path(FLEET_FILE).read_text().replace(f"127.0.0.1:{PORT}/", f"127.0.0.1:{port}/")
     data = yaml.safe_load(text)
-    data["storage"]["path"] = str(demo_dir / "store")
+    # Relative to the file written here, in demo_dir, as every fleet file's paths are to its own directory.
+    data["storage"]["path"] = "store"
     for w in data["workloads"]:
-        w["find"]["pid_file"] = str(demo_dir / "run" / Path(w["find"]["pid_file"]).name)
+        w["find"]["pid_file"] = f"run/{Path(w['find']['pid_file']).name}"
     out = demo_dir / f"local-{port}.yaml"
     out.write_text(f"# Written by `ckptflow demo` from {FLEET_FILE}: the demo's own store and pid files.\n"
                    + yaml.safe_dump(data, sort_keys=False))

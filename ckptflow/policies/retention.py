@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ckptflow.models import CheckpointState, Manifest
 
 
 class Retention(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt key would silently keep the defaults
+
     keep: int = Field(3, ge=1, description="Keep this many newest restorable checkpoints.")
     max_age_h: float = Field(72, gt=0, description="Delete restorable checkpoints older than this "
                              "(never the newest valid one).")
