@@ -135,6 +135,69 @@ def test_control_calls_answer_only_loopback_and_generation_waits_out_a_parked_en
     assert r.status_code == 503 and "parked" in r.json()["error"]
 
 
+def test_a_parked_engine_answers_health_itself_and_hicache_control_is_loopback_only(kv):
+    app_health = _client()
+    app_health.app.add_api_route("/health", lambda: (_ for _ in ()).throw(AssertionError("generated while parked")))
+    P.STATE.parked = True  # SGLang's /health generates a token, on released weights
+    r = app_health.get("/health")
+    assert r.status_code == 200 and r.json()["status"] == "parked"
+    r = _client("10.1.2.3").post("/hicache/storage-backend/clear")
+    assert r.status_code == 403 and "answers only on loopback" in r.json()["error"]
+
+
+class _Tm:
+    """SGLang's TokenizerManager, as far as the template calls go: each call noted in order."""
+
+    def __init__(self, idle: bool = True):
+        self.calls: list[str] = []
+        self.idle = idle
+        self.rid_to_state: dict = {}
+        self.served_model_name = "m"
+
+    async def flush_cache(self, timeout_s: float = 0):
+        self.calls.append("flush_cache")
+        return SimpleNamespace(success=self.idle, message="" if self.idle else "scheduler busy: 1 running")
+
+    async def release_memory_occupation(self, obj, request):
+        self.calls.append("release")
+
+    async def resume_memory_occupation(self, obj, request):
+        self.calls.append("resume")
+
+    async def update_weights_from_disk(self, obj, request):
+        self.calls.append(f"update_weights_from_disk {obj.model_path}")
+        self.served_model_name = obj.model_path   # what SGLang's update does to the name
+        return True, "ok", 0
+
+
+@pytest.fixture()
+def io_struct(monkeypatch):
+    import sys
+    from types import ModuleType
+
+    mod = ModuleType("sglang.srt.managers.io_struct")
+    for name in ("ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput"):
+        setattr(mod, name, lambda tags=None: SimpleNamespace(tags=tags))
+    mod.UpdateWeightFromDiskReqInput = lambda model_path: SimpleNamespace(model_path=model_path)
+    for parent in ("sglang", "sglang.srt", "sglang.srt.managers"):
+        monkeypatch.setitem(sys.modules, parent, ModuleType(parent))
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", mod)
+
+
+def test_the_template_is_released_only_once_sglang_says_it_is_idle_and_comes_back_under_its_name(kv, io_struct):
+    P.STATE.args.enable_memory_saver = True
+    P.STATE.tm = busy = _Tm(idle=False)
+    r = _client().post("/v1/ckptflow/template/prepare", json={"dir": "/tmp", "known": []})
+    assert r.status_code == 400 and "did not come idle to park: scheduler busy" in r.json()["error"]
+    assert busy.calls == ["flush_cache"] and not P.STATE.parked and not P.STATE.released   # never released
+    P.STATE.tm = tm = _Tm()
+    r = _client().post("/v1/ckptflow/template/prepare", json={"dir": "/tmp", "known": []})
+    assert r.status_code == 200 and tm.calls == ["flush_cache", "release"] and P.STATE.parked
+    r = _client().post("/v1/ckptflow/template/resume", json={"dir": "/tmp", "tensors": []})
+    assert r.status_code == 200 and tm.calls[2:] == ["resume", "update_weights_from_disk /m"]
+    assert not P.STATE.parked and tm.served_model_name == "m"
+
+
 def test_without_hicache_file_storage_the_engine_says_which_flags_to_add(kv):
     P.STATE.args.hicache_storage_backend = None
     r = _client().post("/v1/ckptflow/sessions/export", json={"dir": "/tmp", "known": {}})

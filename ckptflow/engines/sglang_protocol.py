@@ -66,12 +66,21 @@ ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT = "ckptflow = ckptflow.engines.sglang_protocol:plugin"
 # SGLang's control endpoints (memory, weights, cache, pause, profiling): never for inference clients.
 SGLANG_CONTROL = ("/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_disk",
-                  "/update_weights_from_tensor", "/update_weights_from_distributed", "/init_weights_update_group",
-                  "/destroy_weights_update_group", "/flush_cache", "/clear_hicache_storage_backend",
-                  "/attach_hicache_storage_backend", "/detach_hicache_storage_backend", "/pause_generation",
+                  "/update_weights_from_tensor", "/update_weights_from_distributed", "/update_weights_from_ipc",
+                  "/update_weight_version", "/init_weights_update_group", "/destroy_weights_update_group",
+                  "/init_weights_send_group_for_remote_instance", "/send_weights_to_remote_instance",
+                  "/get_weights_by_name", "/weights_checker", "/load_lora_adapter", "/unload_lora_adapter",
+                  "/flush_cache", "/clear_hicache_storage_backend", "/hicache/", "/pause_generation",
                   "/continue_generation", "/abort_request", "/start_profile", "/stop_profile",
-                  "/set_internal_state", "/configure_logging", "/check_weights")
-GENERATION = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses")
+                  "/start_expert_distribution_record", "/stop_expert_distribution_record",
+                  "/dump_expert_distribution_record", "/set_internal_state", "/configure_logging",
+                  "/set_trace_level", "/freeze_gc", "/slow_down")
+# Whatever runs the model: answered 503 while the engine is parked (its weights are released).
+GENERATION = ("/generate", "/encode", "/classify", "/v1/completions", "/v1/chat/completions", "/v1/responses",
+              "/v1/embeddings", "/v1/score", "/v1/rerank", "/v1/messages", "/invocations", "/api/chat",
+              "/api/generate", "/vertex_generate")
+# SGLang's /health generates a token: while parked the process is alive, and is answered here.
+HEALTH = ("/health", "/health_generate")
 SESSIONS_DIR = "ckptflow-sessions"   # inside HiCache's directory (its clear() removes files, not directories)
 DRAIN_TIMEOUT_S = 300.0
 PAGE_WAIT_S = 10.0                   # HiCache writes a turn's pages behind the answer
@@ -172,6 +181,10 @@ async def ckptflow_protocol(request, call_next):
     if first is not None:
         return first
     path = request.url.path
+    if STATE.parked and path in HEALTH:
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"status": "parked", "detail": "parked for a template checkpoint"})
     sid = request.headers.get(SESSION_HEADER)
     if sid and STATE.lost and sid in STATE.lost and path.startswith(GENERATION):
         STATE.lost.discard(sid)
@@ -187,9 +200,13 @@ async def _generate_listed(request, call_next, sid: str):
     from starlette.responses import Response
 
     try:
-        prompt = json.loads(await request.body() or b"{}").get("input_ids")
+        req = json.loads(await request.body() or b"{}")
+        prompt = req.get("input_ids")
     except (ValueError, AttributeError):
-        prompt = None
+        req, prompt = {}, None
+    if isinstance(req, dict) and req.get("stream"):
+        # Streamed tokens stay streamed: such a turn is not listed (its pages are on file all the same).
+        return await call_next(request)
     resp = await call_next(request)
     body = b"".join([chunk async for chunk in resp.body_iterator])
     if resp.status_code == 200 and isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
@@ -331,13 +348,17 @@ async def _prepare() -> dict:
         await _drain(tm)
         phases = {"drain": round(time.perf_counter() - t0, 4)}
         t1 = time.perf_counter()
+        # The scheduler's own wait for idle (its last batch, the overlap queue): the release asserts
+        # it, and a failed assert there ends the whole server. A template holds no session either.
+        r = await tm.flush_cache(timeout_s=DRAIN_TIMEOUT_S)
+        if not getattr(r, "success", True):
+            raise ValueError(f"SGLang did not come idle to park: {getattr(r, 'message', '') or 'flush_cache failed'}")
+        phases["flush_cache"] = round(time.perf_counter() - t1, 4)
         if a.enable_memory_saver:
+            t1 = time.perf_counter()
             await tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(), None)
             STATE.released = True
             phases["release_memory"] = round(time.perf_counter() - t1, 4)
-        else:
-            await tm.flush_cache()     # a template holds no session
-            phases["flush_cache"] = round(time.perf_counter() - t1, 4)
     except BaseException:
         STATE.parked = False
         raise
@@ -359,6 +380,7 @@ async def _resume(body: dict) -> dict:
                                                         None)
         if not ok:
             raise ValueError(f"SGLang could not read its weights back from {a.model_path}: {msg}")
+        tm.served_model_name = a.served_model_name   # the update renames the model to its path
         phases["update_weights_from_disk"] = round(time.perf_counter() - t0, 4)
         STATE.released = False
     out: dict[str, Any] = {"loaded_bytes": 0}
