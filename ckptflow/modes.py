@@ -132,6 +132,9 @@ def _template_sessions_refusal(w: Mapping[str, Any]) -> str | None:
     if w.get("container") is not None:
         return ("a container workload is checkpointed whole and on CPU only for now: "
                 "drop checkpoint: template-sessions and gpu: true, or run it as a process")
+    if w.get("runtime") not in (None, "process"):   # the template is a CRIU image of a host process
+        return (f"checkpoint: template-sessions runs only under the process runtime, not runtime: {w.get('runtime')}: "
+                "use checkpoint: process, which the runtime does its own way")
     if (w.get("tensor_parallel") or 1) > 1:
         return ("checkpoint: template-sessions is not supported with tensor_parallel > 1 yet (no "
                 "templates for TP groups); use checkpoint: process for this workload")

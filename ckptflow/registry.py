@@ -51,6 +51,12 @@ from typing import Any, Generic, TypeVar
 from pydantic import BaseModel
 
 T = TypeVar("T")
+# Every registry's first load, one at a time. Re-entrant: a built-in module's own lookups (same
+# thread) get the entries registered so far; another thread's first lookup waits for all of them
+# (the heartbeat's node tasks look up at once). One lock for all registries, not one each: threads
+# making first lookups in different registries at once got _DeadlockError from the import system
+# (ckptflow.policies.cadence, in 3 of 40 tries of a scratch script; no deterministic test found).
+_LOAD_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,9 +98,6 @@ class Registry(Generic[T]):
         self._builtins = builtins
         self._loaded = not builtins  # every built-in module imported
         self._loading = False
-        # Re-entrant: a built-in module's own lookups (same thread) get the entries registered so far;
-        # another thread's first lookup waits for all of them (the heartbeat's node tasks look up at once).
-        self._lock = threading.RLock()
 
     def add(self, name: str, entry: T, aliases: Iterable[str] = ()) -> T:
         """Register ``entry`` as ``name``, and ``aliases`` as older names for it (a later
@@ -106,7 +109,7 @@ class Registry(Generic[T]):
     def loaded(self) -> dict[str, T]:
         """Every registered entry, the built-in modules imported first (once)."""
         if not self._loaded:
-            with self._lock:
+            with _LOAD_LOCK:
                 if not self._loading:
                     self._loading = True  # first: a built-in module's own lookups must not import it again
                     try:

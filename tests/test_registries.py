@@ -170,3 +170,4 @@ def test_a_first_lookup_from_many_threads_at_once_sees_every_builtin(tmp_path, m
     for t in threads:
         t.join()
     assert seen == [["slow"]] * 8
+

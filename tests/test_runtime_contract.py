@@ -215,3 +215,46 @@ def test_a_runtime_whose_step_takes_other_arguments_fails_through_the_caller(tmp
         with pytest.raises(TypeError):
             node.checkpoint(w)
         assert list(node.store.list("w1")) == []           # the pending checkpoint was discarded
+
+
+def test_a_runtime_whose_tools_are_unavailable_never_counts_against_the_last_good_checkpoint(tmp_path, dir_runtime,
+                                                                                           monkeypatch):
+    """A cluster out of reach (the pod runtime's API server, podman missing) fails every restore the
+    same way; counted, the third would mark the only checkpoint verify_failed and retention delete it."""
+    from ckptflow.errors import RunnerUnavailable
+    from ckptflow.runners.node import MAX_FAILED_RESTORES
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "state").write_text("x")
+    (home / "alive").touch()
+    w = load_fleet(_fleet(tmp_path, runtime="dir", labels={"home": str(home)})).workloads[0]
+    with NodeRunner(LocalStore(tmp_path / "store"), criu=object(), node_fp=Fingerprint()) as node:
+        m = node.checkpoint(w, leave_running=False)
+
+        def unreachable(self, w, m, timings):
+            raise RunnerUnavailable("the API server at https://10.0.0.1:6443 does not answer")
+
+        monkeypatch.setattr(DirRuntime, "restore", unreachable)
+        for _ in range(MAX_FAILED_RESTORES + 1):
+            with pytest.raises(RunnerUnavailable):
+                node.restore(w)
+        got = node.store.get("w1", m.id)
+        assert got.state.restorable and not got.probe.restores.failures
+        monkeypatch.setattr(DirRuntime, "restore", lambda self, w, m, t: (_ for _ in ()).throw(
+            __import__("ckptflow.errors", fromlist=["RestoreFailed"]).RestoreFailed("the image is torn")))
+        with pytest.raises(Exception):
+            node.restore(w)
+        assert len(node.store.get("w1", m.id).probe.restores.failures) == 1   # the checkpoint's own fault counts
+
+
+def test_template_sessions_and_replicas_are_refused_under_a_runtime_that_is_not_process(tmp_path, dir_runtime):
+    with pytest.raises(ConfigError) as e:
+        load_fleet(_fleet(tmp_path, runtime="dir", checkpoint="template-sessions"))
+    assert "template-sessions runs only under the process runtime, not runtime: dir" in str(e.value)
+    from ckptflow.errors import UnsupportedWorkload
+
+    w = load_fleet(_fleet(tmp_path, runtime="dir")).workloads[0]
+    with pytest.raises(UnsupportedWorkload):
+        runtime_for(w).refuse_replica(w)
+    runtime_for(load_fleet(_fleet(tmp_path)).workloads[0]).refuse_replica(w)   # process: built

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError, CriuError, EngineProtocolError,
+from ckptflow.errors import (CheckpointNotFound, ChecksumMismatch, CkptflowError, ConfigError, CriuError,
+                             EngineProtocolError,
                              IncompatibleCheckpoint, NotEnoughGpuMemory, RestoreFailed, RunnerUnavailable,
                              StorageUnavailable, UndeclaredProcess, UnsupportedWorkload, WorkloadNotFound,
                              WorkloadRunning)
@@ -493,8 +494,10 @@ class NodeRunner:
         """Count a failed restore on its checkpoint; at MAX_FAILED_RESTORES it is marked
         verify_failed, so the next recover falls back to an older one (or says none is left)
         instead of trying the same image in a loop. A failure that is not the checkpoint's (a
-        retryable one, the worker running, no room on the GPU) is not counted."""
-        if e.retryable or isinstance(e, (WorkloadRunning, NotEnoughGpuMemory)):
+        retryable one, the worker running, no room on the GPU, the node's own tools or a cluster
+        out of reach, a wrong declaration) is not counted: three of those would have the last good
+        checkpoint marked failed, and retention then delete it."""
+        if e.retryable or isinstance(e, (WorkloadRunning, NotEnoughGpuMemory, RunnerUnavailable, ConfigError)):
             return
         why = (e.message if hasattr(e, "message") else str(e)).splitlines()[0][:300]
         try:

@@ -52,7 +52,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar, TypeVar
 
-from ckptflow.errors import ConfigError, CriuError
+from ckptflow.errors import ConfigError, CriuError, RunnerUnavailable, UnsupportedWorkload
 from ckptflow.models import Fingerprint, Manifest, ManifestProbe, Workload
 from ckptflow.registry import WORKLOAD_RUNTIMES
 from ckptflow.runners.coldstart import run_start_command
@@ -83,7 +83,8 @@ class WorkloadRuntime(ABC):
 
     def _node(self) -> "NodeRunner":
         if self.node is None:
-            raise TypeError(f"the {self.name} runtime needs a node runner for this step")
+            raise RunnerUnavailable(f"the {self.name} runtime needs a node runner for this step",
+                                    fix="call it through NodeRunner.runtime_for(w)")
         return self.node
 
     # --- finding and stopping ---------------------------------------------------------------
@@ -186,8 +187,11 @@ class WorkloadRuntime(ABC):
         """Refuse a scale-up replica (a copy from a template, beside the original) where this runtime has none.
 
         Raises:
-            UnsupportedWorkload: not built for this runtime.
+            UnsupportedWorkload: not built for this runtime (the default: replicas are CRIU copies
+                in a network namespace of their own, which only the process runtime makes).
         """
+        raise UnsupportedWorkload(f"workload {w.name}: scale-up replicas are not built for the {self.name} runtime",
+                                  fix="start another worker the runtime's own way")
 
 
 def register_runtime(name: str) -> Callable[[R], R]:
