@@ -12,6 +12,11 @@ Rows:
      restore, unlock; the next 32 tokens of a long session equal the engine's before the kill, and
      SGLang's own counters (the response's ``meta_info.cached_tokens``, ``sglang:cached_tokens_total``)
      show the session's prefix came from the restored radix cache.
+  c  two tiers through the protocol SGLang serves with ckptflow's plugin (engines/sglang_protocol.py,
+     flags and environment from engines/sglang.protocol_args): TemplateSessionsRunner's heartbeat
+     (template = the engine with its memory released + CUDA checkpoint + CRIU dump; the session =
+     HiCache's file pages), SIGKILL, the page directory emptied, restore; the next 32 tokens equal
+     the engine's before the kill, and ``cached_tokens`` shows the prefix came from the restored pages.
 
 Each run also writes what the CPU tests replay (SGLang does not serve on CPU from registry
 packages): the live /metrics text, /server_info, a /generate answer and the process tree, to
@@ -66,11 +71,12 @@ def wait_health(eng: Engine, timeout: float) -> float:
         raise RuntimeError(f"SGLang exited with {eng.proc.returncode} before /health answered") from None
 
 
-def generate(url: str, prompt: list[int], max_tokens: int) -> dict:
-    """SGLang's native /generate with token ids, greedy: {"output_ids", "meta_info"}."""
+def generate(url: str, prompt: list[int], max_tokens: int, session: str | None = None) -> dict:
+    """SGLang's native /generate with token ids, greedy: {"output_ids", "meta_info"}. ``session``:
+    a turn of that session (ckptflow's plugin lists its pages when it ends)."""
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0,
                                                        "ignore_eos": True}}
-    st, raw = V.http("POST", url + "/generate", body)
+    st, raw = V.http("POST", url + "/generate", body, headers={"X-Ckptflow-Session": session} if session else None)
     if st != 200:
         raise RuntimeError(f"POST /generate -> HTTP {st}: {raw[:500]!r}")
     return json.loads(raw)
@@ -272,19 +278,145 @@ def row_ab(a, model: dict, work: Path, res: dict) -> None:
         shutil.rmtree(a.store / "store-b", ignore_errors=True)
 
 
+def weights(url: str) -> dict:
+    """A few weights' first values (SGLang's /get_weights_by_name, loopback): did a reload change them?"""
+    out = {}
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.weight",
+                 "model.layers.31.mlp.down_proj.weight", "lm_head.weight"):
+        st, raw = V.http("POST", url + "/get_weights_by_name", {"name": name, "truncate_size": 4}, timeout=60)
+        out[name] = raw.decode(errors="replace")[:400] if st == 200 else f"HTTP {st}"
+    return out
+
+
+def row_c(a, model: dict, work: Path, res: dict) -> None:
+    """Two tiers driven by ckptflow's own runner through the protocol SGLang serves with ckptflow's
+    plugin (entry point sglang.srt.plugins): heartbeat (template capture + session export), SIGKILL,
+    HiCache's page directory emptied, recover; no bench code between the runner and the engine."""
+    from ckptflow.engines.sglang import protocol_args
+    from ckptflow.engines.sglang_protocol import write_entry_point
+    from ckptflow.engines.vllm import kill_tree
+    from ckptflow.runners.process import pid_alive, tree
+    from ckptflow.runners.template_sessions import TemplateSessionsRunner
+
+    rc: dict = {"row": "c", "what": "template + sessions through the protocol SGLang serves (ckptflow's plugin: "
+                "HiCache file pages, release/resume_memory_occupation + update_weights_from_disk), driven by "
+                "TemplateSessionsRunner", "mem_fraction_static": a.mem_fraction}
+    res["rows"]["c"] = rc
+    kv = work / "kv-c"
+    shutil.rmtree(kv, ignore_errors=True)
+    kv.mkdir(mode=0o700, parents=True)
+    ep = work / "plugin-entry-point"
+    shutil.rmtree(ep, ignore_errors=True)
+    write_entry_point(ep)   # ckptflow runs from this checkout, not installed: its entry point for SGLang
+    flags, env = protocol_args(kv)
+    repo = Path(__file__).resolve().parents[1]
+    eng = Engine("s3", work, Path(model["path"]), a.port + 2, a.mem_fraction, work / "cache-a", extra=flags)
+    eng.env.update(env, PYTHONPATH=":".join(p for p in (os.environ.get("PYTHONPATH", ""), str(repo), str(ep)) if p))
+    rc["args"] = eng.args[3:]
+    node = None
+    try:
+        t0 = eng.start()
+        wait_health(eng, a.start_timeout)
+        generate(eng.url, [128000, 9906, 1917, 0, 1], 1)
+        rc["start_to_first_token_s"] = round(time.perf_counter() - t0, 2)
+        rc["start_phases"] = phases(eng.watch)
+        st, raw = V.http("GET", eng.url + "/v1/ckptflow/engine", timeout=10)
+        rc["engine_info"] = {"status": st, "body": raw.decode(errors="replace")[:800]}
+        if st != 200:
+            raise RuntimeError(f"ckptflow's plugin is not serving: GET /v1/ckptflow/engine -> {st} {raw[:300]!r}")
+        session, user = V.prompts()
+        sid = "s-long"
+        turn = generate(eng.url, session, V.TURN_TOKENS, session=sid)["output_ids"]
+        nxt = session + turn + user
+        ref = generate(eng.url, nxt, V.TURN_TOKENS)          # the session's prefix cached, the user's part not
+        rc["cached_tokens_reference"] = ref["meta_info"].get("cached_tokens")
+        rc["distinct_tokens"] = len(set(ref["output_ids"]))
+        rc["weights_before"] = weights(eng.url)
+        # The same turn with the prefix fetched from HiCache's files (the radix cache flushed), as
+        # after a restore: whether KV back from the page files gives the GPU-resident KV's tokens.
+        V.http("POST", eng.url + "/flush_cache", {})
+        time.sleep(1)
+        ref_files = generate(eng.url, nxt, V.TURN_TOKENS)
+        rc["tokens_prefix_from_files"] = ref_files["output_ids"]
+        rc["cached_tokens_prefix_from_files"] = ref_files["meta_info"].get("cached_tokens")
+        rc["prefix_from_files_equal"] = ref_files["output_ids"] == ref["output_ids"]
+        node = V.node_runner(a.store / "store-c")
+        w = workload("sglang-c", eng, model).model_copy(update={"checkpoint": "template-sessions"})
+        tt = TemplateSessionsRunner(node)
+        t1 = time.perf_counter()
+        m = tt.heartbeat(w)
+        rc["heartbeat_with_capture_s"] = round(time.perf_counter() - t1, 2)
+        tmpl = node.store.get(m.probe.template.workload, m.probe.template.id)
+        rc["template_timings"] = tmpl.timings
+        rc["template_image_gib"] = round(tmpl.bytes / GiB, 2)
+        rc["template_gpu_gib"] = round((tmpl.gpu_footprint_bytes or 0) / GiB, 2)
+        rc["session_tokens"] = tt._records(m)["sessions"][sid]["tokens"]
+        rc["session_bytes"] = m.probe.export.total_bytes
+        again = generate(eng.url, nxt, V.TURN_TOKENS)       # served on after the capture (weights back from disk)
+        rc["served_after_capture_equal"] = again["output_ids"] == ref["output_ids"]
+        rc["tokens_after_capture"] = again["output_ids"]
+        rc["weights_after_capture"] = weights(eng.url)
+        rc["weights_after_capture_equal"] = rc["weights_after_capture"] == rc["weights_before"]
+        rc["cached_tokens_after_capture"] = again["meta_info"].get("cached_tokens")
+        t1 = time.perf_counter()
+        m2 = tt.heartbeat(w)                                 # a session heartbeat alone
+        rc["session_heartbeat_s"] = round(time.perf_counter() - t1, 3)
+        rc["session_heartbeat_pause_s"] = m2.timings.get("pause")
+        pids = tree(eng.pid)
+        kill_tree(eng.pid)
+        deadline = time.time() + 60
+        while any(pid_alive(p) for p in pids) and time.time() < deadline:
+            time.sleep(0.05)
+        shutil.rmtree(kv)                                    # only the store holds the session now
+        kv.mkdir(mode=0o700)
+        t1 = time.perf_counter()
+        r = tt.restore(w)
+        rc["restore_to_ready_s"] = round(time.perf_counter() - t1, 2)
+        rc["restore_phases"] = r.timings
+        m0 = metrics(eng.url)
+        t2 = time.perf_counter()
+        after = generate(eng.url, nxt, V.TURN_TOKENS)
+        rc["next_turn_after_restore_s"] = round(time.perf_counter() - t2, 3)
+        rc["restore_to_first_token_s"] = round(time.perf_counter() - t1, 2)
+        m1 = metrics(eng.url)
+        rc["cached_tokens_after_restore"] = after["meta_info"].get("cached_tokens")
+        rc["cached_tokens_total_delta"] = m1.get("sglang:cached_tokens_total", 0) - m0.get("sglang:cached_tokens_total", 0)
+        rc["prompt_tokens_next_turn"] = len(nxt)
+        rc["next_tokens"] = ref["output_ids"]
+        rc["next_tokens_equal"] = after["output_ids"] == ref["output_ids"]
+        rc["after_restore_equal_after_capture"] = after["output_ids"] == again["output_ids"]
+        rc["weights_after_restore_equal"] = weights(eng.url) == rc["weights_before"]
+        if not rc["next_tokens_equal"]:
+            rc["next_tokens_after"] = after["output_ids"]
+        V.log("row c", json.dumps({k: v for k, v in rc.items() if k != "next_tokens"}))
+    except Exception as e:
+        rc["error"] = f"{type(e).__name__}: {e}"
+        rc["traceback"] = traceback.format_exc()[-3000:]
+        rc["log_tail"] = "\n".join(l for l in eng.tail(200000).splitlines() if "rror" in l or "ckptflow" in l)[-6000:]
+        rc.setdefault("next_tokens_equal", None)
+        V.log("row c failed", rc["traceback"], rc["log_tail"][-2500:])
+    finally:
+        eng.kill()
+        if node is not None:
+            node.close()
+        save(res)
+        shutil.rmtree(a.store / "store-c", ignore_errors=True)
+
+
 def save(res: dict) -> None:
     res["adaptations"] = sorted(set(V.ADAPTATIONS))
     STATE.write_text(json.dumps(res, indent=1))
     if OUT:
         (OUT / "sglang_gpu.json").write_text(json.dumps(res, indent=1))
-        src = Path(res.get("work", "/nonexistent")) / "s1.log"
-        if src.exists():
-            (OUT / "s1.log").write_bytes(src.read_bytes()[-4 * 2**20:])
+        for name in ("s1.log", "s3.log"):
+            src = Path(res.get("work", "/nonexistent")) / name
+            if src.exists():
+                (OUT / name).write_bytes(src.read_bytes()[-4 * 2**20:])
 
 
 def table(res: dict) -> str:
     rows = res["rows"]
-    a, b = rows.get("a", {}), rows.get("b", {})
+    a, b, c = rows.get("a", {}), rows.get("b", {}), rows.get("c", {})
     hdr = ["row", "what", "cold start / pause s", "restore-to-ready s", "first token after restore s", "image GiB",
            "next_tokens_equal", "notes"]
     out = []
@@ -299,6 +431,13 @@ def table(res: dict) -> str:
                     b.get("error") or f"footprint {b.get('footprint_gib')} GiB; cached tokens of the next turn after "
                                       f"the restore {b.get('cached_tokens_after_restore')} of "
                                       f"{b.get('prompt_tokens_next_turn')}"])
+    if c:
+        out.append(["c", "two tiers through the protocol SGLang serves (runner-driven)",
+                    c.get("heartbeat_with_capture_s", "—"), c.get("restore_to_ready_s", "—"),
+                    c.get("restore_to_first_token_s", "—"), c.get("template_image_gib", "—"), c.get("next_tokens_equal"),
+                    c.get("error") or f"session {c.get('session_tokens')} tokens, {c.get('session_bytes')} B; cached "
+                                      f"tokens of the next turn after the restore {c.get('cached_tokens_after_restore')} "
+                                      f"of {c.get('prompt_tokens_next_turn')} (target restore-to-ready <= 13.7 s)"])
     return md_table(hdr, out)
 
 
@@ -323,9 +462,9 @@ def main() -> None:
                           "process (bench/sglang_gpu.py)", "carry-sglang.sh", table)
         return
     a.rows = [r.strip() for r in a.rows.split(",") if r.strip()]
-    unknown = sorted(set(a.rows) - {"a", "b"})
+    unknown = sorted(set(a.rows) - {"a", "b", "c"})
     if unknown:
-        raise SystemExit(f"--rows: unknown row(s) {', '.join(unknown)}; this bench has a, b")
+        raise SystemExit(f"--rows: unknown row(s) {', '.join(unknown)}; this bench has a, b, c")
     a.work.mkdir(parents=True, exist_ok=True)
     res = json.loads(STATE.read_text()) if STATE.exists() else {"rows": {}}
     res.update(machine=machine(), work=str(a.work), sglang=SGLANG_VERSION,
@@ -351,7 +490,10 @@ def main() -> None:
             free_shm = shutil.disk_usage("/dev/shm").free / GiB if Path("/dev/shm").exists() else 0
             a.store = Path("/dev/shm/ckptflow-sglang") if free_shm > 45 else a.work
         res["store"] = str(a.store)
-        row_ab(a, model, a.work, res)
+        if {"a", "b"} & set(a.rows):
+            row_ab(a, model, a.work, res)
+        if "c" in a.rows:
+            row_c(a, model, a.work, res)
     finally:
         sysctl.write_text(old)
         if a.store and str(a.store).startswith("/dev/shm/"):

@@ -141,9 +141,11 @@ def write_model(out: Path, seed: int = 1234) -> dict:
 
 
 # --- HTTP (urllib: one connection per request, closed; no keep-alive socket for CRIU to meet) --
-def http(method: str, url: str, body: dict | None = None, timeout: float = 300) -> tuple[int, bytes]:
+def http(method: str, url: str, body: dict | None = None, timeout: float = 300,
+         headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read()

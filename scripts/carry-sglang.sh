@@ -49,6 +49,7 @@ DEPS=(
   parso==0.8.7 prompt_toolkit==3.0.53 wcwidth==0.9.4 pexpect==4.9.0 ptyprocess==0.7.0 stack-data==0.6.3
   executing==2.3.0 asttokens==3.0.2 pure_eval==0.2.4 matplotlib-inline==0.2.2 decorator==5.2.1
   flashinfer_python==0.6.15.post1 tabulate==0.9.0 ninja==1.13.0
+  torch_memory_saver==0.0.10
 )
 # In sglang-kernel's wheel, what a bf16 Llama on Hopper never loads (see the top).
 KERNEL_DROP='sgl_kernel/flash_ops|sgl_kernel/flashmla_ops|sgl_kernel/sm100/|sgl_kernel/infllm_ops'

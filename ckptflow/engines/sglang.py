@@ -38,6 +38,9 @@ What ckptflow relies on:
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from ckptflow.engines.adapter import EngineAdapter, register
 from ckptflow.models import GoldenRequest
 from ckptflow.policies.load import metric_names
@@ -46,20 +49,25 @@ ENGINE = "sglang"
 CMDLINE = "sglang.launch_server"
 # The release measured on the H200: the newest one pinned to torch 2.11 (scripts/carry-sglang.sh).
 VERSION = "0.5.17"
+PLUGIN_DIST = "ckptflow"   # whose entry point (sglang.srt.plugins) SGLang loads: engines/sglang_protocol.py
+KV_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 
 
 @register
 class SglangAdapter(EngineAdapter):
     """SGLang's HTTP server: its metric names (read from a live 0.5.17 server), a token-id greedy
-    golden request on its native ``/generate``. It serves no ckptflow protocol: sessions and the
-    template go with the whole process (``checkpoint: process``)."""
+    golden request on its native ``/generate``. Its two-tier calls go to ckptflow's protocol, which
+    SGLang serves when ckptflow's plugin is loaded (engines/sglang_protocol.py) and it runs with
+    ``protocol_args``: sessions are HiCache's file pages, the template the engine with its memory
+    released."""
 
     name = ENGINE
-    summary = "SGLang's HTTP server: its metric names, a token-id golden request; whole-process checkpoints"
+    summary = "SGLang's HTTP server: its metric names, a token-id golden request, the protocol through ckptflow's plugin"
     metrics = metric_names(ENGINE)
-    protocol = None
-    no_protocol_fix = ("use checkpoint: process: SGLang serves no ckptflow engine protocol yet, and the whole-process "
-                       "checkpoint carries its radix cache (docs/engines/sglang.md)")
+    protocol_missing_fix = (f"start SGLang with ckptflow's plugin ({PLUGIN_DIST} installed, or `python -m "
+                            "ckptflow.engines.sglang_protocol --entry-point DIR` with DIR on its PYTHONPATH) and "
+                            "engines/sglang.protocol_args's flags and environment (docs/engines/sglang.md); or use "
+                            "checkpoint: process")
 
     def golden_request(self, base: str, **kw: object) -> GoldenRequest:
         return GoldenRequest(url=base.rstrip("/") + "/generate", field="output_ids", body=golden_body())
@@ -83,3 +91,21 @@ def server_args(model: str, port: int, *, python: str = "python3", mem_fraction:
             "--context-length", str(context_length), "--random-seed", "0", "--mem-fraction-static", str(mem_fraction),
             "--attention-backend", "triton", "--sampling-backend", "pytorch", "--cuda-graph-max-bs-decode", "8",
             "--enable-metrics"]
+
+
+def protocol_args(kv_dir: Path, *, page_size: int = 64, hicache_gib: int = 2) -> tuple[list[str], dict[str, str]]:
+    """The flags and environment that make SGLang serve ckptflow's engine protocol through its
+    plugin: HiCache written through to files in ``kv_dir`` (the sessions) and fetched back before a
+    request runs, and the memory saver (the template releases weights, KV and graphs).
+
+        >>> flags, env = protocol_args(Path("/var/lib/ckptflow/kv/chat-s"))
+        >>> env, flags[:2]
+        ({'SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR': '/var/lib/ckptflow/kv/chat-s'}, ['--enable-memory-saver', '--page-size'])
+    """
+    flags = ["--enable-memory-saver", "--page-size", str(page_size), "--enable-hierarchical-cache",
+             "--hicache-storage-backend", "file", "--hicache-size", str(hicache_gib),
+             "--hicache-write-policy", "write_through", "--hicache-storage-prefetch-policy", "wait_complete",
+             # HiCache fetches a prefix from file only from 256 tokens on by default: a session of a
+             # page or more comes back from its pages.
+             "--hicache-storage-backend-extra-config", json.dumps({"prefetch_threshold": page_size})]
+    return flags, {KV_DIR_ENV: str(kv_dir)}
