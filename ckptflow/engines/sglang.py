@@ -93,10 +93,13 @@ def server_args(model: str, port: int, *, python: str = "python3", mem_fraction:
             "--enable-metrics"]
 
 
-def protocol_args(kv_dir: Path, *, page_size: int = 64, hicache_gib: int = 2) -> tuple[list[str], dict[str, str]]:
+def protocol_args(kv_dir: Path, *, page_size: int = 64, hicache_gib: int = 1) -> tuple[list[str], dict[str, str]]:
     """The flags and environment that make SGLang serve ckptflow's engine protocol through its
     plugin: HiCache written through to files in ``kv_dir`` (the sessions) and fetched back before a
     request runs, and the memory saver (the template releases weights, KV and graphs).
+    ``hicache_gib``: HiCache's host pool, pinned memory the template's image carries whole (each
+    GiB is ~0.9 s of the H200's CRIU restore); the sessions live in the files, so it need only
+    hold the pages on their way to and from them.
 
         >>> flags, env = protocol_args(Path("/var/lib/ckptflow/kv/chat-s"))
         >>> env, flags[:2]
