@@ -139,10 +139,6 @@ def _template_sessions_refusal(w: Mapping[str, Any]) -> str | None:
         return ("checkpoint: template-sessions is not supported with tensor_parallel > 1 yet (no "
                 "templates for TP groups); use checkpoint: process for this workload")
     engine = getattr(w.get("engine"), "value", w.get("engine"))
-    if engine == "sglang":
-        return (f"checkpoint: template-sessions is not supported with engine: {engine} yet ({engine} does not serve "
-                "ckptflow's engine protocol: docs/engines/protocol.md): use checkpoint: process, which checkpoints "
-                "its whole tree; a worker that serves the protocol (ckptflow's demo engines) is declared engine: demo")
     if engine == "llamacpp":
         return ("checkpoint: template-sessions is not supported with engine: llamacpp (llama-server has no template hooks; "
                 "its sessions are carried by the process checkpoint): use checkpoint: process")

@@ -127,10 +127,9 @@ MISTAKES = [
      "storage.path", "unknown placeholder {nod} in '/var/lib/ckptflow/{nod}' (known: {node})"),
     ("two tiers for llama.cpp", lambda d: d["workloads"][0].update(engine="llamacpp", checkpoint="template-sessions"),
      "workloads[0].checkpoint", "template-sessions is not supported with engine: llamacpp"),
-    ("two tiers for an SGLang, which serves no protocol", lambda d: d["workloads"][0].update(
-        engine="sglang", checkpoint="template-sessions"),
-     "workloads[0].checkpoint", "template-sessions is not supported with engine: sglang yet (sglang does not serve "
-     "ckptflow's engine protocol"),
+    ("two tiers for a worker that is not a host process", lambda d: d["workloads"][0].update(
+        checkpoint="template-sessions", runtime="podman", find=None, container={"name": "c"}),
+     "workloads[0].checkpoint", "a container workload is checkpointed whole"),
     # Issue #36 item 1: contradictions between workloads and their node.
     ("a container publishes the port another workload serves on", lambda d: d["workloads"].append(
         {"name": "c2", "node": "n1", "container": {"name": "c2", "ports": [{"host": 8000, "container": 8000}]}}),

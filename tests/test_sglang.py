@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 
 from ckptflow.engines import sglang
-from ckptflow.errors import ConfigError, RestoreFailed
+from ckptflow.errors import RestoreFailed
 from ckptflow.fleet import load_fleet
 from ckptflow.models import ProcessFinder, Workload
 from ckptflow.runners import engine
+from ckptflow.runners.node import NodeRunner
+from ckptflow.store.local import LocalStore
 
 ROOT = Path(__file__).parent.parent
 DATA = Path(__file__).parent / "data" / "sglang"
@@ -110,11 +112,37 @@ def test_a_criu_block_overrides_sglangs_options_one_by_one(tmp_path):
     assert (w.criu.link_remap, w.criu.ext_unix_sk, w.criu.file_locks, w.criu.devshm) == (True, True, True, False)
 
 
-def test_template_sessions_with_sglang_is_refused_at_load_with_the_fix(tmp_path):
+def test_template_sessions_with_sglang_loads_and_an_sglang_without_the_plugin_is_told_how_to_start_it(tmp_path,
+                                                                                                   server):
+    # Run on the H200 through ckptflow's plugin (bench/sglang_gpu.py row c): no longer refused at load.
     block = _doc_fleet_block().replace("    gpu: true\n", "    gpu: true\n    checkpoint: template-sessions\n")
-    with pytest.raises(ConfigError) as e:
-        load_fleet(_fleet(tmp_path, block))
-    assert "workloads[0].checkpoint" in str(e.value) and "use checkpoint: process" in str(e.value)
+    assert load_fleet(_fleet(tmp_path, block)).workloads[0].checkpoint == "template-sessions"
+    # The recorded SGLang was started without the plugin: the heartbeat's first call names the fix.
+    from ckptflow.errors import EngineProtocolError
+    from ckptflow.runners.template_sessions import TemplateSessionsRunner
+
+    w = _workload(server).model_copy(update={"checkpoint": "template-sessions"})
+    with pytest.raises(EngineProtocolError) as e:
+        TemplateSessionsRunner(NodeRunner(LocalStore(tmp_path / "store"), criu=object())).heartbeat(w)
+    assert "start SGLang with ckptflow's plugin" in e.value.fix and "protocol_args" in e.value.fix
+
+
+def test_protocol_args_are_the_flags_the_plugin_asks_for():
+    flags, env = sglang.protocol_args(Path("/var/lib/ckptflow/kv/chat-s"), page_size=32, hicache_gib=1)
+    args: dict = {}
+    i = 0
+    while i < len(flags):   # --flag [value]
+        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            args[flags[i]] = flags[i + 1]
+            i += 2
+        else:
+            args[flags[i]] = True
+            i += 1
+    # What the plugin refuses to run without (sglang_protocol._kv_dir, the template's release).
+    assert args["--enable-hierarchical-cache"] is True and args["--hicache-storage-backend"] == "file"
+    assert args["--enable-memory-saver"] is True and args["--hicache-write-policy"] == "write_through"
+    assert json.loads(args["--hicache-storage-backend-extra-config"]) == {"prefetch_threshold": 32}
+    assert args["--page-size"] == "32" and env == {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": "/var/lib/ckptflow/kv/chat-s"}
 
 
 def test_the_heartbeats_load_read_parses_the_live_metrics(server):
