@@ -99,6 +99,21 @@ def tear_pages(images: Path, offset: int = 4096) -> Path:
     return pages
 
 
+ONE_WORKLOAD = {"fleet": "t", "nodes": [{"name": "n1", "work_pool": "n1"}],
+                "workloads": [{"name": "w1", "node": "n1", "find": {"pid_file": "/run/w1.pid"}}]}
+
+
+def one_workload_fleet(tmp_path: Path, **workload) -> Path:
+    """A fleet file of one node and one workload, ``workload``'s keys set on it (None drops a key's value)."""
+    import yaml
+
+    data = yaml.safe_load(yaml.safe_dump(ONE_WORKLOAD))
+    data["workloads"][0].update(workload)
+    f = tmp_path / "fleet.yaml"
+    f.write_text(yaml.safe_dump(data, sort_keys=False))
+    return f
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

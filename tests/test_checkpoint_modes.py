@@ -17,7 +17,6 @@ import signal
 from pathlib import Path
 
 import pytest
-import yaml
 from pydantic import Field
 
 from ckptflow.errors import CheckpointNotFound, ConfigError
@@ -29,16 +28,7 @@ from ckptflow.runners.node import NodeRunner
 from ckptflow.runners.verify import VerifyResult
 from ckptflow.store.local import LocalStore
 
-FLEET = {"fleet": "t", "nodes": [{"name": "n1", "work_pool": "n1"}],
-         "workloads": [{"name": "w1", "node": "n1", "find": {"pid_file": "/run/w1.pid"}}]}
-
-
-def _fleet(tmp_path: Path, **workload) -> Path:
-    data = yaml.safe_load(yaml.safe_dump(FLEET))
-    data["workloads"][0].update(workload)
-    f = tmp_path / "fleet.yaml"
-    f.write_text(yaml.safe_dump(data, sort_keys=False))
-    return f
+from conftest import one_workload_fleet as _fleet  # noqa: E402
 
 
 def _problem(f: Path) -> str:

@@ -19,7 +19,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import yaml
 
 from ckptflow.errors import ConfigError, WorkloadNotFound, WorkloadRunning
 from ckptflow.fleet import load_fleet
@@ -31,16 +30,7 @@ from ckptflow.runners.process import DeclaredProcess
 from ckptflow.runners.runtime import WorkloadRuntime, get_runtime, register_runtime, runtime_for, runtime_name
 from ckptflow.store.local import LocalStore
 
-FLEET = {"fleet": "t", "nodes": [{"name": "n1", "work_pool": "n1"}],
-         "workloads": [{"name": "w1", "node": "n1", "find": {"pid_file": "/run/w1.pid"}}]}
-
-
-def _fleet(tmp_path: Path, **workload) -> Path:
-    data = yaml.safe_load(yaml.safe_dump(FLEET))
-    data["workloads"][0].update(workload)
-    f = tmp_path / "fleet.yaml"
-    f.write_text(yaml.safe_dump(data, sort_keys=False))
-    return f
+from conftest import one_workload_fleet as _fleet  # noqa: E402
 
 
 # --- the toy: a worker that is a directory ---------------------------------------------------------
@@ -142,6 +132,15 @@ def test_no_built_in_runtime_leaves_a_step_abstract():
         assert not getattr(get_runtime(name), "__abstractmethods__", None), name
 
 
+def _toy(tmp_path: Path, state: str) -> tuple[Path, Workload]:
+    """A running toy worker holding ``state``, and its workload as the fleet file declares it."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "state").write_text(state)
+    (home / "alive").touch()
+    return home, load_fleet(_fleet(tmp_path, runtime="dir", labels={"home": str(home)})).workloads[0]
+
+
 # --- through the real callers ----------------------------------------------------------------------
 def test_a_registered_runtime_runs_through_the_heartbeat_restore_verify_stop_and_cold_start_tasks(
         tmp_path, dir_runtime, monkeypatch):
@@ -155,11 +154,7 @@ def test_a_registered_runtime_runs_through_the_heartbeat_restore_verify_stop_and
     from ckptflow.tasks import node as node_tasks
     from ckptflow.tasks.move import stop_workload
 
-    home = tmp_path / "home"
-    home.mkdir()
-    (home / "state").write_text("turn 1")
-    (home / "alive").touch()
-    w = load_fleet(_fleet(tmp_path, runtime="dir", labels={"home": str(home)})).workloads[0]
+    home, w = _toy(tmp_path, "turn 1")
     store = LocalStore(tmp_path / "store")
 
     @contextmanager
@@ -206,11 +201,7 @@ def test_a_runtime_whose_step_takes_other_arguments_fails_through_the_caller(tmp
             return super().dump(w, proc, images_dir, True)
 
     register_runtime("dir")(Forgetful)
-    home = tmp_path / "home"
-    home.mkdir()
-    (home / "state").write_text("x")
-    (home / "alive").touch()
-    w = load_fleet(_fleet(tmp_path, runtime="dir", labels={"home": str(home)})).workloads[0]
+    home, w = _toy(tmp_path, "x")
     with NodeRunner(LocalStore(tmp_path / "store"), criu=object(), node_fp=Fingerprint()) as node:
         with pytest.raises(TypeError):
             node.checkpoint(w)
@@ -224,11 +215,7 @@ def test_a_runtime_whose_tools_are_unavailable_never_counts_against_the_last_goo
     from ckptflow.errors import RunnerUnavailable
     from ckptflow.runners.node import MAX_FAILED_RESTORES
 
-    home = tmp_path / "home"
-    home.mkdir()
-    (home / "state").write_text("x")
-    (home / "alive").touch()
-    w = load_fleet(_fleet(tmp_path, runtime="dir", labels={"home": str(home)})).workloads[0]
+    home, w = _toy(tmp_path, "x")
     with NodeRunner(LocalStore(tmp_path / "store"), criu=object(), node_fp=Fingerprint()) as node:
         m = node.checkpoint(w, leave_running=False)
 

@@ -2,27 +2,8 @@
 shares with the pod's (runners/runtime/podman.py and pod.py hold the steps): the CLI with a
 timeout on every call, the fingerprint with the runtime's versions, ports and rebased URLs.
 
-A fleet file names the container instead of a pid file (ckptflow/container_models.py)::
-
-    - name: chat-c
-      node: node-a
-      container: {name: chat-c, image: localhost/ckptflow-demo:latest,
-                  ports: [{host: 18101, container: 8000}]}
-      health_url: http://127.0.0.1:18101/health
-
-What each step does (measured on Debian 12, podman 4.3.1, runc 1.1.5, CRIU 4.2.1):
-- heartbeat: ``podman container checkpoint --leave-running --export images/container.tar
-  --compress none`` (~0.3-0.5 s); the tar (CRIU images, the container's config, its rootfs
-  diff) is one image file of the checkpoint: checksummed, chunked and pushed to S3 like any.
-- migrate out: the same without ``--leave-running``; the stopped container is removed once the
-  manifest is written, so the name is free for the restore (here or on the source again).
-- restore (recover, migrate in): ``podman container restore --import`` under the declared name
-  and ports. The container has its own PID namespace, so the host PIDs the original had do not
-  matter: a restore never fails on a taken PID. A taken host port is refused before podman runs
-  (a clashing restore was seen to break the running container's networking).
-- verify: a copy restored beside the running original under another name, with fresh host
-  ports (``--publish NEW:PORT``, its own PID and network namespaces), asked for health, the
-  golden request and the session digests, compared with the checkpoint's, and removed.
+What each step does with it (heartbeat, migrate, restore, verify) and the fleet file's block: the
+podman runtime's docstring (runners/runtime/podman.py).
 
 runc calls the first ``criu`` on PATH: every runtime call runs with the directory of ckptflow's
 CRIU (runners.criu.find_criu) first on PATH, so Debian's older criu, which podman pulls in, is
