@@ -321,7 +321,7 @@ class Workload(BaseModel):
                "container.kubernetes" if self.container.kubernetes is not None else "container")
         if needs != has:
             raise ValueError(f"runtime {self.runtime} runs a workload declared with {needs}, and this one gives "
-                             f"{has}: declare {needs}, or leave runtime out (yours picks its own)")
+                             f"{has}: declare {needs}, or leave runtime out (what you declare picks it)")
         return self
 
 
