@@ -10,6 +10,12 @@ Claims, each from the bench that measures it (their own JSON and RESULTS.md rows
   standby  the bench engine's standby promoted after a kill, bit-exact (bench/gpu_two_tier.py row S)
   verify   a GPU worker started isolated is verified beside its original, a wrong digest is
            verify_failed, the original unchanged (bench/gpu_isolated_verify.py)
+  sglang-b SGLang whole process restores; next 32 tokens equal (bench/sglang_gpu.py row b)
+  sglang-c SGLang two tiers through ckptflow's plugin, driven by the runner: restores; next 32
+           tokens equal, the session's tokens fetched from its restored pages (row c)
+
+The SGLang steps are a call of their own (SGLang's carry, and ~330 s that do not fit beside vLLM's):
+    eval "$(scripts/carry-sglang.sh env)"; python3 bench/gpu_regress.py --only sglang
 
 Usage on the GPU machine (root; vLLM, its deps and CRIU carried first: scripts/carry-vllm.sh):
     eval "$(scripts/carry-vllm.sh env)"; python3 bench/gpu_regress.py
@@ -64,6 +70,21 @@ def check_vllm(state: Path) -> list[dict]:
     return out
 
 
+def check_sglang(state: Path) -> list[dict]:
+    rows = json.loads(state.read_text()).get("rows", {})
+    out = []
+    for row, claim in (("b", "SGLang whole process restores, next 32 tokens equal"),
+                       ("c", "SGLang two tiers through its plugin restore, next 32 tokens equal, session from its pages")):
+        r = rows.get(row, {})
+        ok = r.get("next_tokens_equal") is True and not r.get("error")
+        if row == "c":
+            ok = ok and (r.get("cached_tokens_after_restore") or 0) >= (r.get("session_tokens") or 1)
+        out.append({"claim": f"sglang-{row}", "what": claim, "ok": ok,
+                    "figure": f"restore-to-ready {r.get('restore_to_ready_s')} s" if ok else (r.get("error") or
+                                                                                             "no result")})
+    return out
+
+
 def check_standby(before: int) -> list[dict]:
     r = _rows(_newest("gpu_two_tier", before), "row").get("S", {})
     ok = r.get("bitexact") is True
@@ -87,7 +108,10 @@ STEPS = [
     ("standby", "gpu_two_tier", ["python3", "bench/gpu_two_tier.py", "--rows", "S"]),
     ("verify", "gpu_isolated_verify", ["python3", "bench/gpu_isolated_verify.py", "--ballast-gib", "2",
                                        "--images", "/dev/shm"]),
+    ("sglang", "sglang_gpu", ["python3", "bench/sglang_gpu.py", "--rows", "b,c"]),
 ]
+# Each step's own state file (a bench that keeps rows across its runs): removed first, this run's rows only.
+STATE = {"vllm": HOME / "vllm_gpu_state.json", "sglang": HOME / "sglang_gpu_state.json"}
 
 
 def main() -> None:
@@ -97,10 +121,11 @@ def main() -> None:
     only = {s.strip() for s in a.only.split(",") if s.strip()}
     unknown = only - {name for name, _, _ in STEPS}
     if unknown:
-        raise SystemExit(f"gpu_regress: unknown step(s) {', '.join(sorted(unknown))} (known: vllm, standby, verify)")
+        raise SystemExit(f"gpu_regress: unknown step(s) {', '.join(sorted(unknown))} "
+                         f"(known: {', '.join(name for name, _, _ in STEPS)})")
     t_start, started = time.monotonic(), time.time()
-    state = HOME / "vllm_gpu_state.json"
-    state.unlink(missing_ok=True)        # this run's rows only
+    for name in only & STATE.keys():
+        STATE[name].unlink(missing_ok=True)
     claims: list[dict] = []
     for name, results, cmd in STEPS:
         if name not in only:
@@ -117,8 +142,8 @@ def main() -> None:
         took = round(time.monotonic() - t0, 1)
         print(f"{name}: {took} s (rc {'!=0' if failed else 0})", flush=True)
         try:
-            got = {"vllm": check_vllm, "standby": check_standby, "verify": check_verify}[name](
-                *((state,) if name == "vllm" else (before,)))
+            got = {"vllm": check_vllm, "standby": check_standby, "verify": check_verify, "sglang": check_sglang}[name](
+                *((STATE[name],) if name in STATE else (before,)))
         except (OSError, ValueError, KeyError) as e:
             got = [{"claim": name, "what": "its results", "ok": False, "figure": f"no results: {e}"}]
         for c in got:
@@ -143,8 +168,9 @@ def main() -> None:
             if f.stat().st_mtime >= started:
                 shutil.copy(f, dest / "results" / f.name)
         shutil.copy(RESULTS_MD, dest / "RESULTS.md")
-        if state.exists():
-            shutil.copy(state, dest / "vllm_gpu.json")   # for bench/vllm_gpu.py --append-results here
+        for name, state in STATE.items():   # for bench/<name>_gpu.py --append-results here
+            if name in only and state.exists():
+                shutil.copy(state, dest / f"{name}_gpu.json")
     sys.exit(0 if claims and all(c["ok"] for c in claims) else 1)
 
 
