@@ -369,14 +369,15 @@ class _PathErrors(ValueError):
 
 # URL fields an engine client or the alerter will open: without a scheme and a host they only
 # fail later, at the first heartbeat, as an unreadable "no KV growing" or a silent probe error.
-_WORKLOAD_URLS = ("health_url", "metrics_url", "probe_url", "prepare_url")
+_WORKLOAD_URLS = ("health_url", "metrics_url", "probe_url", "prepare_url", "resume_url")
 _CROSS_FIELDS = {"nodes": {"__all__": {"name", "gpus"}},
                  "workloads": {"__all__": {"name", "node", "golden", "find", "engine", "gpu", "tensor_parallel",
                                            "container", *_WORKLOAD_URLS}},
                  "storage": {"endpoint_url", "path"}, "slack": {"base_url"}, "prefect_ui_url": True}
 # Fields that name one worker: two workloads declaring the same one would checkpoint, probe or
 # restore each other's process (a loopback URL or a pid file is per node).
-_ONE_WORKER = (("health_url",), ("metrics_url",), ("probe_url",), ("find", "pid_file"), ("find", "systemd_unit"))
+_ONE_WORKER = (("health_url",), ("metrics_url",), ("probe_url",), ("find", "pid_file"), ("find", "systemd_unit"),
+               ("container", "name"), ("container", "kubernetes"))
 STORAGE_PLACEHOLDERS = ("node",)  # what open_store fills into storage.path
 _LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
 EVERY_FIELD = "deployments/example-every-field.yaml"  # a fleet file that sets every field: what a config error points to
@@ -390,6 +391,7 @@ def _url_problem(value: object) -> str | None:
     try:
         u = urlsplit(value)
         host = u.hostname
+        u.port   # noqa: B018  (raises on a port that is no number or out of range: 8o00, 80000)
     except ValueError as e:
         return f"{value!r} is not a URL ({e})"
     if u.scheme not in ("http", "https") or not host:
@@ -474,19 +476,29 @@ def _port_problems(workloads: list[tuple[int, dict]]) -> list[tuple[tuple, str]]
     from urllib.parse import urlsplit
 
     claims: dict[tuple, tuple[tuple, str]] = {}   # (node, port) -> (where, what claims it)
+    out: list[tuple[tuple, str]] = []
     for i, w in workloads:
         node, name = w.get("node"), w.get("name")
         if not isinstance(node, str):
             continue
-        for k in _WORKLOAD_URLS:
+        urls = [((k,), w.get(k)) for k in _WORKLOAD_URLS]
+        if isinstance(w.get("golden"), dict):
+            urls.append((("golden", "url"), w["golden"].get("url")))
+        for k, url in urls:
             try:
-                u = urlsplit(w[k]) if isinstance(w.get(k), str) else None
+                u = urlsplit(url) if isinstance(url, str) else None
                 port = u.port if u is not None and (u.hostname or "") in _LOOPBACK else None
             except ValueError:
                 continue  # reported as a bad URL
-            if port:
-                claims.setdefault((node, port), (("workloads", i, k), f"the {k} of workloads[{i}] ({name!r})"))
-    out: list[tuple[tuple, str]] = []
+            if not port:
+                continue
+            held = claims.setdefault((node, port), (("workloads", i, *k), f"the {'.'.join(k)} of workloads[{i}] "
+                                                                          f"({name!r})"))
+            # One loopback port of a node is one server: a golden request, probe or prepare call
+            # to another workload's port would check or hold that worker instead of this one.
+            if held[0][1] != i:
+                out.append((("workloads", i, *k), f"{url!r} is on port {port} of node {node!r}, which is "
+                            f"{held[1]}: it would reach that worker; point it at this workload's own port"))
     for i, w in workloads:
         c, node, name = w.get("container"), w.get("node"), w.get("name")
         ports = c.get("ports") if isinstance(c, dict) else None
@@ -535,12 +547,14 @@ def _shared_worker_problems(workloads: list[tuple[int, dict]]) -> list[tuple[tup
             v: object = w
             for part in path:
                 v = v.get(part) if isinstance(v, dict) else None
+            if path == ("container", "kubernetes") and isinstance(v, dict):   # a pod's container, cluster-wide
+                v = "/".join(str(v.get(k)) for k in ("namespace", "pod", "container"))
             if not isinstance(v, str) or not v:
                 continue
             key: tuple = (path, v)
             if path == ("find", "pid_file"):   # ./x.pid, a/../x.pid and the absolute path are one file
                 key = (path, w.get("node"), os.path.abspath(v))
-            elif path[0] == "find":
+            elif path[0] == "find" or path == ("container", "name"):   # a name is per node
                 key = (path, w.get("node"), v)
             else:
                 try:

@@ -135,6 +135,14 @@ class ProcessFinder(BaseModel):
         if len(given) != 1:
             raise ValueError("give exactly one of pid_file, systemd_unit, cmdline_match "
                              f"(got {given or 'none'})")
+        if self.cmdline_match:
+            import re
+
+            try:   # every heartbeat compiles it: a broken one failed each of them instead of the load
+                re.compile(self.cmdline_match)
+            except re.error as e:
+                raise ValueError(f"cmdline_match {self.cmdline_match!r} is not a regular expression ({e}); "
+                                 "escape a literal ( or . with \\") from None
         return self
 
 

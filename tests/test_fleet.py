@@ -130,6 +130,32 @@ MISTAKES = [
     ("two tiers for a worker that is not a host process", lambda d: d["workloads"][0].update(
         checkpoint="template-sessions", runtime="podman", find=None, container={"name": "c"}),
      "workloads[0].checkpoint", "a container workload is checkpointed whole"),
+    # Held-out mistakes of a second trial (each was accepted without a word).
+    ("a golden request on the port another workload serves", lambda d: d["workloads"].append(
+        {"name": "w2", "node": "n1", "find": {"pid_file": "/run/w2.pid"}, "health_url": "http://127.0.0.1:8001/health",
+         "golden": {"url": "http://127.0.0.1:8000/v1/completions", "body": {}}}),
+     "workloads[1].golden.url", "'http://127.0.0.1:8000/v1/completions' is on port 8000 of node 'n1', which is the "
+     "metrics_url of workloads[0] ('w1'): it would reach that worker"),
+    ("a resume_url on another workload's port", lambda d: d["workloads"].append(
+        {"name": "w2", "node": "n1", "find": {"pid_file": "/run/w2.pid"}, "resume_url": "http://localhost:8000/resume"}),
+     "workloads[1].resume_url", "which is the metrics_url of workloads[0] ('w1')"),
+    ("one container for two workloads", lambda d: d["workloads"].extend([
+        {"name": "c1", "node": "n1", "container": {"name": "chat-c"}},
+        {"name": "c2", "node": "n1", "container": {"name": "chat-c"}}]),
+     "workloads[2].container.name", "'chat-c' is also the container.name of workloads[1] ('c1')"),
+    ("one pod's container for two workloads", lambda d: d["workloads"].extend([
+        {"name": "k1", "node": "n1", "container": {"name": "a", "kubernetes": {"namespace": "s", "pod": "p-0",
+                                                                             "container": "vllm"}}},
+        {"name": "k2", "node": "n1", "container": {"name": "b", "kubernetes": {"namespace": "s", "pod": "p-0",
+                                                                             "container": "vllm"}}}]),
+     "workloads[2].container.kubernetes", "'s/p-0/vllm' is also the container.kubernetes of workloads[1] ('k1')"),
+    ("a port that is no number", lambda d: d["workloads"][0].update(metrics_url="http://127.0.0.1:8o00/metrics"),
+     "workloads[0].metrics_url", "'http://127.0.0.1:8o00/metrics' is not a URL (Port could not be cast"),
+    ("a port out of range", lambda d: d["workloads"][0].update(metrics_url="http://127.0.0.1:80000/metrics"),
+     "workloads[0].metrics_url", "'http://127.0.0.1:80000/metrics' is not a URL (Port out of range"),
+    ("a cmdline_match that is no regular expression", lambda d: d["workloads"][0].update(
+        find={"cmdline_match": "sglang.launch_server (.* --port 8001"}),
+     "workloads[0].find", "cmdline_match 'sglang.launch_server (.* --port 8001' is not a regular expression"),
     # Issue #36 item 1: contradictions between workloads and their node.
     ("a container publishes the port another workload serves on", lambda d: d["workloads"].append(
         {"name": "c2", "node": "n1", "container": {"name": "c2", "ports": [{"host": 8000, "container": 8000}]}}),
