@@ -504,6 +504,18 @@ def _port_problems(workloads: list[tuple[int, dict]]) -> list[tuple[tuple, str]]
         ports = c.get("ports") if isinstance(c, dict) else None
         if not isinstance(ports, list) or not isinstance(node, str):
             continue
+        published = {pm.get("host") for pm in ports if isinstance(pm, dict)}
+        for k in _WORKLOAD_URLS:   # a container answers on its published ports only
+            try:
+                u = urlsplit(w[k]) if isinstance(w.get(k), str) else None
+                port = u.port if u is not None and (u.hostname or "") in _LOOPBACK else None
+            except ValueError:
+                continue  # reported as a bad URL
+            if port and port not in published:
+                out.append((("workloads", i, k), f"{w[k]!r} is on host port {port}, which container "
+                            f"{c.get('name')!r} does not publish (ports: "
+                            f"{', '.join(str(p) for p in sorted(x for x in published if isinstance(x, int)))}): "
+                            "its health check would time out; publish it, or point the URL at a published port"))
         for j, pm in enumerate(ports):
             port = pm.get("host") if isinstance(pm, dict) else None
             if not isinstance(port, int):

@@ -156,6 +156,11 @@ MISTAKES = [
     ("a cmdline_match that is no regular expression", lambda d: d["workloads"][0].update(
         find={"cmdline_match": "sglang.launch_server (.* --port 8001"}),
      "workloads[0].find", "cmdline_match 'sglang.launch_server (.* --port 8001' is not a regular expression"),
+    ("a container's health on a port it does not publish", lambda d: d["workloads"].append(
+        {"name": "c1", "node": "n1", "container": {"name": "c1", "ports": [{"host": 18111, "container": 8000}]},
+         "health_url": "http://127.0.0.1:18101/health"}),
+     "workloads[1].health_url", "'http://127.0.0.1:18101/health' is on host port 18101, which container 'c1' does "
+     "not publish (ports: 18111)"),
     # Issue #36 item 1: contradictions between workloads and their node.
     ("a container publishes the port another workload serves on", lambda d: d["workloads"].append(
         {"name": "c2", "node": "n1", "container": {"name": "c2", "ports": [{"host": 8000, "container": 8000}]}}),

@@ -173,7 +173,9 @@ def test_recover_node_deployment_brings_node_a_workloads_back_on_node_b(prefect_
     port = free_port()
     ghost = w.workload.model_copy(update={"name": "ghost", "start_command": None, "find": w.workload.find.model_copy(
         update={"pid_file": str(prefect_fleet["tmp"] / "ghost.pid")}), **{
-        k: f"http://127.0.0.1:{port}/{k}" for k in ("health_url", "metrics_url", "probe_url") if getattr(w.workload, k)}})
+        k: f"http://127.0.0.1:{port}/{k}" for k in ("health_url", "metrics_url", "probe_url") if getattr(w.workload, k)},
+        **({"golden": w.workload.golden.model_copy(update={"url": f"http://127.0.0.1:{port}/golden"})}
+           if w.workload.golden else {})})
     # A third one has a checkpoint of an engine version it no longer runs: IncompatibleCheckpoint
     # (which takes no plain message) must reach the fleet flow typed, with the differing field.
     stale = old.workload.model_copy(update={"start_command": None})
