@@ -72,27 +72,54 @@ class Mount(BaseModel):
     read_only: bool = Field(True, description="Mount read-only.")
 
 
+def _http_url(value: str | None) -> str | None:
+    """An http(s) URL with a host and a valid port, or None (a kubelet or API server address:
+    a typo failed only when a restore first called it)."""
+    if value is None:
+        return value
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(value)
+        ok, _ = u.scheme in ("http", "https") and bool(u.hostname), u.port
+    except ValueError as e:
+        raise ValueError(f"{value!r} is not a URL ({e})") from None
+    if not ok:
+        raise ValueError(f"{value!r} is not an http(s) URL with a host (expected like https://127.0.0.1:10250)")
+    return value
+
+
+def _dns_label(value: str) -> str:
+    """A Kubernetes namespace: a DNS label (RFC 1123), as the API server requires when a restore
+    creates the pod."""
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", value):
+        raise ValueError(f"{value!r} is not a Kubernetes namespace name (lowercase letters, digits and '-', "
+                         "starting and ending with a letter or digit)")
+    return value
+
+
 class KubernetesPod(BaseModel):
     """Where the worker's container lives in a pod-based fleet: the kubelet checkpoints it by these
     names (KEP-2008), and a restore creates a new pod in ``namespace`` (ckptflow/kubernetes.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    namespace: str = Field(..., min_length=1, max_length=63, description="The pod's namespace.",
-                           examples=["serving"])
+    namespace: Annotated[str, AfterValidator(_dns_label)] = Field(
+        ..., min_length=1, max_length=63, description="The pod's namespace.", examples=["serving"])
     pod: str = Field(..., min_length=1, max_length=253, description="The pod's name.", examples=["chat-a-0"])
     container: str = Field(..., min_length=1, max_length=63, description="The container's name in the pod.",
                            examples=["vllm"])
     service_account: str | None = Field(None, description="ServiceAccount of a restored pod (default: the "
                                         "namespace's default).", examples=["vllm"])
-    kubelet_url: str = Field("https://127.0.0.1:10250", description="The kubelet of the pod's node, as the node "
-                             "agent (hostNetwork) reaches it.", examples=["https://127.0.0.1:10250"])
+    kubelet_url: Annotated[str, AfterValidator(_http_url)] = Field(
+        "https://127.0.0.1:10250", description="The kubelet of the pod's node, as the node agent (hostNetwork) "
+        "reaches it.", examples=["https://127.0.0.1:10250"])
     kubelet_ca: str | None = Field(None, description="CA bundle of the kubelet's serving certificate; none: not "
                                    "verified (kubelets serve a self-signed one by default; the agent asks its own "
                                    "node over loopback).", examples=["/etc/kubernetes/pki/kubelet-ca.crt"])
-    api_url: str | None = Field(None, description="The API server a restore creates the pod through (default: "
-                                "in-cluster, https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT).",
-                                examples=["https://10.96.0.1:443"])
+    api_url: Annotated[str | None, AfterValidator(_http_url)] = Field(
+        None, description="The API server a restore creates the pod through (default: in-cluster, "
+        "https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT).", examples=["https://10.96.0.1:443"])
     token_file: str = Field("/var/run/secrets/kubernetes.io/serviceaccount/token",
                             description="The node agent's ServiceAccount token (kubelet and API server).")
 

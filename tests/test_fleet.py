@@ -161,6 +161,14 @@ MISTAKES = [
          "health_url": "http://127.0.0.1:18101/health"}),
      "workloads[1].health_url", "'http://127.0.0.1:18101/health' is on host port 18101, which container 'c1' does "
      "not publish (ports: 18111)"),
+    ("a kubelet_url with a typo'd scheme", lambda d: d["workloads"].append(
+        {"name": "k1", "node": "n1", "container": {"name": "a", "kubernetes": {
+            "namespace": "s", "pod": "p-0", "container": "vllm", "kubelet_url": "htps://127.0.0.1:10250"}}}),
+     "workloads[1].container.kubernetes.kubelet_url", "'htps://127.0.0.1:10250' is not an http(s) URL with a host"),
+    ("a namespace that is no DNS label", lambda d: d["workloads"].append(
+        {"name": "k1", "node": "n1", "container": {"name": "a", "kubernetes": {
+            "namespace": "Serving_NS", "pod": "p-0", "container": "vllm"}}}),
+     "workloads[1].container.kubernetes.namespace", "'Serving_NS' is not a Kubernetes namespace name"),
     # Issue #36 item 1: contradictions between workloads and their node.
     ("a container publishes the port another workload serves on", lambda d: d["workloads"].append(
         {"name": "c2", "node": "n1", "container": {"name": "c2", "ports": [{"host": 8000, "container": 8000}]}}),
