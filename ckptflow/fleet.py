@@ -219,6 +219,11 @@ class Schedule(BaseModel):
     def _one(self) -> "Schedule":
         if (self.interval_s is None) == (self.cron is None):
             raise ValueError("give exactly one of interval_s or cron")
+        # Prefect checks the expression only when `ckptflow deploy` creates the schedule: a field
+        # missing there failed the deploy, long after the file was written.
+        if self.cron is not None and not self.cron.startswith("@") and len(self.cron.split()) not in (5, 6):
+            raise ValueError(f"cron {self.cron!r} has {len(self.cron.split())} fields; a cron expression has 5 "
+                             "(minute hour day-of-month month day-of-week), e.g. '*/5 * * * *'")
         return self
 
 

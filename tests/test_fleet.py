@@ -86,6 +86,8 @@ MISTAKES = [
     ("s3 without bucket", lambda d: d.update(storage={"kind": "s3"}), "storage", "no bucket"),
     ("schedule with both", lambda d: d.update(schedules={"heartbeat": {"interval_s": 60, "cron": "* * * * *"}}),
      "schedules.heartbeat", "exactly one of interval_s or cron"),
+    ("a cron of four fields", lambda d: d.update(schedules={"heartbeat": {"cron": "*/5 * * *"}}),
+     "schedules.heartbeat", "cron '*/5 * * *' has 4 fields; a cron expression has 5"),
     ("unknown schedule", lambda d: d.update(schedules={"backup": {"interval_s": 60}}), "schedules.backup",
      "heartbeat"),
     ("footprint negative", lambda d: d["workloads"][0].update(gpu_footprint_gib=-5),
