@@ -72,20 +72,29 @@ class Mount(BaseModel):
     read_only: bool = Field(True, description="Mount read-only.")
 
 
-def _http_url(value: str | None) -> str | None:
-    """An http(s) URL with a host and a valid port, or None (a kubelet or API server address:
-    a typo failed only when a restore first called it)."""
-    if value is None:
-        return value
+def url_problem(value: str, example: str = "http://127.0.0.1:8000/metrics") -> str | None:
+    """Why ``value`` is no http(s) URL with a host and a valid port, or None. The one check behind every
+    URL field of a fleet file (fleet.py) and of ``ckptflow deploy``: a typo there failed only at its first use.
+
+        >>> url_problem("http://127.0.0.1:10250"), url_problem("http://h:8o00")
+        (None, "'http://h:8o00' is not a URL (Port could not be cast to integer value as '8o00')")
+    """
     from urllib.parse import urlsplit
 
     try:
         u = urlsplit(value)
-        ok, _ = u.scheme in ("http", "https") and bool(u.hostname), u.port
+        u.port   # noqa: B018  (raises on a port that is no number or out of range: 8o00, 80000)
     except ValueError as e:
-        raise ValueError(f"{value!r} is not a URL ({e})") from None
-    if not ok:
-        raise ValueError(f"{value!r} is not an http(s) URL with a host (expected like https://127.0.0.1:10250)")
+        return f"{value!r} is not a URL ({e})"
+    if u.scheme not in ("http", "https") or not u.hostname:
+        return f"{value!r} is not an http(s) URL with a host (expected like {example})"
+    return None
+
+
+def _http_url(value: str | None) -> str | None:
+    """A kubelet or API server address (a typo failed only when a restore first called it)."""
+    if value is not None and (why := url_problem(value, "https://127.0.0.1:10250")):
+        raise ValueError(why)
     return value
 
 

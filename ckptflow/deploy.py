@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from ckptflow.container_models import url_problem
 from ckptflow.errors import ConfigError
 # WORKER_QUERY_S: how often each node's worker asks the server for flow runs
 # (PREFECT_WORKER_QUERY_SECONDS) unless the fleet file or `deploy --worker-query-seconds` says.
@@ -357,12 +358,7 @@ def _is_http_url(url: str) -> bool:
         >>> _is_http_url("http://prefect.internal:4200/api"), _is_http_url("notaurl"), _is_http_url("http://")
         (True, False, False)
     """
-    try:
-        u = urlsplit(url)
-        u.port  # noqa: B018 -- raises on a port that is not a number
-    except ValueError:
-        return False
-    return u.scheme in ("http", "https") and bool(u.hostname)
+    return url_problem(url) is None
 
 
 def node_mounts(fleet, nodes, wd: Path) -> list[tuple[str, str]]:
