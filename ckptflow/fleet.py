@@ -41,6 +41,7 @@ from functools import lru_cache
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
+from ckptflow.container_models import url_problem
 from ckptflow.errors import ConfigError
 from ckptflow.models import EngineField, Name, TrafficClass, Workload, did_you_mean
 from ckptflow.policies.cadence import PolicyParams
@@ -389,19 +390,27 @@ EVERY_FIELD = "deployments/example-every-field.yaml"  # a fleet file that sets e
 
 
 def _url_problem(value: object) -> str | None:
-    if not isinstance(value, str):
-        return None  # a wrong type is the schema's error, reported on its own
+    return url_problem(value) if isinstance(value, str) else None  # a wrong type is the schema's error
+
+
+def _workload_urls(w: dict) -> list[tuple[tuple, object]]:
+    """(field path, value) of every URL a workload declares, its golden request's included."""
+    urls: list[tuple[tuple, object]] = [((k,), w.get(k)) for k in _WORKLOAD_URLS]
+    if isinstance(w.get("golden"), dict):
+        urls.append((("golden", "url"), w["golden"].get("url")))
+    return urls
+
+
+def _loopback_port(url: object) -> int | None:
+    """The port of a loopback URL (one server of its node), None for another host, no port or a bad
+    URL (that one is reported as a bad URL)."""
     from urllib.parse import urlsplit
 
     try:
-        u = urlsplit(value)
-        host = u.hostname
-        u.port   # noqa: B018  (raises on a port that is no number or out of range: 8o00, 80000)
-    except ValueError as e:
-        return f"{value!r} is not a URL ({e})"
-    if u.scheme not in ("http", "https") or not host:
-        return f"{value!r} is not an http(s) URL with a host (expected like http://127.0.0.1:8000/metrics)"
-    return None
+        u = urlsplit(url) if isinstance(url, str) else None
+        return u.port if u is not None and (u.hostname or "") in _LOOPBACK else None
+    except ValueError:
+        return None
 
 
 def cross_field_problems(data: dict) -> list[tuple[tuple, str]]:
@@ -431,10 +440,7 @@ def cross_field_problems(data: dict) -> list[tuple[tuple, str]]:
         node = w.get("node")
         if isinstance(node, str) and node not in nodes:
             out.append((("workloads", i, "node"), f"node {node!r} is not declared in nodes (declared: {declared})"))
-        urls = [((k,), w.get(k)) for k in _WORKLOAD_URLS]
-        if isinstance(w.get("golden"), dict):
-            urls.append((("golden", "url"), w["golden"].get("url")))
-        out += [(("workloads", i, *k), why) for k, v in urls if (why := _url_problem(v))]
+        out += [(("workloads", i, *k), why) for k, v in _workload_urls(w) if (why := _url_problem(v))]
     out += _shared_worker_problems(items("workloads"))  # a checkpoint mode's own refusals: ckptflow.modes
     out += _port_problems(items("workloads"))
     out += _gpu_problems(items("nodes"), items("workloads"))
@@ -478,24 +484,14 @@ def _port_problems(workloads: list[tuple[int, dict]]) -> list[tuple[tuple, str]]
     """A container's published host port that another workload of its node also claims: published by
     another container, or the port another workload's loopback URL serves on. The restore would fail
     to publish it (``bind: address already in use``), or one worker's traffic would reach the other."""
-    from urllib.parse import urlsplit
-
     claims: dict[tuple, tuple[tuple, str]] = {}   # (node, port) -> (where, what claims it)
     out: list[tuple[tuple, str]] = []
     for i, w in workloads:
         node, name = w.get("node"), w.get("name")
         if not isinstance(node, str):
             continue
-        urls = [((k,), w.get(k)) for k in _WORKLOAD_URLS]
-        if isinstance(w.get("golden"), dict):
-            urls.append((("golden", "url"), w["golden"].get("url")))
-        for k, url in urls:
-            try:
-                u = urlsplit(url) if isinstance(url, str) else None
-                port = u.port if u is not None and (u.hostname or "") in _LOOPBACK else None
-            except ValueError:
-                continue  # reported as a bad URL
-            if not port:
+        for k, url in _workload_urls(w):
+            if not (port := _loopback_port(url)):
                 continue
             held = claims.setdefault((node, port), (("workloads", i, *k), f"the {'.'.join(k)} of workloads[{i}] "
                                                                           f"({name!r})"))
@@ -511,12 +507,7 @@ def _port_problems(workloads: list[tuple[int, dict]]) -> list[tuple[tuple, str]]
             continue
         published = {pm.get("host") for pm in ports if isinstance(pm, dict)}
         for k in _WORKLOAD_URLS:   # a container answers on its published ports only
-            try:
-                u = urlsplit(w[k]) if isinstance(w.get(k), str) else None
-                port = u.port if u is not None and (u.hostname or "") in _LOOPBACK else None
-            except ValueError:
-                continue  # reported as a bad URL
-            if port and port not in published:
+            if (port := _loopback_port(w.get(k))) and port not in published:
                 out.append((("workloads", i, k), f"{w[k]!r} is on host port {port}, which container "
                             f"{c.get('name')!r} does not publish (ports: "
                             f"{', '.join(str(p) for p in sorted(x for x in published if isinstance(x, int)))}): "
