@@ -376,10 +376,11 @@ class _PathErrors(ValueError):
 # URL fields an engine client or the alerter will open: without a scheme and a host they only
 # fail later, at the first heartbeat, as an unreadable "no KV growing" or a silent probe error.
 _WORKLOAD_URLS = ("health_url", "metrics_url", "probe_url", "prepare_url", "resume_url")
-_CROSS_FIELDS = {"nodes": {"__all__": {"name", "gpus"}},
+_CROSS_FIELDS = {"nodes": {"__all__": {"name", "gpus", "gpu_class", "work_pool"}},
                  "workloads": {"__all__": {"name", "node", "golden", "find", "engine", "gpu", "tensor_parallel",
                                            "container", *_WORKLOAD_URLS}},
-                 "storage": {"endpoint_url", "path"}, "slack": {"base_url"}, "prefect_ui_url": True}
+                 "storage": {"endpoint_url", "path", "encryption_key_env", "encryption_key_block"},
+                 "slack": {"base_url", "webhook_url_env", "token_env", "secret_block", "channel"}, "prefect_ui_url": True}
 # Fields that name one worker: two workloads declaring the same one would checkpoint, probe or
 # restore each other's process (a loopback URL or a pid file is per node).
 _ONE_WORKER = (("health_url",), ("metrics_url",), ("probe_url",), ("find", "pid_file"), ("find", "systemd_unit"),
@@ -443,8 +444,11 @@ def cross_field_problems(data: dict) -> list[tuple[tuple, str]]:
         out += [(("workloads", i, *k), why) for k, v in _workload_urls(w) if (why := _url_problem(v))]
     out += _shared_worker_problems(items("workloads"))  # a checkpoint mode's own refusals: ckptflow.modes
     out += _port_problems(items("workloads"))
+    out += _pool_problems(items("nodes"))
     out += _gpu_problems(items("nodes"), items("workloads"))
     out += _engine_problems(items("workloads"))
+    out += _storage_key_problems(data.get("storage"))
+    out += _slack_problems(data.get("slack"))
     storage = data.get("storage")
     if isinstance(storage, dict) and isinstance(storage.get("path"), str):
         import string
@@ -526,13 +530,66 @@ def _port_problems(workloads: list[tuple[int, dict]]) -> list[tuple[tuple, str]]
     return out
 
 
+def _pool_problems(nodes: list[tuple[int, dict]]) -> list[tuple[tuple, str]]:
+    """Two nodes on one work pool. A node step runs on whichever worker of the pool polls first, so
+    one node's heartbeat would look for its workloads on the other node: found gone there, alerted
+    as lost, and with ``on_worker_gone: recover`` restored onto the wrong machine."""
+    out: list[tuple[tuple, str]] = []
+    seen: dict[str, tuple[int, str]] = {}
+    for i, n in nodes:
+        pool = n.get("work_pool")
+        if not isinstance(pool, str) or not pool:
+            continue  # the schema's
+        if pool in seen:
+            j, other = seen[pool]
+            out.append((("nodes", i, "work_pool"), f"work pool {pool!r} is also the work_pool of nodes[{j}] ({other!r}): "
+                        f"a node step for either could run on the other's worker; give node {n.get('name')!r} a pool "
+                        "of its own (each node runs one worker on its own pool)"))
+        else:
+            seen[pool] = (i, str(n.get("name")))
+    return out
+
+
+def _storage_key_problems(storage: object) -> list[tuple[tuple, str]]:
+    """Both places for the chunk key: the tasks would read the block and ignore the variable, so
+    a node holding only the variable's key would write chunks another node cannot read."""
+    if isinstance(storage, dict) and storage.get("encryption_key_env") and storage.get("encryption_key_block"):
+        return [(("storage", "encryption_key_block"), f"both encryption_key_env ({storage['encryption_key_env']!r}) "
+                 f"and encryption_key_block ({storage['encryption_key_block']!r}) are set; the chunk key comes from "
+                 "one place: keep one of them")]
+    return []
+
+
+def _slack_problems(slack: object) -> list[tuple[tuple, str]]:
+    """A slack block that can send nothing: every alert would be logged as unsent, and the on-call
+    channel would never hear of a failed restore."""
+    if not isinstance(slack, dict):
+        return []
+    if not any(slack.get(k) for k in ("webhook_url_env", "token_env", "secret_block")):
+        return [(("slack",), "no webhook_url_env, token_env or secret_block is set, so no alert can be sent; set one "
+                 "(e.g. webhook_url_env: CKPTFLOW_SLACK_WEBHOOK), or drop the slack block")]
+    if slack.get("token_env") and not slack.get("webhook_url_env") and not slack.get("channel"):
+        return [(("slack", "channel"), f"token_env ({slack['token_env']!r}) posts as a bot, which needs a channel; "
+                 "set channel (e.g. '#gpu-oncall')")]
+    return []
+
+
 def _gpu_problems(nodes: list[tuple[int, dict]], workloads: list[tuple[int, dict]]) -> list[tuple[tuple, str]]:
-    """A GPU workload whose tensor-parallel ranks outnumber the GPUs its node declares: each rank
-    holds a GPU of its own, and a restore would find none for the rest."""
+    """A GPU workload on a node that declares no GPU (gpus: 0 and gpu_class: cpu, as written or by
+    default): recover-node would place it on CPU nodes, and the memory gate would have no GPU to
+    check. And tensor-parallel ranks that outnumber the GPUs its node declares: each rank holds a
+    GPU of its own, and a restore would find none for the rest."""
     gpus = {n["name"]: n.get("gpus") for _, n in nodes if isinstance(n.get("name"), str)}  # others: the schema's
+    cpu_only = {n["name"] for _, n in nodes if isinstance(n.get("name"), str)
+                and not n.get("gpus") and n.get("gpu_class", "cpu") == "cpu"}
     out: list[tuple[tuple, str]] = []
     for i, w in workloads:
         node = w.get("node")
+        if w.get("gpu") is True and node in cpu_only:
+            out.append((("workloads", i, "gpu"), f"workloads[{i}] ({w.get('name')!r}) is gpu: true, but its node "
+                        f"{node!r} declares no GPU (gpus: 0, gpu_class: cpu); declare the node's gpus and gpu_class "
+                        "(e.g. gpus: 8, gpu_class: H200-141GB), place the workload on a GPU node, or drop gpu: true"))
+            continue
         have, need = gpus.get(node) if isinstance(node, str) else None, w.get("tensor_parallel") or 1
         if w.get("gpu") and isinstance(have, int) and have > 0 and isinstance(need, int) and need > have:
             out.append((("workloads", i, "tensor_parallel"), f"tensor_parallel {need} needs {need} GPUs, but its node "

@@ -185,6 +185,19 @@ MISTAKES = [
     ("more ranks than the node has GPUs", lambda d: (d["nodes"][0].update(gpus=2), d["workloads"][0].update(
         gpu=True, tensor_parallel=4)),
      "workloads[0].tensor_parallel", "tensor_parallel 4 needs 4 GPUs, but its node 'n1' declares gpus: 2"),
+    ("two nodes on one work pool", lambda d: d["nodes"].append({"name": "n2", "work_pool": "n1"}),
+     "nodes[1].work_pool", "work pool 'n1' is also the work_pool of nodes[0] ('n1'): a node step for either could "
+     "run on the other's worker; give node 'n2' a pool of its own"),
+    ("a GPU workload on a node that declares no GPU", lambda d: d["workloads"][0].update(gpu=True),
+     "workloads[0].gpu", "workloads[0] ('w1') is gpu: true, but its node 'n1' declares no GPU (gpus: 0, "
+     "gpu_class: cpu)"),
+    ("both places for the chunk key", lambda d: d.update(storage={
+        "kind": "s3", "bucket": "b", "encryption_key_env": "K", "encryption_key_block": "chunk-key"}),
+     "storage.encryption_key_block", "both encryption_key_env ('K') and encryption_key_block ('chunk-key') are set"),
+    ("a slack block with nothing to send with", lambda d: d.update(slack={"channel": "#gpu-oncall"}),
+     "slack", "no webhook_url_env, token_env or secret_block is set, so no alert can be sent"),
+    ("a bot token without a channel", lambda d: d.update(slack={"token_env": "SLACK_BOT_TOKEN"}),
+     "slack.channel", "token_env ('SLACK_BOT_TOKEN') posts as a bot, which needs a channel"),
 ]
 
 
@@ -200,6 +213,25 @@ def test_mistake_names_file_path_and_expectation(tmp_path, what, edit, path, tex
     assert f"{f}: {path}" in msg, msg
     assert text in msg, msg
     assert "(line " in msg
+
+
+def test_what_the_new_checks_must_not_refuse(tmp_path):
+    """Right both ways: a GPU node that names its class but not its count, the control pool shared
+    with a node's (the default), a webhook with a channel, a secret block alone, one chunk key."""
+    data = yaml.safe_load(GOOD)
+    data["nodes"] += [{"name": "g1", "work_pool": "g1", "gpu_class": "H200-141GB"},
+                      {"name": "g2", "work_pool": "g2", "gpus": 8}]
+    data["control_pool"] = "n1"
+    data["workloads"] += [{"name": "a", "node": "g1", "find": {"pid_file": "/run/a.pid"}, "gpu": True},
+                          {"name": "b", "node": "g2", "find": {"pid_file": "/run/b.pid"}, "gpu": True}]
+    data["storage"] = {"kind": "s3", "bucket": "b", "encryption_key_block": "chunk-key"}
+    for slack in ({"webhook_url_env": "HOOK", "channel": "#oncall"}, {"secret_block": "slack-hook"},
+                  {"token_env": "TOKEN", "channel": "#oncall"}):
+        data["slack"] = slack
+        f = tmp_path / "fleet.yaml"
+        f.write_text(yaml.safe_dump(data, sort_keys=False))
+        fleet = load_fleet(f)
+        assert [w.name for w in fleet.workloads] == ["w1", "a", "b"] and fleet.slack.model_dump(exclude_none=True) == slack
 
 
 def test_the_same_host_port_on_two_nodes_and_a_containers_own_health_url_are_no_clash(tmp_path):
