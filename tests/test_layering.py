@@ -3,8 +3,9 @@ import sys
 
 
 def test_pure_layers_load_no_prefect():
-    # Modules vLLM imports inside its own environment (they need vllm and torch, not Prefect).
-    engine_side = {"ckptflow.engines.vllm_connector"}
+    # Modules an engine imports inside its own environment (they need vllm, torch or the CUDA
+    # driver's bindings, not Prefect).
+    engine_side = {"ckptflow.engines.vllm_connector", "ckptflow.engines.vmm"}
     code = ("import sys, importlib, pkgutil, ckptflow\n"
             f"engine_side = {engine_side!r}\n"
             "for pkg in ('ckptflow.policies', 'ckptflow.runners', 'ckptflow.store', 'ckptflow.engines'):\n"
@@ -37,3 +38,23 @@ def test_the_vllm_connector_imports_only_the_engines_own_packages():
                      "torch", "safetensors", "vllm", "ckptflow"}, roots
     layout = ast.parse(src.with_name("vllm_layout.py").read_text())   # its one ckptflow import
     assert [n.module for n in ast.walk(layout) if isinstance(n, (ast.Import, ast.ImportFrom))] == ["__future__"]
+
+
+def test_the_vllm_worker_extension_imports_only_torch_and_the_weight_chunks():
+    """It is mixed into every vLLM worker process: the standard library, torch (and numpy, the
+    CUDA driver's bindings where a GPU needs them) and ckptflow's engine-side chunk code only."""
+    import ast
+    from pathlib import Path
+
+    engines = Path(__file__).parents[1] / "ckptflow" / "engines"
+    for name, inside in (("vllm_worker.py", {"ckptflow.engines.weight_chunks"}),
+                         ("weight_chunks.py", {"ckptflow.engines.vmm"}), ("vmm.py", set())):
+        roots, ours = set(), set()
+        for node in ast.walk(ast.parse((engines / name).read_text())):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            roots |= {m.split(".")[0] for m in mods}
+            ours |= {m for m in mods if m.startswith("ckptflow")}
+        assert roots - {"ckptflow"} <= {"__future__", "collections", "concurrent", "ctypes", "hashlib", "os",
+                                        "pathlib", "threading", "time", "typing", "numpy", "torch", "cuda"}, (name, roots)
+        assert ours == inside, (name, ours)

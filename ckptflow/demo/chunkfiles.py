@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ckptflow.engines.weight_chunks import chunk_path
+
 
 def write_chunk(out_dir: Path, digest: str, data) -> int:
     """``data`` as ``out_dir/<digest>`` through a temporary name of this thread's (a reader never
@@ -65,12 +67,6 @@ def export_tensor(name: str, a: np.ndarray, out_dir: Path, chunk_bytes: int, kno
         written = sum(ex.map(write, todo.items()))
     return {"name": name, "dtype": str(a.dtype), "shape": list(a.shape), "nbytes": int(a.nbytes),
             "chunks": chunks}, written
-
-
-def chunk_path(root: Path, digest: str) -> Path:
-    """Where a chunk is: the store's layout (``ab/abcd…``), or flat (a staging directory)."""
-    nested = root / digest[:2] / digest
-    return nested if nested.exists() else root / digest
 
 
 def import_tensor(rec: dict, root: Path, threads: int = 1) -> np.ndarray:

@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-THREADS = max(4, min(14, (os.cpu_count() or 8) - 2))
+from ckptflow.engines.weight_chunks import THREADS
 
 
 class ChunkWriterError(OSError):

@@ -10,7 +10,7 @@ Run (GPU node):
 Shape (what matters for checkpoints, not for language): d_model 4096, 32 heads, ``--layers``
 blocks of 12·d² bf16 parameters (43 layers = 16.1 GiB), vocabulary of bytes. KV blocks hold
 16 tokens of every layer (11 MiB at 43 layers), so a block is one chunk of a session export and
-full blocks never change. Weights and pool live in VMM ranges (ckptflow/demo/vmm.py): the
+full blocks never change. Weights and pool live in VMM ranges (ckptflow/engines/vmm.py): the
 template releases both and maps them back at the same addresses, so the captured graphs replay.
 
 Fast paths, all in this file: file -> GPU through reused pinned slots, one CUDA stream per
@@ -42,24 +42,22 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
-from ckptflow.demo.chunkwriter import THREADS, ChunkWriterGone
+from ckptflow.demo.chunkwriter import ChunkWriterGone
 from ckptflow.demo.gpuhash import SCHEME, KeyedChunkHash, gpu_checkable, state_sha256
 from ckptflow.demo.model import encode
 from ckptflow.demo.protocol import (EngineSide, ExportRequest, ImportRequest, PrepareRequest, ResumeRequest,
                                     sessions_between_turns)
 from ckptflow.demo.worker import Metrics, base_args, completion_response, parse_completion, serve
+from ckptflow.engines.weight_chunks import PIECE, RING, SLOT, THREADS, HostBuf, chunk_path, host_tensor, stream_in
 
 D, HEADS, VOCAB, MAX_LEN, BLOCK = 4096, 32, 256, 4096, 16
 DH = D // HEADS
-SLOT = 64 << 20                   # the weights' chunk size
-PIECE, RING = 8 << 20, 3          # pinned slots per thread: pinning costs ~1 s/GiB here, so few and small
 GRAPH_BATCHES = (1, 2, 4)   # each graph's scratch stays in the template image: 8 added 0.5 GiB
 RUN_BLOCKS = 512            # consecutive KV blocks fingerprinted in one launch, in place (5.5 GiB at 43 layers)
 # The one-pass resume's work list (``--stream-order``): "weights-first" (the 64 MiB weight chunks,
@@ -115,44 +113,6 @@ def read_header(path: Path) -> tuple[dict, int]:
         return json.loads(f.read(n)), 8 + n
 
 
-def _host_tensor(ptr: int, nbytes: int) -> torch.Tensor:
-    """A uint8 CPU tensor over ``nbytes`` of host memory at ``ptr`` (pinned by the driver: the
-    caller frees it, after dropping the tensor)."""
-    import ctypes
-
-    import numpy as np
-
-    return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr)))
-
-
-class HostBuf:
-    """Page-locked host memory from the driver (cuMemHostAlloc), freed when asked: torch's
-    caching host allocator would keep it, and a template's image would carry it."""
-
-    def __init__(self):
-        self.ptr, self.n, self.t = 0, 0, None
-
-    def ensure(self, nbytes: int) -> torch.Tensor:
-        if self.n < nbytes:
-            from cuda.bindings import driver as cu
-
-            from ckptflow.demo.vmm import cuda_ok
-
-            self.free()
-            self.ptr = int(cuda_ok(cu.cuMemHostAlloc(nbytes, 0)))
-            self.n = nbytes
-            self.t = _host_tensor(self.ptr, nbytes)
-        return self.t
-
-    def free(self) -> None:
-        if self.ptr:
-            from cuda.bindings import driver as cu
-
-            self.t = None
-            cu.cuMemFreeHost(self.ptr)
-            self.ptr, self.n = 0, 0
-
-
 class SharedHostBuf(HostBuf):
     """Page-locked host memory that a child process with no CUDA hashes and writes from
     (``writer``: ckptflow.demo.chunkwriter): a memfd both map, registered with the driver
@@ -167,7 +127,7 @@ class SharedHostBuf(HostBuf):
             from cuda.bindings import driver as cu
 
             from ckptflow.demo.chunkwriter import ChunkWriter
-            from ckptflow.demo.vmm import cuda_ok
+            from ckptflow.engines.vmm import cuda_ok
 
             self.free()
             writer = ChunkWriter(nbytes)
@@ -177,14 +137,14 @@ class SharedHostBuf(HostBuf):
                 writer.close()
                 raise
             self.writer, self.ptr, self.n = writer, writer.address, nbytes
-            self.t = _host_tensor(self.ptr, nbytes)
+            self.t = host_tensor(self.ptr, nbytes)
         return self.t
 
     def free(self) -> None:
         if self.writer is not None:
             from cuda.bindings import driver as cu
 
-            from ckptflow.demo.vmm import cuda_ok
+            from ckptflow.engines.vmm import cuda_ok
 
             self.t = None
             try:
@@ -192,73 +152,6 @@ class SharedHostBuf(HostBuf):
             finally:
                 self.writer.close()
                 self.writer, self.ptr, self.n = None, 0, 0
-
-
-def stream_in(items: list[tuple], dst: torch.Tensor, slots: HostBuf,
-              ready: dict[int, Callable[[], torch.cuda.Event]] | None = None) -> int:
-    """Copy ``items`` = (source, source offset, destination offset, length, sha256 or None[,
-    destination]) into the flat GPU tensor ``dst`` (or the item's own destination tensor):
-    THREADS workers, each with RING pinned PIECE-size slots and its own stream, taking items in
-    list order; an item's digest is checked as its pieces pass (a torn one fails the call).
-    ``source``: a Path, or an open fd read at the offset. ``ready``: per destination tensor (by
-    ``id``), what returns the event its copies must follow (memory still being mapped and zeroed
-    beside the stream): asked once per worker, at its first item into that tensor.
-
-    Raises:
-        ValueError: an item is short or torn (names the digest).
-    """
-    buf = slots.ensure(THREADS * RING * PIECE)
-    lock = threading.Lock()
-    todo = iter(items)
-    moved = [0] * THREADS
-    ready = ready or {}
-
-    def worker(i: int) -> None:
-        stream = torch.cuda.Stream()
-        ring = [buf[(RING * i + k) * PIECE:(RING * i + k + 1) * PIECE] for k in range(RING)]
-        events: list[torch.cuda.Event | None] = [None] * RING
-        waited: set[int] = set()
-        k = 0
-        with torch.cuda.stream(stream):
-            while True:
-                with lock:
-                    item = next(todo, None)
-                if item is None:
-                    break
-                src, src_off, dst_off, n, digest = item[:5]
-                into = item[5] if len(item) > 5 else dst
-                if id(into) in ready and id(into) not in waited:
-                    stream.wait_event(ready[id(into)]())
-                    waited.add(id(into))
-                h = hashlib.sha256() if digest is not None else None
-                fd = src if isinstance(src, int) else os.open(src, os.O_RDONLY)
-                try:
-                    for p in range(0, n, PIECE):
-                        m = min(PIECE, n - p)
-                        if events[k] is not None:
-                            events[k].synchronize()
-                        view = memoryview(ring[k].numpy())[:m]
-                        if os.preadv(fd, [view], src_off + p) != m:
-                            raise ValueError(f"chunk {str(digest)[:12]}…: short read")
-                        if h is not None:
-                            h.update(view)
-                        into[dst_off + p:dst_off + p + m].copy_(ring[k][:m], non_blocking=True)
-                        ev = torch.cuda.Event()
-                        ev.record(stream)
-                        events[k] = ev
-                        k = (k + 1) % RING
-                finally:
-                    if not isinstance(src, int):
-                        os.close(fd)
-                if h is not None and h.hexdigest() != digest:
-                    raise ValueError(f"chunk {digest[:12]}… is torn")
-                moved[i] += n
-        stream.synchronize()
-
-    with ThreadPoolExecutor(THREADS) as ex:
-        for f in [ex.submit(worker, i) for i in range(THREADS)]:
-            f.result()
-    return sum(moved)
 
 
 def _rss_gib() -> float:
@@ -279,7 +172,7 @@ class LlmEngine(EngineSide):
 
     def __init__(self, weights: Path, kv_fraction: float, kv_gib: float | None, model_name: str, seed: int,
                  stream_order: str = "weights-first"):
-        from ckptflow.demo.vmm import Region
+        from ckptflow.engines.vmm import Region
 
         t0 = time.perf_counter()
         self.dev = torch.device("cuda")
@@ -728,8 +621,6 @@ class LlmEngine(EngineSide):
 
     def _session_items(self, root: Path, recs: dict[str, dict]) -> tuple[list, set[int]]:
         """Stream items of every session block (into the pool), and the blocks they take."""
-        from ckptflow.demo.chunkfiles import chunk_path
-
         items, taken = [], set()
         for rec in recs.values():
             gpu_checked = gpu_checkable(rec["tensors"][0])   # other records: sha256 on the way in
@@ -881,8 +772,6 @@ class LlmEngine(EngineSide):
         Raises:
             ValueError: a chunk is short or torn (named).
         """
-        from ckptflow.demo.chunkfiles import chunk_path
-
         root, recs = req.dir, req.sessions
         ph = {}
         with self.export_lock, self.lock:

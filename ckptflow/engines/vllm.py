@@ -50,6 +50,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from ckptflow.engines.adapter import EngineAdapter, register
+from ckptflow.engines.vllm_worker import EXTENSION
 from ckptflow.errors import CkptflowError, RunnerUnavailable, StoreError
 from ckptflow.models import VLLM_CRIU, GoldenRequest, Manifest, ProcessFinder, TrafficClass, Workload
 from ckptflow.policies.load import metric_names
@@ -69,6 +70,9 @@ CONNECTOR = "CkptflowConnector"
 CONNECTOR_MODULE = "ckptflow.engines.vllm_connector"
 # ckptflow's engine protocol served by the OpenAI server itself (engines/vllm_protocol.py).
 MIDDLEWARE = "ckptflow.engines.vllm_protocol.ckptflow_protocol"
+# A template's weights out as chunks and back into the parameters (engines/vllm_worker.py): without
+# it a GPU template's weights are read from the model directory again (reload_weights).
+WORKER_EXTENSION = EXTENSION
 IO_URING_SYSCTL = Path("/proc/sys/kernel/io_uring_disabled")
 
 
@@ -199,8 +203,9 @@ def kv_transfer_config(chunk_dir: Path) -> dict:
 
 def protocol_args(chunk_dir: Path) -> list[str]:
     """The flags that make vLLM serve ckptflow's engine protocol: the connector over ``chunk_dir``
-    (sessions) and the middleware (the calls)."""
-    return ["--kv-transfer-config", json.dumps(kv_transfer_config(chunk_dir)), "--middleware", MIDDLEWARE]
+    (sessions), the middleware (the calls) and the worker extension (a template's weights)."""
+    return ["--kv-transfer-config", json.dumps(kv_transfer_config(chunk_dir)), "--middleware", MIDDLEWARE,
+            "--worker-extension-cls", WORKER_EXTENSION]
 
 
 def server_args(inst: VllmInstall, model: Path, port: int, *, served_name: str = "m", max_model_len: int = 4096,

@@ -9,14 +9,17 @@ starlette and the standard library)::
                              "kv_connector_module_path": "ckptflow.engines.vllm_connector",
                              "kv_role": "kv_both",
                              "kv_connector_extra_config": {"chunk_dir": "/var/lib/ckptflow/kv/chat-a"}}' \\
-      --middleware ckptflow.engines.vllm_protocol.ckptflow_protocol
+      --middleware ckptflow.engines.vllm_protocol.ckptflow_protocol \\
+      --worker-extension-cls ckptflow.engines.vllm_worker.CkptflowWorkerExtension
 
-Why middleware and not a worker extension: a session's KV is already on the node's disk, block
-by block, written by the connector while the engine served (each block once); exporting a
-session is then naming those files and copying the new ones, which the API server process can
-do without touching the engine. The engine calls it needs (pause, prefix-cache reset, sleep,
-wake, ``reload_weights``) are the engine client's own methods: vLLM's dev-mode endpoints
-(``VLLM_SERVER_DEV_MODE``) are not needed, and are refused here to any client not on loopback.
+Why middleware for the calls, and a worker extension only for the weights: a session's KV is
+already on the node's disk, block by block, written by the connector while the engine served
+(each block once); exporting a session is then naming those files and copying the new ones,
+which the API server process can do without touching the engine. The weights live in the worker
+processes, so only their copy out and back runs there (``collective_rpc``, each rank its own
+shard). The engine calls it needs (pause, prefix-cache reset, sleep, wake, ``collective_rpc``)
+are the engine client's own methods: vLLM's dev-mode endpoints (``VLLM_SERVER_DEV_MODE``) are
+not needed, and are refused here to any client not on loopback.
 
 What each call does:
 - ``GET /v1/ckptflow/engine``: the sessions the connector has listed (a session is listed when
@@ -31,10 +34,13 @@ What each call does:
 - ``template/prepare``: new requests wait, the one in flight finishes, the prefix cache is
   emptied (``pause_generation(mode="wait", clear_cache=True)``); with ``--enable-sleep-mode``
   (GPU) the engine then sleeps at level 2 (weights and KV released, its allocator keeps the
-  addresses). Weights are not written as chunks: after a GPU template restore they are read
-  back from the model directory (``reload_weights``). On CPU vLLM has no sleep mode, and the
-  template keeps its weights in its image.
-- ``template/resume``: wake (weights, ``reload_weights``, KV) when asleep, imports the sessions
+  addresses). With ckptflow's worker extension (``--worker-extension-cls``,
+  engines/vllm_worker.py) each rank first writes its parameters as chunks (those the runner
+  holds skipped); without it the weights are read back from the model directory after a
+  restore (``reload_weights``). On CPU vLLM has no sleep mode, and the template keeps its
+  weights in its image.
+- ``template/resume``: wake when asleep (weights; the parameters streamed back from the
+  template's chunks, every chunk checked, else ``reload_weights``; KV), imports the sessions
   given, then generation resumes.
 
 Control calls answer only clients on loopback (the runner's own calls): an inference client
@@ -57,6 +63,7 @@ from ckptflow.engines.control import error_response as _error
 from ckptflow.engines.control import answer_first
 from ckptflow.engines.kv_files import BlockFiles
 from ckptflow.engines.vllm_layout import BLOCKS, SESSIONS
+from ckptflow.engines.vllm_worker import EXTENSION
 
 PROTOCOL = 1
 PREFIX = "/v1/ckptflow/"
@@ -119,7 +126,7 @@ async def _route(request: Request, call: str) -> dict:
     if call == "sessions/import":
         return await asyncio.to_thread(_import, _chunk_dir(app), body)
     if call == "template/prepare":
-        return await _prepare(app)
+        return await _prepare(app, body)
     if call == "template/resume":
         return await _resume(app, body)
     raise KeyError(request.url.path)
@@ -138,6 +145,13 @@ def _chunk_dir(app) -> Path:
     return Path(kv.get_from_extra_config("chunk_dir", "/tmp/ckptflow-kv"))
 
 
+def _streams_weights(app) -> bool:
+    """Whether ckptflow's worker extension is loaded (``--worker-extension-cls``): a template's
+    weights then go out as chunks and come back from them; else ``reload_weights``."""
+    ext = getattr(_config(app).parallel_config, "worker_extension_cls", "") or ""
+    return ext == EXTENSION
+
+
 def _template_key(app) -> str:
     """What a template of this engine holds: the model, its dtype and length, the KV layout."""
     import vllm
@@ -150,17 +164,6 @@ def _template_key(app) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def _sessions(chunk_dir: Path) -> dict[str, dict]:
-    out = {}
-    for f in sorted((chunk_dir / SESSIONS).glob("*.json")):
-        try:
-            doc = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue  # being replaced (the connector writes through a temporary name)
-        out[doc["session"]] = doc
-    return out
-
-
 def _info(app) -> dict:
     cfg = _config(app)
     try:
@@ -170,7 +173,8 @@ def _info(app) -> dict:
     names = cfg.model_config.served_model_name
     return {"protocol": PROTOCOL, "engine": "vllm", "model": names if isinstance(names, str) else str(names),
             "template_key": _template_key(app), "parked": STATE.parked, "sessions": sessions,
-            "lost": sorted(STATE.lost), "sleep_mode": bool(getattr(cfg.model_config, "enable_sleep_mode", False))}
+            "lost": sorted(STATE.lost), "sleep_mode": bool(getattr(cfg.model_config, "enable_sleep_mode", False)),
+            "weights": "chunks" if _streams_weights(app) else "reload_weights"}
 
 
 # --- sessions -----------------------------------------------------------------------------------
@@ -202,16 +206,31 @@ def _import(chunk_dir: Path, body: dict) -> dict:
 
 
 # --- template -----------------------------------------------------------------------------------
-async def _prepare(app) -> dict:
+async def _prepare(app, body: dict) -> dict:
     client = app.state.engine_client
     t0 = time.perf_counter()
     STATE.parked = True
+    tensors: list[dict] = []
+    written = total = 0
     try:
         # The request in flight ends, new ones wait; the prefix cache is emptied (a template
         # holds no session), the connector's files stay.
         await client.pause_generation(mode="wait", clear_cache=True)
         phases = {"drain": round(time.perf_counter() - t0, 4)}
         if getattr(_config(app).model_config, "enable_sleep_mode", False):
+            if _streams_weights(app):
+                # Each rank writes its parameters as chunks (those the runner holds are skipped:
+                # a template of the same weights writes nothing), before sleep discards them.
+                t1 = time.perf_counter()
+                out_dir = body.get("dir")
+                if not isinstance(out_dir, str) or not out_dir:
+                    raise ValueError("template/prepare needs dir: where the weights' chunks go")
+                known = [k for k in body.get("known") or [] if isinstance(k, str)]
+                for rank in await client.collective_rpc("ckptflow_export_weights", args=(out_dir, known)):
+                    tensors += rank["tensors"]
+                    written += rank["written_bytes"]
+                    total += rank["total_bytes"]
+                phases["export_weights"] = round(time.perf_counter() - t1, 4)
             t1 = time.perf_counter()
             await client.sleep(level=2)
             STATE.asleep = True
@@ -219,8 +238,8 @@ async def _prepare(app) -> dict:
     except BaseException:
         await _unpause(client)
         raise
-    return {"tensors": [], "written_bytes": 0, "total_bytes": 0, "phases": phases,
-            "weights": "reload_weights" if STATE.asleep else "kept in the image (no sleep mode)"}
+    how = ("chunks" if tensors else "reload_weights") if STATE.asleep else "kept in the image (no sleep mode)"
+    return {"tensors": tensors, "written_bytes": written, "total_bytes": total, "phases": phases, "weights": how}
 
 
 async def _unpause(client) -> None:
@@ -232,8 +251,15 @@ async def _resume(app, body: dict) -> dict:
     client = app.state.engine_client
     phases: dict[str, float] = {}
     if STATE.asleep:
-        for key, step in (("wake_weights", lambda: client.wake_up(["weights"])),
-                          ("reload_weights", lambda: client.collective_rpc("reload_weights")),
+        tensors = [r for r in body.get("tensors") or [] if isinstance(r, dict)]
+        if tensors and _streams_weights(app):
+            # The parameters' own bytes from the template's chunks, every chunk checked; a torn
+            # one fails the call, named, and the engine stays parked (the runner kills it).
+            load = ("load_weights", lambda: client.collective_rpc("ckptflow_import_weights",
+                                                                   args=(str(body.get("dir") or ""), tensors)))
+        else:   # a template taken without the extension: the model directory, as vLLM does
+            load = ("reload_weights", lambda: client.collective_rpc("reload_weights"))
+        for key, step in (("wake_weights", lambda: client.wake_up(["weights"])), load,
                           ("wake_kv_cache", lambda: client.wake_up(["kv_cache"]))):
             t0 = time.perf_counter()
             await step()
