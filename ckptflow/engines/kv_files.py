@@ -17,11 +17,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ckptflow.engines.vllm_layout import safe_name
+from ckptflow.engines.weight_chunks import THREADS, chunk_path
+
+PIECE = 8 << 20   # a block file is copied and hashed in pieces of this size
 
 
 def session_digest(chunks: list[str], tokens: int) -> str:
@@ -31,12 +36,6 @@ def session_digest(chunks: list[str], tokens: int) -> str:
         'a75b3aadc7e3'
     """
     return hashlib.sha256(json.dumps([tokens, chunks]).encode()).hexdigest()
-
-
-def chunk_path(root: Path, digest: str) -> Path:
-    """A chunk in the runner's store layout (``<root>/<d[:2]>/<d>``), or flat (a staging directory)."""
-    nested = root / digest[:2] / digest
-    return nested if nested.exists() else root / digest
 
 
 class BlockFiles:
@@ -139,40 +138,93 @@ class BlockFiles:
         return {"sessions": recs, "held_s": 0.0, "turn": True, "seconds": round(time.perf_counter() - t0, 4)}
 
     def import_(self, body: dict) -> dict:
-        """All or nothing: every chunk of every session is checked before any block is written."""
+        """All or nothing: every chunk of every session is checked before any block appears.
+
+        Each chunk is copied to a temporary name beside its block file while it is hashed, on
+        THREADS threads (hashing and file I/O release the GIL): a 4,016-token vLLM session of 251
+        blocks took 1.36 s on the H200 read, hashed twice and written one after another. A
+        missing or torn chunk removes every temporary file and fails the call, naming the first
+        such chunk in the sessions' order; only then are the blocks renamed into place.
+        """
         root = Path(body["dir"])
-        checked: dict[str, tuple[dict, list[tuple[str, bytes]]]] = {}
-        for sid, rec in (body.get("sessions") or {}).items():
+        plan: list[tuple[str, str, str]] = []          # (session, block name, chunk digest), in order
+        writes: set[int] = set()   # the plan entries that write their block: a prefix two sessions share, once
+        seen: set[str] = set()
+        sessions = body.get("sessions") or {}
+        for sid, rec in sessions.items():
             chunks = [d for t in rec["tensors"] for d in t["chunks"]]
             names = rec["blocks"]
             if len(names) != len(chunks):
                 raise ValueError(f"session {sid}: {len(names)} block keys for {len(chunks)} chunks")
-            blocks = []
             for name, d in zip(names, chunks):
-                try:
-                    data = chunk_path(root, d).read_bytes()
-                except FileNotFoundError:
-                    raise ValueError(f"session {sid}: chunk {d[:12]}… is missing") from None
-                if hashlib.sha256(data).hexdigest() != d:
-                    raise ValueError(f"session {sid}: chunk {d[:12]}… is torn")
-                self.block_file(name)   # a well-formed name, before anything is written
-                blocks.append((name, data))
-            checked[sid] = (rec, blocks)
+                self.block_file(name)   # a well-formed name, before anything is read or written
+                if name not in seen:
+                    seen.add(name)
+                    writes.add(len(plan))
+                plan.append((sid, name, d))
         for d in self.make_dirs:
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+        def stage(k: int) -> Path | None:
+            sid, name, d = plan[k]
+            dst = self.block_file(name)
+            tmp = None if k not in writes or dst.exists() else \
+                dst.with_name(f".{dst.name}.{os.getpid()}.{threading.get_ident()}.import")
+            h = hashlib.sha256()
+            try:
+                with open(chunk_path(root, d), "rb") as src, (open(tmp, "wb") if tmp else _Discard()) as out:
+                    while piece := src.read(PIECE):
+                        h.update(piece)
+                        out.write(piece)
+            except FileNotFoundError:
+                _drop(tmp)
+                raise ValueError(f"session {sid}: chunk {d[:12]}… is missing") from None
+            if h.hexdigest() != d:
+                _drop(tmp)
+                raise ValueError(f"session {sid}: chunk {d[:12]}… is torn")
+            if tmp is not None:
+                os.chmod(tmp, 0o600)
+            return tmp
+
+        with ThreadPoolExecutor(THREADS) as ex:
+            futures = [ex.submit(stage, k) for k in range(len(plan))]
+        staged, first_error = [], None
+        for (_, name, _), f in zip(plan, futures):
+            try:
+                staged.append((name, f.result()))
+            except ValueError as e:
+                first_error = first_error or e
+        if first_error is not None:
+            for _, tmp in staged:
+                _drop(tmp)
+            raise first_error
+        for (_, name, d), (_, tmp) in zip(plan, staged):
+            if tmp is not None:
+                os.replace(tmp, self.block_file(name))   # the engine never sees half a block
+            self.digests[name] = d
         digests = {}
-        for sid, (rec, blocks) in checked.items():
-            for name, data in blocks:
-                dst = self.block_file(name)
-                if not dst.exists():
-                    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.import")
-                    tmp.write_bytes(data)
-                    os.chmod(tmp, 0o600)
-                    os.replace(tmp, dst)   # the engine never sees half a block
-                self.digests[name] = hashlib.sha256(data).hexdigest()
+        for sid, rec in sessions.items():
             doc = {"session": sid, "block_size": rec["block_size"], "tokens": rec["tokens"], "blocks": rec["blocks"]}
             if rec.get("files_per_block", 1) != 1:
                 doc["files_per_block"] = rec["files_per_block"]
             self.list_session(doc)
             digests[sid] = session_digest([d for t in rec["tensors"] for d in t["chunks"]], rec["tokens"])
-        return {"imported": sorted(checked), "digests": digests}
+        return {"imported": sorted(sessions), "digests": digests}
+
+
+class _Discard:
+    """A file that keeps nothing: a chunk whose block is already on file is only checked."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+def _drop(path: Path | None) -> None:
+    if path is not None:
+        path.unlink(missing_ok=True)

@@ -250,27 +250,38 @@ async def _unpause(client) -> None:
 async def _resume(app, body: dict) -> dict:
     client = app.state.engine_client
     phases: dict[str, float] = {}
-    if STATE.asleep:
-        tensors = [r for r in body.get("tensors") or [] if isinstance(r, dict)]
-        if tensors and _streams_weights(app):
-            # The parameters' own bytes from the template's chunks, every chunk checked; a torn
-            # one fails the call, named, and the engine stays parked (the runner kills it).
-            load = ("load_weights", lambda: client.collective_rpc("ckptflow_import_weights",
-                                                                   args=(str(body.get("dir") or ""), tensors)))
-        else:   # a template taken without the extension: the model directory, as vLLM does
-            load = ("reload_weights", lambda: client.collective_rpc("reload_weights"))
-        for key, step in (("wake_weights", lambda: client.wake_up(["weights"])), load,
-                          ("wake_kv_cache", lambda: client.wake_up(["kv_cache"]))):
-            t0 = time.perf_counter()
-            await step()
-            phases[key] = round(time.perf_counter() - t0, 4)
-        STATE.asleep = False
-    out: dict[str, Any] = {"loaded_bytes": 0}
+    # The sessions' blocks are files the connector reads at the next turn, not engine memory:
+    # they are checked and written beside the weights' load (1.36 s after it, one after another,
+    # on the H200), and the engine stays parked until both are done.
+    sessions = None
     if "sessions" in body:
-        t0 = time.perf_counter()
+        t_sessions = time.perf_counter()
+        sessions = asyncio.ensure_future(asyncio.to_thread(_import, _chunk_dir(app), body))
+    try:
+        if STATE.asleep:
+            tensors = [r for r in body.get("tensors") or [] if isinstance(r, dict)]
+            if tensors and _streams_weights(app):
+                # The parameters' own bytes from the template's chunks, every chunk checked; a torn
+                # one fails the call, named, and the engine stays parked (the runner kills it).
+                load = ("load_weights", lambda: client.collective_rpc("ckptflow_import_weights",
+                                                                       args=(str(body.get("dir") or ""), tensors)))
+            else:   # a template taken without the extension: the model directory, as vLLM does
+                load = ("reload_weights", lambda: client.collective_rpc("reload_weights"))
+            for key, step in (("wake_weights", lambda: client.wake_up(["weights"])), load,
+                              ("wake_kv_cache", lambda: client.wake_up(["kv_cache"]))):
+                t0 = time.perf_counter()
+                await step()
+                phases[key] = round(time.perf_counter() - t0, 4)
+            STATE.asleep = False
+    except BaseException:
+        if sessions is not None:   # no thread left writing blocks behind a failed call
+            await asyncio.gather(sessions, return_exceptions=True)
+        raise
+    out: dict[str, Any] = {"loaded_bytes": 0}
+    if sessions is not None:
         # A torn chunk fails the call and the engine stays parked (the runner kills it).
-        out.update(await asyncio.to_thread(_import, _chunk_dir(app), body))
-        phases["sessions"] = round(time.perf_counter() - t0, 4)
+        out.update(await sessions)
+        phases["sessions"] = round(time.perf_counter() - t_sessions, 4)
     if STATE.parked:
         await _unpause(client)
     out["phases"] = phases
