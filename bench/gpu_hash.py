@@ -1,4 +1,4 @@
-"""The keyed chunk hash on the GPU (demo/gpuhash.py, issue #23 item 1): the fused NH-128 kernel
+"""The keyed chunk hash on the GPU (engines/gpuhash.py, issue #23 item 1): the fused NH-128 kernel
 against the torch reference on the same bytes (equal, or the run fails) and how fast each hashes
 ``--gib`` GiB in 64 MiB chunks, beside the file -> GPU stream it must keep up with (>= 20 GiB/s).
 
@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import append_results, md_table, record_run  # noqa: E402
 
-from ckptflow.demo.gpuhash import KeyedChunkHash, key_words  # noqa: E402
+from ckptflow.engines.gpuhash import KeyedChunkHash, key_words  # noqa: E402
 
 CHUNK = 64 << 20
 

@@ -209,7 +209,7 @@ def _row(name, a, row, t0, pid_file, tmp, transparent, host_gib, node_box) -> di
     row["stream_s"] = stream_seconds(r.timings)
     moved = row.get("weights_gib", 0) + row["live_kv_gib"]
     row["stream_gib_s"] = round(moved / row["stream_s"], 2) if row["stream_s"] else None
-    # The engine's keyed GPU hash of every weight chunk, after the stream (demo/gpuhash.py)
+    # The engine's keyed GPU hash of every weight chunk, after the stream (engines/gpuhash.py)
     checked = r.timings.get("weights_checked") or r.timings.get("load_weights_checked")
     if checked:
         row["weights_hash_gib_s"] = round(row.get("weights_gib", 0) / checked, 1)

@@ -205,8 +205,11 @@ def prefect_harness(tmp_path_factory):
 def write_fleet(path: Path, workloads, store_root: Path, slack: bool = False) -> Path:
     import yaml
 
-    data = {"fleet": "test", "storage": {"kind": "local", "path": str(store_root)},
-            "nodes": [{"name": "local", "work_pool": "local"}],
+    node: dict = {"name": "local", "work_pool": "local"}
+    gpu = [w for w in workloads if w.gpu]
+    if gpu:   # a fleet file refuses a GPU workload on a node that declares no GPU
+        node.update(gpu_class="test-gpu", gpus=max(w.tensor_parallel or 1 for w in gpu))
+    data = {"fleet": "test", "storage": {"kind": "local", "path": str(store_root)}, "nodes": [node],
             "workloads": [w.model_dump(mode="json", exclude_none=True) for w in workloads]}
     if slack:
         data["slack"] = {"webhook_url_env": "CKPTFLOW_TEST_SLACK_WEBHOOK"}

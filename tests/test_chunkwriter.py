@@ -1,4 +1,4 @@
-"""The export writer process (ckptflow/demo/chunkwriter.py): a real child process writing spans
+"""The export writer process (ckptflow/engines/chunkwriter.py): a real child process writing spans
 of memory shared with it as content-addressed chunk files."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptflow.demo.chunkwriter import ChunkWriter, ChunkWriterError, ChunkWriterGone
+from ckptflow.engines.chunkwriter import ChunkWriter, ChunkWriterError, ChunkWriterGone
 
 
 @pytest.fixture
@@ -110,7 +110,7 @@ def test_close_ends_the_child():
 def test_the_module_example_runs():
     import doctest
 
-    import ckptflow.demo.chunkwriter as mod
+    import ckptflow.engines.chunkwriter as mod
 
     res = doctest.testmod(mod)
     assert res.attempted > 0 and res.failed == 0
@@ -137,7 +137,7 @@ def test_the_writer_dies_with_its_engine_and_never_holds_the_engines_pid(tmp_pat
     import subprocess
     import sys
 
-    code = ("import sys, time; from ckptflow.demo.chunkwriter import ChunkWriter; w = ChunkWriter(4096); "
+    code = ("import sys, time; from ckptflow.engines.chunkwriter import ChunkWriter; w = ChunkWriter(4096); "
             "print(w.proc.pid, flush=True); time.sleep(60)")
     engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                               start_new_session=True)

@@ -5,7 +5,7 @@ golden request shapes, a refusal without the protocol) run for every registered 
 toy one written here. The live parts (health, metrics, golden, sessions out and back, template
 park and adopt, all through runners/engine.py) run against engines served in this process: the
 numpy demo worker (demo/worker.py, its own handler) and the toy engine below, whose protocol
-side is demo/protocol.py's. llama.cpp and vLLM run live in their own suites (test_llamacpp.py,
+side is engines/engine_side.py's. llama.cpp and vLLM run live in their own suites (test_llamacpp.py,
 test_vllm.py); here only their pure parts. docs/extending/engine-adapter.md walks through the toy.
 """
 
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import yaml
 
-from ckptflow.demo.protocol import EngineSide, ExportRequest, routes
+from ckptflow.engines.engine_side import EngineSide, ExportRequest, routes
 from ckptflow.engines.adapter import ADAPTERS, EngineAdapter, get_adapter, known_engines, register
 from ckptflow.errors import ConfigError, EngineProtocolError
 from ckptflow.fleet import load_fleet
@@ -74,7 +74,7 @@ class ToyEngine(EngineSide):
                 f"# TYPE toy_prompt_tokens_total counter\ntoy_prompt_tokens_total {self.prompt_tokens}\n"
                 f"# TYPE toy_generated_tokens_total counter\ntoy_generated_tokens_total {self.generated}\n")
 
-    # the protocol: this engine's arrays; chunks, checks and answers are demo/protocol.py's
+    # the protocol: this engine's arrays; chunks, checks and answers are engines/engine_side.py's
     def template_key(self) -> str:
         return "toy-" + str(self.weights.shape if self.weights is not None else "parked")
 
@@ -349,7 +349,7 @@ def test_routes_are_declared_not_guessed():
         routes(Misdeclared())                                     # at start, not at the first call
 
 
-@pytest.mark.parametrize("module", ["ckptflow.engines.adapter", "ckptflow.demo.protocol"])
+@pytest.mark.parametrize("module", ["ckptflow.engines.adapter", "ckptflow.engines.engine_side"])
 def test_docstring_examples_run(module):
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     report: list[str] = []
@@ -360,11 +360,11 @@ def test_docstring_examples_run(module):
 
 
 def test_a_turn_export_waits_for_a_turn_that_ends_and_names_one_that_does_not():
-    """demo/protocol.py sessions_between_turns, what llm_worker's turn export holds."""
+    """engines/engine_side.py sessions_between_turns, what llm_worker's turn export holds."""
     import threading
     import time
 
-    from ckptflow.demo.protocol import sessions_between_turns
+    from ckptflow.engines.engine_side import sessions_between_turns
 
     a, b = threading.Lock(), threading.Lock()
     b.acquire()

@@ -1,4 +1,4 @@
-"""The GPU engines' hashes (demo/gpuhash.py), run on torch's CPU build (the vLLM install's):
+"""The GPU engines' hashes (engines/gpuhash.py), run on torch's CPU build (the vLLM install's):
 the keyed chunk hash is the NH-128 its docstring defines, computed here again in exact integer
 arithmetic, and it tells apart what the weighted int32 sums it replaced did not (a permutation of
 words); the state hash is sha256 of the bytes, so a permutation anywhere changes it."""
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 _SCRIPT = r"""
 import json, torch
-from ckptflow.demo.gpuhash import KeyedChunkHash, state_sha256
+from ckptflow.engines.gpuhash import KeyedChunkHash, state_sha256
 g = torch.Generator().manual_seed(1)
 rows = torch.randint(0, 256, (3, 4096), generator=g, dtype=torch.uint8)
 h = KeyedChunkHash(seed=11, max_bytes=8192, device="cpu")

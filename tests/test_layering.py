@@ -5,7 +5,7 @@ import sys
 def test_pure_layers_load_no_prefect():
     # Modules an engine imports inside its own environment (they need vllm, torch or the CUDA
     # driver's bindings, not Prefect).
-    engine_side = {"ckptflow.engines.vllm_connector", "ckptflow.engines.vmm"}
+    engine_side = {"ckptflow.engines.vllm_connector", "ckptflow.engines.vmm", "ckptflow.engines.gpuhash"}
     code = ("import sys, importlib, pkgutil, ckptflow\n"
             f"engine_side = {engine_side!r}\n"
             "for pkg in ('ckptflow.policies', 'ckptflow.runners', 'ckptflow.store', 'ckptflow.engines'):\n"

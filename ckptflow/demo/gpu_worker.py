@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from ckptflow.demo.gpuhash import state_sha256
+from ckptflow.engines.gpuhash import state_sha256
 from ckptflow.demo.model import encode
-from ckptflow.demo.protocol import EngineSide, ExportRequest, SessionState
+from ckptflow.engines.engine_side import EngineSide, ExportRequest, SessionState
 from ckptflow.demo.worker import Metrics, base_args, completion_response, parse_completion, serve
 
 SESSION_CHUNK = 8 << 20     # per-chunk digests of 20 GiB take 16 ms on the H200 (notes/gpu.md)
@@ -230,7 +230,7 @@ class GpuWorker(EngineSide):
             raise ValueError("engine is parked for a template checkpoint (weights released)")
         return {"digest": state_sha256(self.ballast), "bytes": int(self.ballast.numel() * 8)}
 
-    # --- two-tier protocol (docs/engines/protocol.md; the shared part is demo/protocol.py) -------
+    # --- two-tier protocol (docs/engines/protocol.md; the shared part is engines/engine_side.py) -------
     # The ballast stands in for the weights: the large static tensor that leaves the image. The
     # model's own small tensors and the KV pool stay resident, so the captured decode graph
     # keeps its addresses; the pool is zeroed in the template (no session bytes in a template

@@ -17,9 +17,9 @@ Fast paths, all in this file: file -> GPU through reused pinned slots, one CUDA 
 thread, every chunk's sha256 checked on the way (cold start reads the safetensors file the same
 way, so the cold-start baseline is not a straw man); a template resume given the sessions too
 streams weights and session blocks in one pass (one work list), then checks both on the GPU; a
-session export copies only blocks whose on-GPU keyed hash (demo/gpuhash.py) changed into pinned
+session export copies only blocks whose on-GPU keyed hash (engines/gpuhash.py) changed into pinned
 memory while holding the model (the pause), then a child process with no CUDA hashes and writes
-them from that memory (demo/chunkwriter.py) while serving goes on (threaded server, one model
+them from that memory (engines/chunkwriter.py) while serving goes on (threaded server, one model
 lock). A turn-boundary export (``"turn": true``) holds only the sessions it names (each session's
 lock, which a completion holds for its whole turn) and copies on a side CUDA stream, one piece in
 flight, while the other sessions decode.
@@ -48,10 +48,10 @@ from pathlib import Path
 
 import torch
 
-from ckptflow.demo.chunkwriter import ChunkWriterGone
-from ckptflow.demo.gpuhash import SCHEME, KeyedChunkHash, gpu_checkable, state_sha256
+from ckptflow.engines.chunkwriter import ChunkWriterGone
+from ckptflow.engines.gpuhash import SCHEME, KeyedChunkHash, gpu_checkable, state_sha256
 from ckptflow.demo.model import encode
-from ckptflow.demo.protocol import (EngineSide, ExportRequest, ImportRequest, PrepareRequest, ResumeRequest,
+from ckptflow.engines.engine_side import (EngineSide, ExportRequest, ImportRequest, PrepareRequest, ResumeRequest,
                                     sessions_between_turns)
 from ckptflow.demo.worker import Metrics, base_args, completion_response, parse_completion, serve
 from ckptflow.engines.weight_chunks import PIECE, RING, SLOT, THREADS, HostBuf, chunk_path, host_tensor, stream_in
@@ -115,7 +115,7 @@ def read_header(path: Path) -> tuple[dict, int]:
 
 class SharedHostBuf(HostBuf):
     """Page-locked host memory that a child process with no CUDA hashes and writes from
-    (``writer``: ckptflow.demo.chunkwriter): a memfd both map, registered with the driver
+    (``writer``: ckptflow.engines.chunkwriter): a memfd both map, registered with the driver
     (cuMemHostRegister), so that an export's host part takes nothing from the serving thread."""
 
     def __init__(self):
@@ -126,7 +126,7 @@ class SharedHostBuf(HostBuf):
         if self.n < nbytes:
             from cuda.bindings import driver as cu
 
-            from ckptflow.demo.chunkwriter import ChunkWriter
+            from ckptflow.engines.chunkwriter import ChunkWriter
             from ckptflow.engines.vmm import cuda_ok
 
             self.free()
@@ -165,7 +165,7 @@ def _ln(x: torch.Tensor) -> torch.Tensor:
 
 class LlmEngine(EngineSide):
     """The protocol's four calls are its own (VMM ranges, pinned staging, GPU fingerprints); the
-    requests, the engine's answer and the routes are demo/protocol.py's."""
+    requests, the engine's answer and the routes are engines/engine_side.py's."""
 
     ENGINE = "ckptflow-demo-llm"
     POST_ROUTES = {"/v1/peek": "peek", "/v1/ckptflow/prepare": "prepare"}

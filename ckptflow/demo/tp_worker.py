@@ -12,7 +12,7 @@ with one GPU, ``--backend gloo`` runs two ranks on the same device (a dry run of
 all-ranks path; NCCL refuses two ranks on one GPU).
 
 Rank 0 drives the others SPMD-style: before each model call it writes a command into a
-shared-memory ring (demo/shm_ring.py), so every rank runs the same call and meets the same
+shared-memory ring (engines/shm_ring.py), so every rank runs the same call and meets the same
 collectives. Idle ranks wait on that ring on the CPU, never inside NCCL (a rank spinning in a
 collective on the GPU cannot be locked by the CUDA driver); NCCL carries tensors only.
 
@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 
 from ckptflow.demo.gpu_worker import GpuWorker
-from ckptflow.demo.gpuhash import state_sha256
-from ckptflow.demo.shm_ring import IDLE, RUNNING, Ring
+from ckptflow.engines.gpuhash import state_sha256
+from ckptflow.engines.shm_ring import IDLE, RUNNING, Ring
 from ckptflow.demo.worker import Metrics, base_args, serve
 from ckptflow.settings import settings
 

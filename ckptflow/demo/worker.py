@@ -38,7 +38,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ckptflow.demo.model import ModelConfig, Session, TinyTransformer, decode, encode
-from ckptflow.demo.protocol import PROTOCOL, EngineSide, ExportRequest, SessionLost, SessionState, routes
+from ckptflow.engines.engine_side import PROTOCOL, EngineSide, ExportRequest, SessionLost, SessionState, routes
 
 KV_CAPACITY_TOKENS = 65536  # what "100 % KV cache usage" means for the demo
 SESSION_CHUNK = 64 << 10   # small sessions here; the GPU engines use 8 MiB
@@ -98,7 +98,7 @@ def completion_response(model_name: str, sid: str | None, toks: list[int], n_pro
 
 class Worker(EngineSide):
     """The numpy worker. The HTTP handler needs: metrics, complete(), session_lengths(),
-    session_digests(), ballast_digest(); the protocol's engine side is demo/protocol.py's,
+    session_digests(), ballast_digest(); the protocol's engine side is engines/engine_side.py's,
     over this worker's arrays."""
 
     ENGINE = "ckptflow-demo"
@@ -149,7 +149,7 @@ class Worker(EngineSide):
             raise ValueError("engine is parked for a template checkpoint (weights released)")
         return {"digest": hashlib.sha256(self.ballast.tobytes()).hexdigest(), "bytes": int(self.ballast.nbytes)}
 
-    # --- two-tier protocol: this worker's arrays (the rest is demo/protocol.py) ----------------
+    # --- two-tier protocol: this worker's arrays (the rest is engines/engine_side.py) ----------------
     def _weights(self) -> dict[str, np.ndarray]:
         m = self.model
         out = {"emb": m.emb, "pos": m.pos, "out": m.out, "ballast": self.ballast}

@@ -35,7 +35,7 @@ from ckptflow.errors import ConfigError, EngineProtocolError
 from ckptflow.registry import ENGINES
 
 # A chunk record whose bytes the engine checks on the GPU after the copy carries fingerprints of
-# this scheme, one per chunk, and their key's seed (demo/gpuhash.py computes them). A record
+# this scheme, one per chunk, and their key's seed (engines/gpuhash.py computes them). A record
 # without it, or of another scheme (the key was once drawn from torch's host generator: same
 # seed, other words), is checked by sha256: by the runner before a promotion, by the engine as
 # the bytes come in.
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from ckptflow.models import GoldenRequest, Workload
     from ckptflow.policies.load import Metric, WorkloadLoad
 
-# The protocol's calls (docs/engines/protocol.md): the engine side is ckptflow/demo/protocol.py.
+# The protocol's calls (docs/engines/protocol.md): the engine side is ckptflow/engines/engine_side.py.
 INFO = "/v1/ckptflow/engine"
 SESSIONS_EXPORT = "/v1/ckptflow/sessions/export"
 SESSIONS_IMPORT = "/v1/ckptflow/sessions/import"

@@ -1,6 +1,6 @@
 """The demo engines (ckptflow/demo/: the numpy worker, the torch GPU worker, the vLLM-shaped
 LLM engine) as an engine adapter: vLLM's metric names, an OpenAI-style golden request, and
-ckptflow's two-tier protocol, served by all three through ckptflow/demo/protocol.py.
+ckptflow's two-tier protocol, served by all three through ckptflow/engines/engine_side.py.
 
     workloads:
       - name: demo-chat

@@ -13,7 +13,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from ckptflow.demo.shm_ring import Ring  # noqa: E402
+from ckptflow.engines.shm_ring import Ring  # noqa: E402
 from pidio import write_atomic, write_pid_file  # noqa: E402
 
 ADD = 1

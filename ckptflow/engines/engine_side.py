@@ -5,7 +5,7 @@ declared. The ckptflow side is engines/adapter.py.
 A worker subclasses ``EngineSide``, names itself (``ENGINE``) and gives either the array hooks
 (``session_state``, ``adopt_sessions``, ``weight_arrays``, ``release_weights``,
 ``adopt_weights``: the numpy and torch workers; chunks are cut and checked here, by
-demo/chunkfiles.py) or the four calls over parsed requests itself (``export_sessions``,
+engines/chunkfiles.py) or the four calls over parsed requests itself (``export_sessions``,
 ``import_sessions``, ``prepare_template``, ``resume_template``: the vLLM-shaped engine, whose
 bytes move between VMM ranges and pinned memory).
 
@@ -263,7 +263,7 @@ class EngineSide:
 
     def export_sessions(self, req: ExportRequest) -> dict:
         """Each session's chunks into ``req.dir``, skipping those the runner lists as known for it."""
-        from ckptflow.demo.chunkfiles import export_tensor
+        from ckptflow.engines.chunkfiles import export_tensor
 
         states, held = self.session_state(req)
         res = {}
@@ -279,7 +279,7 @@ class EngineSide:
 
     def import_sessions(self, req: ImportRequest) -> dict:
         """Every chunk of every session is checked before any session changes: all or nothing."""
-        from ckptflow.demo.chunkfiles import import_tensor
+        from ckptflow.engines.chunkfiles import import_tensor
 
         staged = {sid: ({r["name"]: import_tensor(r, req.dir, threads=self.IO_THREADS) for r in rec["tensors"]}, rec)
                   for sid, rec in req.sessions.items()}
@@ -287,7 +287,7 @@ class EngineSide:
 
     def prepare_template(self, req: PrepareRequest) -> dict:
         """Weights out as chunks (those not known), then, unless ``release`` is false, parked."""
-        from ckptflow.demo.chunkfiles import export_tensor
+        from ckptflow.engines.chunkfiles import export_tensor
 
         tensors, written = [], 0
         for name, a in self.weight_arrays().items():
@@ -302,7 +302,7 @@ class EngineSide:
     def resume_template(self, req: ResumeRequest) -> dict:
         """Weights back, and ``req.sessions`` with them when given: every chunk of both is checked
         before anything changes (a torn one fails the call, named, and the engine stays parked)."""
-        from ckptflow.demo.chunkfiles import import_tensor
+        from ckptflow.engines.chunkfiles import import_tensor
 
         t0 = time.perf_counter()
         ws = {r["name"]: import_tensor(r, req.dir, threads=self.IO_THREADS) for r in req.tensors}

@@ -66,7 +66,7 @@ class ChunkWriter:
             # process group keeps the engine's PID number taken (as that group's ID) after the
             # engine is killed, and CRIU cannot restore the engine into it ("Can't fork for <pid>:
             # File exists").
-            self.proc = subprocess.Popen([sys.executable, "-m", "ckptflow.demo.chunkwriter", str(self.fd),
+            self.proc = subprocess.Popen([sys.executable, "-m", "ckptflow.engines.chunkwriter", str(self.fd),
                                           str(threads), str(os.getpid())],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(self.fd,),
                                          text=True, bufsize=1, env=env, start_new_session=True)
@@ -140,7 +140,7 @@ def _serve(fd: int, threads: int) -> None:
     import hashlib
     from concurrent.futures import ThreadPoolExecutor
 
-    from ckptflow.demo.chunkfiles import write_chunk
+    from ckptflow.engines.chunkfiles import write_chunk
 
     mm = mmap.mmap(fd, 0)
     view = memoryview(mm)
