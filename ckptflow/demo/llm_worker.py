@@ -54,7 +54,8 @@ from ckptflow.demo.model import encode
 from ckptflow.engines.engine_side import (EngineSide, ExportRequest, ImportRequest, PrepareRequest, ResumeRequest,
                                     sessions_between_turns)
 from ckptflow.demo.worker import Metrics, base_args, completion_response, parse_completion, serve
-from ckptflow.engines.weight_chunks import PIECE, RING, SLOT, THREADS, HostBuf, chunk_path, host_tensor, stream_in
+from ckptflow.engines.weight_chunks import (PIECE, RING, SLOT, THREADS, HostBuf, chunk_path, export_tensors,
+                                             host_tensor, stream_in)
 
 D, HEADS, VOCAB, MAX_LEN, BLOCK = 4096, 32, 256, 4096, 16
 DH = D // HEADS
@@ -674,42 +675,9 @@ class LlmEngine(EngineSide):
         out_dir, known, release = req.dir, req.known, req.release
         with self.export_lock, self.lock:
             t0 = time.perf_counter()
-            buf = self.slots.ensure(THREADS * RING * PIECE)
-            offs = list(range(0, self.weights_bytes, SLOT))
-            lock, todo, chunks, written = threading.Lock(), iter(enumerate(offs)), [None] * len(offs), [0]
-
-            def worker(i: int) -> None:
-                slot = buf[RING * i * PIECE:(RING * i + 1) * PIECE]
-                stream = torch.cuda.Stream()
-                while True:
-                    with lock:
-                        item = next(todo, None)
-                    if item is None:
-                        return
-                    j, off = item
-                    n = min(SLOT, self.weights_bytes - off)
-                    h = hashlib.sha256()
-                    tmp = out_dir / f".w{j}.tmp"
-                    with open(tmp, "wb") as f:
-                        for p in range(off, off + n, PIECE):
-                            m = min(PIECE, off + n - p)
-                            with torch.cuda.stream(stream):
-                                slot[:m].copy_(self.wflat[p:p + m], non_blocking=True)
-                            stream.synchronize()
-                            view = memoryview(slot[:m].numpy())
-                            h.update(view)
-                            f.write(view)
-                    d = chunks[j] = h.hexdigest()
-                    if d in known or (out_dir / d).exists():
-                        tmp.unlink()
-                        continue
-                    os.replace(tmp, out_dir / d)
-                    with lock:
-                        written[0] += n
-
-            with ThreadPoolExecutor(THREADS) as ex:
-                for f in [ex.submit(worker, i) for i in range(THREADS)]:
-                    f.result()
+            self.slots.ensure(THREADS * RING * PIECE)   # the engine's own slots: pinning them again costs ~1 s/GiB
+            [out], written = export_tensors([("weights", self.wflat)], out_dir, set(known), slots=self.slots)
+            chunks = out["chunks"]
             export_s = time.perf_counter() - t0
             wfps = self._weight_fingerprints()
             if release:
@@ -733,7 +701,7 @@ class LlmEngine(EngineSide):
                "chunks": chunks, "fingerprints": wfps, "fingerprint_key": self.fp_seed, "fingerprint_scheme": SCHEME}
         if release:
             self.park(out_dir, [rec])
-        return {"tensors": [rec], "written_bytes": written[0], "total_bytes": self.weights_bytes,
+        return {"tensors": [rec], "written_bytes": written, "total_bytes": self.weights_bytes,
                 "phases": {"export": round(export_s, 4), **(stats if release else {})}}
 
     def warm_template(self) -> dict:

@@ -176,11 +176,12 @@ def record(name: str, t: torch.Tensor, chunks: list[str]) -> dict:
 
 
 def export_tensors(named: Iterable[tuple[str, torch.Tensor]], out_dir: Path, known: set[str],
-                   threads: int = THREADS) -> tuple[list[dict], int]:
+                   threads: int = THREADS, slots: HostBuf | None = None) -> tuple[list[dict], int]:
     """Write each tensor's bytes as SLOT-size chunks into ``out_dir`` (flat, named by sha256;
     those in ``known`` or already there are not written). A GPU tensor's pieces go through
-    pinned slots on a stream per thread; a CPU tensor's bytes are hashed and written where they
-    are. Returns the tensors' records (in the order given) and the bytes written.
+    pinned slots on a stream per thread (``slots``: an engine's own, kept; else allocated and
+    freed here); a CPU tensor's bytes are hashed and written where they are. Returns the
+    tensors' records (in the order given) and the bytes written.
 
     Raises:
         ValueError: a tensor is not contiguous (named).
@@ -193,7 +194,8 @@ def export_tensors(named: Iterable[tuple[str, torch.Tensor]], out_dir: Path, kno
     digests: dict[tuple[int, int], str] = {}
     written, lock, todo = [0], threading.Lock(), iter(work)
     on_gpu = any(f.is_cuda for f in flats)
-    slots = HostBuf() if on_gpu else None
+    own = on_gpu and slots is None
+    slots = HostBuf() if own else slots if on_gpu else None
     buf = slots.ensure(threads * PIECE) if slots is not None else None
 
     def worker(i: int) -> None:
@@ -232,7 +234,7 @@ def export_tensors(named: Iterable[tuple[str, torch.Tensor]], out_dir: Path, kno
             for f in [ex.submit(worker, i) for i in range(threads)]:
                 f.result()
     finally:
-        if slots is not None:
+        if own:
             slots.free()
     recs = [record(n, t, [digests[(j, off)] for off in range(0, flats[j].numel(), SLOT)])
             for j, (n, t) in enumerate(tensors)]
