@@ -72,6 +72,20 @@ def test_a_bad_chunk_is_named_and_nothing_appears(tmp_path, spoil, says):
     assert list(blocks.iterdir()) == [] and f.sessions() == {}     # all or nothing, no temporaries left
 
 
+def test_an_unreadable_chunk_leaves_no_temporary_behind(tmp_path):
+    """Not a bad chunk but an I/O error (here a directory where a chunk should be): the blocks
+    staged before it are removed too, and the error is the caller's."""
+    blobs = {f"b{i}": os.urandom(1 << 20) for i in range(6)}
+    root, dg = _store(tmp_path, blobs)
+    bad = root / dg["b4"][:2] / dg["b4"]
+    bad.unlink()
+    bad.mkdir()
+    f = _files(tmp_path)
+    with pytest.raises(IsADirectoryError):
+        f.import_({"dir": str(root), "sessions": {"a": _rec([f"b{i}" for i in range(6)], dg, 96)}})
+    assert list(f.block_file("b0").parent.iterdir()) == [] and f.sessions() == {}
+
+
 def test_a_block_already_on_file_is_checked_and_kept(tmp_path):
     blobs = {"b0": os.urandom(4096), "b1": os.urandom(4096)}
     root, dg = _store(tmp_path, blobs)

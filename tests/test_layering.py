@@ -55,6 +55,6 @@ def test_the_vllm_worker_extension_imports_only_torch_and_the_weight_chunks():
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
             roots |= {m.split(".")[0] for m in mods}
             ours |= {m for m in mods if m.startswith("ckptflow")}
-        assert roots - {"ckptflow"} <= {"__future__", "collections", "concurrent", "ctypes", "hashlib", "os",
+        assert roots - {"ckptflow"} <= {"__future__", "collections", "concurrent", "contextlib", "ctypes", "hashlib", "os",
                                         "pathlib", "threading", "time", "typing", "numpy", "torch", "cuda"}, (name, roots)
         assert ours == inside, (name, ours)

@@ -44,6 +44,7 @@ res["records"] = [{k: r[k] for k in ("name", "dtype", "shape", "nbytes")} for r 
 known = {d for r in recs for d in r["chunks"]}
 recs2, written2 = wc.export_tensors(named.items(), out / "b", known)
 res["written_again"], res["same_records"] = written2, recs2 == recs
+res["files_again"] = sorted(p.name for p in (out / "b").iterdir())
 for t in named.values():
     t.zero_()
 res["loaded"] = wc.import_tensors(recs, named, out / "a")
@@ -64,9 +65,21 @@ except ValueError as e:
     res["other_shape"] = str(e)
 res["untouched_by_refusal"] = bool((named["emb"] == 1).all())
 try:
-    wc.export_tensors([("strided", torch.zeros(4, 4).t())], out / "b", set()); res["strided"] = None
+    wc.export_tensors([("strided", torch.zeros(4, 8)[:, ::2])], out / "b", set()); res["strided"] = None
 except ValueError as e:
     res["strided"] = str(e)
+short = [dict(recs[1], chunks=recs[1]["chunks"][:2])]
+try:
+    wc.import_tensors(short, named, out / "a"); res["short"] = None
+except ValueError as e:
+    res["short"] = str(e)
+# A transposed weight (as FP8 layers keep theirs) is its storage's bytes, and comes back into them.
+base = torch.randn(300, 700, generator=g)
+(out / "c").mkdir()
+trecs, _ = wc.export_tensors([("wt", base.t())], out / "c", set())
+into = torch.zeros(300, 700)
+wc.import_tensors(trecs, {"wt": into.t()}, out / "c")
+res["transposed_equal"] = torch.equal(into, base)
 print(json.dumps(res))
 """
 
@@ -85,7 +98,7 @@ def test_tensors_leave_as_chunks_named_by_their_bytes_and_only_once(chunks):
     assert chunks["names_are_sha256"] and chunks["written"] == chunks["total"] == 700 * 1000 * 2 + 3 * 4 * 2**18 + 40
     assert chunks["records"][0] == {"name": "emb", "dtype": "bfloat16", "shape": [700, 1000], "nbytes": 1_400_000}
     # The runner's known chunks are not written again; the records are the same.
-    assert chunks["written_again"] == 0 and chunks["same_records"]
+    assert chunks["written_again"] == 0 and chunks["same_records"] and chunks["files_again"] == []
 
 
 def test_chunks_load_back_into_the_same_tensors_every_chunk_checked(chunks):
@@ -93,10 +106,17 @@ def test_chunks_load_back_into_the_same_tensors_every_chunk_checked(chunks):
     assert chunks["torn"] == f"chunk {chunks['torn_digest'][:12]}… is torn"
 
 
-def test_a_record_of_another_shape_or_a_strided_tensor_is_refused_naming_it(chunks):
+def test_a_record_of_another_shape_or_size_or_a_view_with_gaps_is_refused_naming_it(chunks):
     assert chunks["other_shape"] == "tensor w: the checkpoint holds float32 [3, 262144], this engine float32 [3, 131072]"
     assert chunks["untouched_by_refusal"]   # refused before any copy
-    assert chunks["strided"] == "tensor strided is not contiguous: its chunks would be a copy's"
+    assert chunks["short"] == ("tensor w: the checkpoint's record holds 2 chunk(s) for 3145728 bytes; this engine's "
+                               "tensor is 3145728 bytes in 3 chunk(s) of 1048576")
+    assert chunks["strided"] == ("tensor strided is not contiguous and does not cover its storage: its chunks would "
+                                 "be a copy's")
+
+
+def test_a_transposed_weight_goes_out_and_back_as_its_storage(chunks):
+    assert chunks["transposed_equal"]
 
 
 _ENGINE = r"""

@@ -176,14 +176,16 @@ class BlockFiles:
                     while piece := src.read(PIECE):
                         h.update(piece)
                         out.write(piece)
+                if h.hexdigest() != d:
+                    raise ValueError(f"session {sid}: chunk {d[:12]}… is torn")
+                if tmp is not None:
+                    os.chmod(tmp, 0o600)
             except FileNotFoundError:
                 _drop(tmp)
                 raise ValueError(f"session {sid}: chunk {d[:12]}… is missing") from None
-            if h.hexdigest() != d:
+            except BaseException:   # torn, or the disk full: nothing of this chunk stays
                 _drop(tmp)
-                raise ValueError(f"session {sid}: chunk {d[:12]}… is torn")
-            if tmp is not None:
-                os.chmod(tmp, 0o600)
+                raise
             return tmp
 
         with ThreadPoolExecutor(THREADS) as ex:
@@ -192,7 +194,7 @@ class BlockFiles:
         for (_, name, _), f in zip(plan, futures):
             try:
                 staged.append((name, f.result()))
-            except ValueError as e:
+            except Exception as e:   # the first in the sessions' order is the one named
                 first_error = first_error or e
         if first_error is not None:
             for _, tmp in staged:

@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,7 @@ from ckptflow.engines.kv_files import BlockFiles
 from ckptflow.engines.vllm_layout import BLOCKS, SESSIONS
 from ckptflow.engines.vllm_worker import EXTENSION
 
+log = logging.getLogger(__name__)
 PROTOCOL = 1
 PREFIX = "/v1/ckptflow/"
 # vLLM's control endpoints (dev mode, sleep mode, weight updates): never for inference clients.
@@ -218,7 +220,9 @@ async def _prepare(app, body: dict) -> dict:
         await client.pause_generation(mode="wait", clear_cache=True)
         phases = {"drain": round(time.perf_counter() - t0, 4)}
         if getattr(_config(app).model_config, "enable_sleep_mode", False):
-            if _streams_weights(app):
+            # Asleep already (a runner died mid-capture, or a call came twice): its weights are
+            # gone, so none are written, and its resume reads them from the model directory.
+            if _streams_weights(app) and not STATE.asleep:
                 # Each rank writes its parameters as chunks (those the runner holds are skipped:
                 # a template of the same weights writes nothing), before sleep discards them.
                 t1 = time.perf_counter()
@@ -226,10 +230,15 @@ async def _prepare(app, body: dict) -> dict:
                 if not isinstance(out_dir, str) or not out_dir:
                     raise ValueError("template/prepare needs dir: where the weights' chunks go")
                 known = [k for k in body.get("known") or [] if isinstance(k, str)]
-                for rank in await client.collective_rpc("ckptflow_export_weights", args=(out_dir, known)):
-                    tensors += rank["tensors"]
-                    written += rank["written_bytes"]
-                    total += rank["total_bytes"]
+                try:
+                    for rank in await client.collective_rpc("ckptflow_export_weights", args=(out_dir, known)):
+                        tensors += rank["tensors"]
+                        written += rank["written_bytes"]
+                        total += rank["total_bytes"]
+                except Exception as e:   # e.g. a parameter that is a view with gaps: the model directory will do
+                    tensors, written, total = [], 0, 0
+                    log.warning("ckptflow: the weights were not written as chunks (%s); the template's resume "
+                                "reads them from the model directory (reload_weights)", e)
                 phases["export_weights"] = round(time.perf_counter() - t1, 4)
             t1 = time.perf_counter()
             await client.sleep(level=2)
@@ -247,6 +256,13 @@ async def _unpause(client) -> None:
     STATE.parked = False
 
 
+def _timed(fn, *args):
+    """``fn(*args)`` and the seconds it took (the session import, timed where it runs)."""
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, round(time.perf_counter() - t0, 4)
+
+
 async def _resume(app, body: dict) -> dict:
     client = app.state.engine_client
     phases: dict[str, float] = {}
@@ -255,8 +271,7 @@ async def _resume(app, body: dict) -> dict:
     # on the H200), and the engine stays parked until both are done.
     sessions = None
     if "sessions" in body:
-        t_sessions = time.perf_counter()
-        sessions = asyncio.ensure_future(asyncio.to_thread(_import, _chunk_dir(app), body))
+        sessions = asyncio.ensure_future(asyncio.to_thread(_timed, _import, _chunk_dir(app), body))
     try:
         if STATE.asleep:
             tensors = [r for r in body.get("tensors") or [] if isinstance(r, dict)]
@@ -270,7 +285,10 @@ async def _resume(app, body: dict) -> dict:
             for key, step in (("wake_weights", lambda: client.wake_up(["weights"])), load,
                               ("wake_kv_cache", lambda: client.wake_up(["kv_cache"]))):
                 t0 = time.perf_counter()
-                await step()
+                try:
+                    await step()
+                except Exception as e:   # a worker's error comes back as a plain Exception: say it (a torn chunk)
+                    raise ValueError(f"template/resume: {key} failed: {e}") from e
                 phases[key] = round(time.perf_counter() - t0, 4)
             STATE.asleep = False
     except BaseException:
@@ -280,8 +298,8 @@ async def _resume(app, body: dict) -> dict:
     out: dict[str, Any] = {"loaded_bytes": 0}
     if sessions is not None:
         # A torn chunk fails the call and the engine stays parked (the runner kills it).
-        out.update(await sessions)
-        phases["sessions"] = round(time.perf_counter() - t_sessions, 4)
+        got, phases["sessions"] = await sessions
+        out.update(got)
     if STATE.parked:
         await _unpause(client)
     out["phases"] = phases

@@ -30,6 +30,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -102,19 +103,32 @@ def stream_in(items: list[tuple], dst: torch.Tensor | None, slots: HostBuf,
     import torch
 
     buf = slots.ensure(THREADS * RING * PIECE)
-    lock = threading.Lock()
+    lock, stop = threading.Lock(), threading.Event()
     todo = iter(items)
     moved = [0] * THREADS
     ready = ready or {}
+    # A thread starts on device 0: the copies must run on the destination's device (a tensor-
+    # parallel rank's), or its stream and events would not order them.
+    device = (dst if dst is not None else items[0][5]).device if items else torch.device("cuda")
 
     def worker(i: int) -> None:
-        stream = torch.cuda.Stream()
+        with torch.cuda.device(device):
+            stream = torch.cuda.Stream()
+            try:
+                _work(i, stream)
+            except BaseException:
+                stop.set()      # the other threads take no more items
+                raise
+            finally:
+                stream.synchronize()   # no copy in flight from a slot once the caller frees it
+
+    def _work(i: int, stream) -> None:
         ring = [buf[(RING * i + k) * PIECE:(RING * i + k + 1) * PIECE] for k in range(RING)]
         events: list[torch.cuda.Event | None] = [None] * RING
         waited: set[int] = set()
         k = 0
         with torch.cuda.stream(stream):
-            while True:
+            while not stop.is_set():
                 with lock:
                     item = next(todo, None)
                 if item is None:
@@ -147,7 +161,6 @@ def stream_in(items: list[tuple], dst: torch.Tensor | None, slots: HostBuf,
                 if h is not None and h.hexdigest() != digest:
                     raise ValueError(f"chunk {digest[:12]}… is torn")
                 moved[i] += n
-        stream.synchronize()
 
     with ThreadPoolExecutor(THREADS) as ex:
         for f in [ex.submit(worker, i) for i in range(THREADS)]:
@@ -156,17 +169,23 @@ def stream_in(items: list[tuple], dst: torch.Tensor | None, slots: HostBuf,
 
 
 def flat_bytes(name: str, t: torch.Tensor) -> torch.Tensor:
-    """``t``'s own storage as a flat uint8 view (no copy): what its chunks are cut from and
-    loaded back into.
+    """``t``'s bytes as a flat uint8 view (no copy): what its chunks are cut from and loaded
+    back into. A view that is not contiguous but covers its whole storage (a transpose, as FP8
+    layers keep their weights) is its storage's bytes, in the storage's order.
 
     Raises:
-        ValueError: ``t`` is not contiguous (a copy would be written, not the tensor), named.
+        ValueError: ``t`` is a view over part of its storage with gaps (its chunks would be a
+            copy's, not the tensor), named.
     """
     import torch
 
-    if not t.is_contiguous():
-        raise ValueError(f"tensor {name} is not contiguous: its chunks would be a copy's")
-    return t.detach().reshape(-1).view(torch.uint8)
+    if t.is_contiguous():
+        return t.detach().reshape(-1).view(torch.uint8)
+    storage = t.untyped_storage()
+    if t.storage_offset() == 0 and t.numel() * t.element_size() == storage.nbytes():
+        return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+    raise ValueError(f"tensor {name} is not contiguous and does not cover its storage: its chunks would be "
+                     "a copy's")
 
 
 def record(name: str, t: torch.Tensor, chunks: list[str]) -> dict:
@@ -192,42 +211,66 @@ def export_tensors(named: Iterable[tuple[str, torch.Tensor]], out_dir: Path, kno
     flats = [flat_bytes(n, t) for n, t in tensors]
     work = [(i, off, min(SLOT, f.numel() - off)) for i, f in enumerate(flats) for off in range(0, f.numel(), SLOT)]
     digests: dict[tuple[int, int], str] = {}
-    written, lock, todo = [0], threading.Lock(), iter(work)
-    on_gpu = any(f.is_cuda for f in flats)
-    own = on_gpu and slots is None
-    slots = HostBuf() if own else slots if on_gpu else None
+    written, lock, stop, todo = [0], threading.Lock(), threading.Event(), iter(work)
+    on_gpu = next((f.device for f in flats if f.is_cuda), None)
+    own = on_gpu is not None and slots is None
+    slots = HostBuf() if own else slots if on_gpu is not None else None
     buf = slots.ensure(threads * PIECE) if slots is not None else None
+
+    def pieces(src: torch.Tensor, off: int, n: int, slot, stream):
+        """The bytes of ``src[off:off + n]`` on the host, a piece at a time."""
+        for p in range(off, off + n, PIECE):
+            m = min(PIECE, off + n - p)
+            if src.is_cuda:
+                with torch.cuda.stream(stream):
+                    slot[:m].copy_(src[p:p + m], non_blocking=True)
+                stream.synchronize()
+                yield memoryview(slot[:m].numpy())
+            else:
+                yield memoryview(src[p:p + m].numpy())
+
+    def one(j: int, off: int, n: int, slot, stream) -> None:
+        # Hashed first, written only when the runner lacks it: a second template of the same
+        # weights reads them once and writes nothing.
+        h = hashlib.sha256()
+        for view in pieces(flats[j], off, n, slot, stream):
+            h.update(view)
+        d = digests[(j, off)] = h.hexdigest()
+        if d in known or (out_dir / d).exists():
+            return
+        tmp = out_dir / f".t{os.getpid()}-{threading.get_ident()}-{j}-{off}.tmp"   # ranks share out_dir
+        try:
+            again = hashlib.sha256()
+            with open(tmp, "wb") as f:
+                for view in pieces(flats[j], off, n, slot, stream):
+                    again.update(view)
+                    f.write(view)
+            if again.hexdigest() != d:
+                raise ValueError(f"tensor {tensors[j][0]} changed while it was written out")
+            with lock:   # two equal chunks (equal tensors) written at once: one file, counted once
+                if (out_dir / d).exists():
+                    tmp.unlink()
+                    return
+                os.replace(tmp, out_dir / d)
+                written[0] += n
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def worker(i: int) -> None:
         slot = buf[i * PIECE:(i + 1) * PIECE] if buf is not None else None
-        stream = torch.cuda.Stream() if on_gpu else None
-        while True:
-            with lock:
-                item = next(todo, None)
-            if item is None:
-                return
-            j, off, n = item
-            src, h = flats[j], hashlib.sha256()
-            tmp = out_dir / f".t{j}-{off}.tmp"
-            with open(tmp, "wb") as f:
-                for p in range(off, off + n, PIECE):
-                    m = min(PIECE, off + n - p)
-                    if src.is_cuda:
-                        with torch.cuda.stream(stream):
-                            slot[:m].copy_(src[p:p + m], non_blocking=True)
-                        stream.synchronize()
-                        view = memoryview(slot[:m].numpy())
-                    else:
-                        view = memoryview(src[p:p + m].numpy())
-                    h.update(view)
-                    f.write(view)
-            d = digests[(j, off)] = h.hexdigest()
-            if d in known or (out_dir / d).exists():
-                tmp.unlink()
-                continue
-            os.replace(tmp, out_dir / d)
-            with lock:
-                written[0] += n
+        with torch.cuda.device(on_gpu) if on_gpu is not None else nullcontext():
+            stream = torch.cuda.Stream() if on_gpu is not None else None
+            try:
+                while not stop.is_set():
+                    with lock:
+                        item = next(todo, None)
+                    if item is None:
+                        return
+                    one(*item, slot, stream)
+            except BaseException:
+                stop.set()
+                raise
 
     try:
         with ThreadPoolExecutor(threads) as ex:
@@ -260,6 +303,10 @@ def import_tensors(records: list[dict], tensors: dict[str, torch.Tensor], root: 
         if (got["dtype"], got["shape"]) != (rec["dtype"], list(rec["shape"])):
             raise ValueError(f"tensor {rec['name']}: the checkpoint holds {rec['dtype']} {rec['shape']}, this engine "
                              f"{got['dtype']} {got['shape']}")
+        if rec["nbytes"] != got["nbytes"] or len(rec["chunks"]) != -(-got["nbytes"] // SLOT):
+            raise ValueError(f"tensor {rec['name']}: the checkpoint's record holds {len(rec['chunks'])} chunk(s) for "
+                             f"{rec['nbytes']} bytes; this engine's tensor is {got['nbytes']} bytes in "
+                             f"{-(-got['nbytes'] // SLOT)} chunk(s) of {SLOT}")
     items = []
     for rec in records:
         flat = flat_bytes(rec["name"], tensors[rec["name"]])
