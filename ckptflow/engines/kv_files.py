@@ -148,8 +148,7 @@ class BlockFiles:
         """
         root = Path(body["dir"])
         plan: list[tuple[str, str, str]] = []          # (session, block name, chunk digest), in order
-        writes: set[int] = set()   # the plan entries that write their block: a prefix two sessions share, once
-        seen: set[str] = set()
+        first: dict[str, int] = {}   # block name -> the plan entry that writes it: a shared prefix, once
         sessions = body.get("sessions") or {}
         for sid, rec in sessions.items():
             chunks = [d for t in rec["tensors"] for d in t["chunks"]]
@@ -158,9 +157,7 @@ class BlockFiles:
                 raise ValueError(f"session {sid}: {len(names)} block keys for {len(chunks)} chunks")
             for name, d in zip(names, chunks):
                 self.block_file(name)   # a well-formed name, before anything is read or written
-                if name not in seen:
-                    seen.add(name)
-                    writes.add(len(plan))
+                first.setdefault(name, len(plan))
                 plan.append((sid, name, d))
         for d in self.make_dirs:
             d.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -168,11 +165,12 @@ class BlockFiles:
         def stage(k: int) -> Path | None:
             sid, name, d = plan[k]
             dst = self.block_file(name)
-            tmp = None if k not in writes or dst.exists() else \
+            tmp = None if first[name] != k or dst.exists() else \
                 dst.with_name(f".{dst.name}.{os.getpid()}.{threading.get_ident()}.import")
             h = hashlib.sha256()
             try:
-                with open(chunk_path(root, d), "rb") as src, (open(tmp, "wb") if tmp else _Discard()) as out:
+                # A block already on file: its chunk is only checked.
+                with open(chunk_path(root, d), "rb") as src, open(tmp or os.devnull, "wb") as out:
                     while piece := src.read(PIECE):
                         h.update(piece)
                         out.write(piece)
@@ -191,16 +189,16 @@ class BlockFiles:
         with ThreadPoolExecutor(THREADS) as ex:
             futures = [ex.submit(stage, k) for k in range(len(plan))]
         staged, first_error = [], None
-        for (_, name, _), f in zip(plan, futures):
+        for f in futures:
             try:
-                staged.append((name, f.result()))
+                staged.append(f.result())
             except Exception as e:   # the first in the sessions' order is the one named
                 first_error = first_error or e
         if first_error is not None:
-            for _, tmp in staged:
+            for tmp in staged:
                 _drop(tmp)
             raise first_error
-        for (_, name, d), (_, tmp) in zip(plan, staged):
+        for (_, name, d), tmp in zip(plan, staged):
             if tmp is not None:
                 os.replace(tmp, self.block_file(name))   # the engine never sees half a block
             self.digests[name] = d
@@ -212,19 +210,6 @@ class BlockFiles:
             self.list_session(doc)
             digests[sid] = session_digest([d for t in rec["tensors"] for d in t["chunks"]], rec["tokens"])
         return {"imported": sorted(sessions), "digests": digests}
-
-
-class _Discard:
-    """A file that keeps nothing: a chunk whose block is already on file is only checked."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-    def write(self, data: bytes) -> int:
-        return len(data)
 
 
 def _drop(path: Path | None) -> None:

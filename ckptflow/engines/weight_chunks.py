@@ -214,8 +214,9 @@ def export_tensors(named: Iterable[tuple[str, torch.Tensor]], out_dir: Path, kno
     written, lock, stop, todo = [0], threading.Lock(), threading.Event(), iter(work)
     on_gpu = next((f.device for f in flats if f.is_cuda), None)
     own = on_gpu is not None and slots is None
-    slots = HostBuf() if own else slots if on_gpu is not None else None
-    buf = slots.ensure(threads * PIECE) if slots is not None else None
+    if own:
+        slots = HostBuf()
+    buf = slots.ensure(threads * PIECE) if on_gpu is not None else None
 
     def pieces(src: torch.Tensor, off: int, n: int, slot, stream):
         """The bytes of ``src[off:off + n]`` on the host, a piece at a time."""
