@@ -262,7 +262,8 @@ class Workload(BaseModel):
         default_factory=ModeParams, validate_default=True, description="Parameters of the checkpoint mode, checked against its model "
         "(ProcessParams, TemplateSessionsParams).", examples=[{"min_session_tokens": 64}])
     tcp_established: bool = Field(
-        False, description="Checkpoint established TCP connections too (CRIU --tcp-established).")
+        False, description="Checkpoint established TCP connections too (CRIU --tcp-established). Left out, "
+        "engine: vllm with tensor_parallel > 1 turns it on: its ranks are connected over loopback TCP.")
     criu: CriuOptions = Field(default_factory=CriuOptions,
                               description="CRIU options the engine's tree needs (engine: vllm sets them all).",
                               examples=[{"link_remap": True, "devshm": True}])
@@ -309,6 +310,13 @@ class Workload(BaseModel):
             # dump failed on vLLM's semaphore (found by running the how-to as written).
             given = self.criu.model_fields_set if "criu" in self.model_fields_set else set()
             self.criu = defaults.model_copy(update={k: getattr(self.criu, k) for k in given})
+        if self.engine == Engine.vllm and self.tensor_parallel > 1 and "tcp_established" not in self.model_fields_set:
+            # vLLM's ranks are a mesh of TCP connections over loopback (torch.distributed's gloo
+            # group: 5 between the two ranks of a CPU TP=2 vLLM 0.32, measured), and CRIU refuses a
+            # tree holding one without --tcp-established ("Connected TCP socket"): every heartbeat
+            # of such a workload failed until it was declared. Both ends are in the tree, so they
+            # are dumped and restored together. An explicit tcp_established: false stays.
+            self.tcp_established = True
         return self
 
     @model_validator(mode="after")

@@ -484,12 +484,17 @@ def test_a_tp2_vllm_killed_mid_generation_recovers_and_continues_like_the_uninte
     whole. After the heartbeat the engine serves the next turn uninterrupted; then it is killed
     mid-generation and restored from the heartbeat, and the same turn comes out, the session's
     prefix from the restored engine's own cache."""
+    from ckptflow.models import Workload
     from ckptflow.runners import devshm
     from ckptflow.runners.node import NodeRunner
     from ckptflow.runners.process import tree
 
     live = servers.start("tp2", extra=["--tensor-parallel-size", "2"])
-    w = _workload("chat-tp2", live, vllm_install, vllm_model).model_copy(update={"tensor_parallel": 2})
+    # Validated as a fleet file declares it, tcp_established left out: engine: vllm with
+    # tensor_parallel: 2 turns it on (the ranks' gloo connections; without it the dump is refused).
+    w = _workload("chat-tp2", live, vllm_install, vllm_model)
+    w = Workload.model_validate(w.model_dump(exclude={"tcp_established"}) | {"tensor_parallel": 2})
+    assert w.tcp_established
     ranks = [p for p in tree(live.pid) if "Worker_TP" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
     assert len(ranks) == 2, ranks
     chat = Chat(41)
@@ -572,5 +577,36 @@ def test_fleet_file_engine_vllm_gets_the_criu_options_and_can_turn_them_off():
                     criu={"link_remap": False, "ext_unix_sk": False, "file_locks": False, "devshm": False})
     assert none.criu == CriuOptions()
     assert Workload(name="a", node="n", engine="llamacpp", find=find).criu == CriuOptions()
+    # Tensor-parallel ranks talk over loopback TCP (gloo): engine: vllm turns tcp_established on for
+    # them unless the workload says otherwise; one rank, or another engine, keeps the default.
+    assert Workload(name="a", node="n", engine="vllm", find=find, tensor_parallel=2).tcp_established
+    assert not Workload(name="a", node="n", engine="vllm", find=find, tensor_parallel=2,
+                        tcp_established=False).tcp_established
+    assert not Workload(name="a", node="n", engine="vllm", find=find).tcp_established
+    assert not Workload(name="a", node="n", engine="llamacpp", find=find, tensor_parallel=2).tcp_established
     with pytest.raises(ValueError, match="link_remapp"):
         Workload(name="a", node="n", engine="vllm", find=find, criu={"link_remapp": True})
+
+
+def test_fleet_file_a_tp2_vllm_on_a_cpu_node_loads_and_one_on_too_few_gpus_is_refused(tmp_path):
+    """Issue #34: tensor_parallel counts GPUs only for a gpu: true workload. A CPU node (no gpus
+    declared) takes a TP=2 vLLM, with tcp_established on; the same workload as gpu: true on a node
+    of one GPU is refused, naming the field."""
+    import yaml
+
+    from ckptflow.errors import ConfigError
+    from ckptflow.fleet import load_fleet
+
+    def fleet(node: dict, **w) -> Path:
+        p = tmp_path / "fleet.yaml"
+        p.write_text(yaml.safe_dump({"fleet": "t", "nodes": [{"name": "n1", "work_pool": "n1", **node}], "workloads": [
+            {"name": "chat-tp2", "node": "n1", "engine": "vllm", "tensor_parallel": 2,
+             "find": {"pid_file": "/run/chat-tp2.pid", "cmdline_must_contain": vllm.CMDLINE},
+             "metrics_url": "http://127.0.0.1:8000/metrics", **w}]}))
+        return p
+
+    for node in ({}, {"gpus": 0, "gpu_class": "cpu"}):
+        w = load_fleet(fleet(node)).workload("chat-tp2")
+        assert w.tensor_parallel == 2 and not w.gpu and w.tcp_established and w.criu.devshm
+    with pytest.raises(ConfigError, match=r"workloads\[0\]\.tensor_parallel.*needs 2 GPUs.*declares gpus: 1"):
+        load_fleet(fleet({"gpus": 1, "gpu_class": "H100-80GB"}, gpu=True))
