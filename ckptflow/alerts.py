@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from ckptflow.errors import CkptflowError
 from ckptflow.render import render
+from ckptflow.results import Failure
 
 if TYPE_CHECKING:
     from ckptflow.store.fleetstate import FleetState
@@ -46,7 +47,7 @@ class AlertKind(StrEnum):
     invalidated = "invalidated"         # a version change retired checkpoints no node can restore
     worker_gone = "worker_gone"         # a heartbeat found no live process for the workload
 
-def failure(e: BaseException) -> dict:
+def failure(e: BaseException) -> Failure:
     """What an alert and a report say about a failed step: ``reason`` (the error's first line),
     ``cause`` (the first error line of CRIU's log when there is one, else None: the reason is the
     cause), ``fix`` (ckptflow's own, else None), ``checkpoint`` (the one tried, if it said) and
@@ -65,8 +66,8 @@ def failure(e: BaseException) -> dict:
     tail = getattr(e, "log_tail", "") or ""
     cause = next((line.split(") ", 1)[1].strip() if line.startswith("(") and ") " in line else line
                   for line in (x.strip() for x in tail.splitlines()) if "Error" in line), None)
-    return {"reason": reason, "cause": cause if cause and cause != reason else None,
-            "fix": getattr(e, "fix", None), "checkpoint": getattr(e, "checkpoint", None), "log_tail": tail}
+    return Failure(reason=reason, cause=cause if cause and cause != reason else None,
+                   fix=getattr(e, "fix", None), checkpoint=getattr(e, "checkpoint", None), log_tail=tail)
 
 
 # Block Kit limits: Slack rejects the whole message when one text is longer.

@@ -495,9 +495,9 @@ def heartbeat(fleet_file: Path = FLEET_ARG, node: str = typer.Option(None, help=
         rows = flow(str(fleet_file), node=node, workloads=workload or None, force=force)
     except HeartbeatFailed as e:
         # Each failure's error is the error line below: the table says what happened, not that again.
-        rows = [r if r.get("ok") else {**r, "reason": _without(r.get("reason"), r.get("error"))} for r in e.rows]
+        rows = [r if r["ok"] else {**r, "reason": _without(r["reason"], r.get("error"))} for r in e.rows]
         _table("heartbeat", rows, ("workload", "decision", "checkpoint", "reason"))
-        gone = [r["workload"] for r in e.rows if r.get("gone") and not r.get("ok")]
+        gone = [r["workload"] for r in e.rows if r.get("gone") and not r["ok"]]
         fix = None
         if gone:  # the worker is not running: what brings it back
             fix = (f"start it again, or `ckptflow recover {fleet_file} {gone[0]}` restores its newest checkpoint; "
@@ -531,7 +531,7 @@ def recover(fleet_file: Path = FLEET_ARG, workload: str = typer.Argument(..., he
         from ckptflow.recovery import recover_here
 
         res = recover_here(str(fleet_file), workload, node=node)
-    if res.get("cold_start"):
+    if res["cold_start"]:
         console.print(f"cold started {workload} on {res['node']}: PID {res['pid']} in {res['cold_start_s']:.1f} s")
     else:
         console.print(f"restored {workload} on {res['node']} from {res['checkpoint']}: PID {res['pid']}")

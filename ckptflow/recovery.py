@@ -22,6 +22,7 @@ from ckptflow.errors import CheckpointNotFound, ChecksumMismatch, IncompatibleCh
 from ckptflow.fleet import Fleet, FleetScope
 from ckptflow.models import Workload
 from ckptflow.render import render
+from ckptflow.results import ColdStarted, Failure, Recovered, Skipped, WorkloadRestored
 from ckptflow.store import open_fleet_state
 
 # No checkpoint can come back: these never get better by retrying, so fall back to a cold start.
@@ -29,7 +30,7 @@ NO_CHECKPOINT = (CheckpointNotFound, ChecksumMismatch, IncompatibleCheckpoint)
 
 
 def send_recovered(scope: FleetScope, workload: str, node: str, how: str, checkpoint: str | None,
-                   skipped: list[dict], flow_run_id: str | None = None) -> bool:
+                   skipped: list[Skipped], flow_run_id: str | None = None) -> bool:
     """The one "recovered" message of a successful recover; it closes the workload's open alert.
     Sent by the flow's task (which also emits the Prefect event) and by ``recover_here``."""
     from ckptflow.tasks.common import alerter
@@ -53,15 +54,15 @@ def send_restore_failed(scope: FleetScope, workload: str, node: str, reason: str
 class Via(Protocol):
     """How each part of the sequence runs (the flow's way or this process's)."""
 
-    def step(self, node: str, action: str) -> dict: ...
+    def step(self, node: str, action: str) -> WorkloadRestored | ColdStarted: ...
     def recovered(self, scope: FleetScope, workload: str, node: str, how: str, checkpoint: str | None,
-                  skipped: list[dict]) -> Any: ...
-    def failed(self, scope: FleetScope, workload: str, node: str, f: dict) -> Any: ...
+                  skipped: list[Skipped]) -> Any: ...
+    def failed(self, scope: FleetScope, workload: str, node: str, f: Failure) -> Any: ...
     def place(self, scope: FleetScope, workload: str, node: str, checkpoint: str | None) -> Any: ...
     def artifact(self, key: str, markdown: str) -> None: ...
 
 
-def recover_sequence(fleet: Fleet, workload: str, node: str | None, via: Via) -> dict:
+def recover_sequence(fleet: Fleet, workload: str, node: str | None, via: Via) -> Recovered:
     """The recover flow's body (its docstring says what it does), run ``via``.
 
     Raises:
@@ -109,7 +110,7 @@ def recover_sequence(fleet: Fleet, workload: str, node: str | None, via: Via) ->
     return {**res, "cold_start": False}
 
 
-def _report_failure(scope: FleetScope, workload: str, node: str, target: str, f: dict, via: Via) -> None:
+def _report_failure(scope: FleetScope, workload: str, node: str, target: str, f: Failure, via: Via) -> None:
     """The restore-failed alert and the restore report, both naming the checkpoint tried, the
     fallback, the cause's first line and the fix (``alerts.failure`` of the error)."""
     via.failed(scope, workload, node, f)
@@ -118,7 +119,7 @@ def _report_failure(scope: FleetScope, workload: str, node: str, target: str, f:
 
 
 # --- in this process ---------------------------------------------------------------------------
-def restore_workload(scope: FleetScope, w: Workload) -> dict:
+def restore_workload(scope: FleetScope, w: Workload) -> WorkloadRestored:
     """Restore ``w`` on ``w.node`` from its newest valid checkpoint, read from the nearest copy:
     this node's store, else the shared tier (older ones if corrupt). The restore task's body."""
     from ckptflow.runners.modes import mode_runner
@@ -126,16 +127,16 @@ def restore_workload(scope: FleetScope, w: Workload) -> dict:
 
     with node_slot(w.node), node_runner(scope, w.node) as runner:
         res = mode_runner(runner, w).restore(w, tier=tier(scope))
-    return {"workload": w.name, "node": w.node, **res.summary()}
+    return WorkloadRestored(workload=w.name, node=w.node, **res.summary())
 
 
-def cold_start_row(w: Workload) -> dict:
+def cold_start_row(w: Workload) -> ColdStarted:
     """Start ``w`` from scratch on this node through its runtime (its start_command, or a container's
     image), wait until healthy. The cold-start task's body."""
     from ckptflow.runners.runtime import runtime_for
 
     pid, seconds = runtime_for(w).cold_start(w)
-    return {"workload": w.name, "pid": pid, "cold_start_s": round(seconds, 3)}
+    return ColdStarted(workload=w.name, pid=pid, cold_start_s=round(seconds, 3))
 
 
 class Here:
@@ -145,7 +146,7 @@ class Here:
     def __init__(self, fleet: Fleet, workload: str):
         self.fleet, self.workload = fleet, workload
 
-    def step(self, node: str, action: str) -> dict:
+    def step(self, node: str, action: str) -> WorkloadRestored | ColdStarted:
         from ckptflow.tasks.common import placed
 
         w = placed(self.fleet, self.workload, node)
@@ -165,7 +166,7 @@ class Here:
         return None   # no Prefect server: the command's own output is the report
 
 
-def recover_here(fleet_file: str, workload: str, node: str | None = None) -> dict:
+def recover_here(fleet_file: str, workload: str, node: str | None = None) -> Recovered:
     """``recover`` in this process, without Prefect (see the module docstring)."""
     from ckptflow.tasks.common import open_fleet
 

@@ -9,8 +9,8 @@ import pytest
 
 import ckptflow.policies
 
-MODULES = ["ckptflow.registry", "ckptflow.modes", "ckptflow.models", "ckptflow.fleet", "ckptflow.settings",
-           "ckptflow.container_models", "ckptflow.runners.engine", "ckptflow.runners.isolate", "ckptflow.runners.digests",
+MODULES = ["ckptflow.registry", "ckptflow.modes", "ckptflow.models", "ckptflow.results", "ckptflow.fleet",
+           "ckptflow.settings", "ckptflow.container_models", "ckptflow.runners.engine", "ckptflow.runners.isolate", "ckptflow.runners.digests",
            "ckptflow.runners.gpu", "ckptflow.engines.kv_files", "ckptflow.engines.control", "ckptflow.engines.sglang_protocol",
            *sorted(m.name for m in pkgutil.iter_modules(ckptflow.policies.__path__, "ckptflow.policies."))]
 

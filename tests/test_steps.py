@@ -33,7 +33,7 @@ def test_a_failed_steps_error_type_and_first_line_reach_the_caller(monkeypatch, 
     monkeypatch.setattr(steps, "run_deployment", _run_deployment_ending(
         Failed(data=KeyError("gpu_pids"), message="Flow run encountered an exception")))
     with pytest.raises(steps.StepFailed) as e:
-        steps.run_step("node-a", "restore", fleet, "chat")
+        steps.run_step(node="node-a", action="restore", fleet_file=fleet, workload="chat")
     assert e.value.error_type == "KeyError"
     assert "restore of chat on node-a" in str(e.value) and "KeyError: 'gpu_pids'" in str(e.value)
     assert isinstance(e.value.__cause__, KeyError)
@@ -43,12 +43,12 @@ def test_a_failed_steps_ckptflow_error_is_raised_as_itself(monkeypatch, fleet):
     monkeypatch.setattr(steps, "run_deployment", _run_deployment_ending(
         Failed(data=RestoreFailed("not healthy", fix="run verify"))))
     with pytest.raises(RestoreFailed, match="not healthy"):
-        steps.run_step("node-a", "restore", fleet, "chat")
+        steps.run_step(node="node-a", action="restore", fleet_file=fleet, workload="chat")
 
 
 def test_a_completed_step_returns_its_result(monkeypatch, fleet):
     monkeypatch.setattr(steps, "run_deployment", _run_deployment_ending(Completed(data={"pid": 7})))
-    assert steps.run_step("node-a", "restore", fleet, "chat") == {"pid": 7}
+    assert steps.run_step(node="node-a", action="restore", fleet_file=fleet, workload="chat") == {"pid": 7}
 
 
 @pytest.mark.parametrize("error,retry", [
@@ -122,7 +122,7 @@ def test_a_step_whose_deployment_does_not_exist_names_it_and_how_to_make_it(tmp_
     w = Workload(name="w", node="local", find=ProcessFinder(pid_file=str(tmp_path / "w.pid")))
     f = write_fleet(tmp_path / "fleet.yaml", [w], tmp_path / "store")
     with pytest.raises(ConfigError) as e:
-        steps.run_step("local", "restore", str(f), "w", via_deployments=True)
+        steps.run_step(node="local", action="restore", fleet_file=str(f), workload="w", via_deployments=True)
     assert str(e.value).splitlines() == ["no deployment node-step/test:local on the Prefect server",
                                          f"  fix: run `ckptflow deploy {f}` (per-node deployments are named "
                                          "<fleet>:<node>)"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 from prefect import flow
 from prefect.artifacts import create_table_artifact
@@ -10,6 +11,7 @@ from prefect.utilities.annotations import quote
 
 from ckptflow.fleet import OnWorkerGone, PolicyChoice
 from ckptflow.flows.recover import recover
+from ckptflow.results import CheckpointRow, Recovered
 from ckptflow.tasks.common import open_fleet, run_logger
 from ckptflow.tasks.fleet import checkpoint_nodes
 
@@ -27,14 +29,14 @@ def _group_name(group: list) -> str:
 class HeartbeatFailed(RuntimeError):
     """Some checkpoints failed; ``rows`` holds every workload's outcome (the failed ones too)."""
 
-    def __init__(self, message: str, rows: list[dict] | None = None):
+    def __init__(self, message: str, rows: list[CheckpointRow] | None = None):
         super().__init__(message)
         self.rows = rows or []
 
 
 @flow(name="heartbeat", log_prints=True)
 def heartbeat(fleet_file: str, node: str | None = None, workloads: list[str] | None = None,
-              force: bool = False) -> list[dict]:
+              force: bool = False) -> list[CheckpointRow]:
     """Decide and checkpoint the fleet's workloads (optionally one node's, or named ones).
 
     Each node's workloads are one batch, and a task run takes a group of batches (at most
@@ -60,7 +62,7 @@ def heartbeat(fleet_file: str, node: str | None = None, workloads: list[str] | N
 
 
 def heartbeat_here(fleet_file: str, node: str | None = None, workloads: list[str] | None = None,
-                   force: bool = False) -> list[dict]:
+                   force: bool = False) -> list[CheckpointRow]:
     """``heartbeat`` in this process, without a flow run: what ``ckptflow heartbeat`` runs when
     no Prefect server is configured (a temporary one took ~12 s to start first, for a pause of a
     tenth of a second). The same node batches, one after another; no artifact, no events."""
@@ -85,17 +87,19 @@ def _select(fleet, node: str | None, workloads: list[str] | None) -> tuple[dict[
     return choices, [(nodes[n], batch) for n, batch in sorted(by_node.items())]
 
 
-def _recover_gone(results: list[dict], choices: dict[str, PolicyChoice], recover_one) -> None:
+def _recover_gone(results: list[CheckpointRow], choices: dict[str, PolicyChoice],
+                  recover_one: Callable[[str], Recovered]) -> None:
     for r in results:  # the worker is gone and its rule says recover: bring it back in this run
         if r.get("gone") and choices[r["workload"]].on_worker_gone == OnWorkerGone.recover:
             try:
                 res = recover_one(r["workload"])
+                # recovered: None when it was cold started
                 r.update(ok=True, recovered=res.get("checkpoint"), reason=f"{r['reason']}; recovered")
             except Exception as e:  # recover alerted with its own reason; the row says it failed
                 r["recover_error"] = str(e).splitlines()[0]
 
 
-def _outcome(results: list[dict]) -> list[dict]:
+def _outcome(results: list[CheckpointRow]) -> list[CheckpointRow]:
     failed = [r for r in results if not r["ok"]]
     if failed:
         run_logger().error("%d of %d checkpoints failed", len(failed), len(results))

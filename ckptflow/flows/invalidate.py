@@ -6,13 +6,14 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 from prefect.utilities.annotations import quote
 
+from ckptflow.results import InvalidateResult
 from ckptflow.tasks.common import open_fleet, this_node
 from ckptflow.tasks.fleet import (alert_invalidations, apply_retention, collect_template_sessions, invalidate_stale,
                                   report_node_fingerprint)
 
 
 @flow(name="invalidate", log_prints=True)
-def invalidate(fleet_file: str, node: str | None = None) -> dict:
+def invalidate(fleet_file: str, node: str | None = None) -> InvalidateResult:
     """Report this node's fingerprint, invalidate stale checkpoints, alert once, apply retention,
     drop the two-tier templates nothing needs and the chunks no checkpoint names any more.
 
@@ -33,4 +34,4 @@ def invalidate(fleet_file: str, node: str | None = None) -> dict:
     alerts = alert_invalidations(scope, rows, {r["workload"]: placed[r["workload"]] for r in rows}) if rows else 0
     deleted = apply_retention(scope, node, [w.name for w in fleet.workloads])
     collected = collect_template_sessions(scope, node)  # templates no one needs, chunks nothing names
-    return {"invalidated": rows, "alerts": alerts, "deleted": deleted, "template_sessions": collected}
+    return InvalidateResult(invalidated=rows, alerts=alerts, deleted=deleted, template_sessions=collected)

@@ -8,6 +8,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from ckptflow.flows.steps import move, run_step, wait_step
 from ckptflow.render import render
+from ckptflow.results import Migrated
 from ckptflow.tasks import events
 from ckptflow.tasks.common import open_fleet
 from ckptflow.tasks.fleet import record_placement
@@ -15,7 +16,7 @@ from ckptflow.tasks.move import need_shared_tier
 
 
 @flow(name="migrate", log_prints=True, persist_result=True)
-def migrate(fleet_file: str, workload: str, target_node: str, via_deployments: bool = True) -> dict:
+def migrate(fleet_file: str, workload: str, target_node: str, via_deployments: bool = True) -> Migrated:
     """Move ``workload`` to ``target_node``: checkpoint on the source (the worker exits), push
     to S3, pull and restore on the target. If anything fails after the source exited, the
     checkpoint is restored on the source again. A report artifact either way.
@@ -29,17 +30,18 @@ def migrate(fleet_file: str, workload: str, target_node: str, via_deployments: b
     source = w.node
     paired = via_deployments and target_node != source  # one node's steps run one at a time (concurrency 1)
     if paired:  # the target's step starts first: the worker is down for the move only (flows.steps.move)
-        out, inn_run = move(source, target_node, fleet_file, workload)
+        out, inn_run = move(source=source, target=target_node, fleet_file=fleet_file, workload=workload)
     else:
-        out = run_step(source, "migrate_out", fleet_file, workload, via_deployments=via_deployments)
+        out = run_step(node=source, action="migrate_out", fleet_file=fleet_file, workload=workload,
+                       via_deployments=via_deployments)
     try:
-        inn = (wait_step(inn_run, "migrate_in", workload, target_node) if paired else
-               run_step(target_node, "migrate_in", fleet_file, workload, checkpoint=out["checkpoint"],
-                        via_deployments=via_deployments))
+        inn = (wait_step(inn_run, action="migrate_in", workload=workload, node=target_node) if paired else
+               run_step(node=target_node, action="migrate_in", fleet_file=fleet_file, workload=workload,
+                        checkpoint=out["checkpoint"], via_deployments=via_deployments))
     except Exception as e:
         get_run_logger().error("move of %s to %s failed (%s); restoring on %s", workload, target_node, e, source)
-        back = run_step(source, "restore_local", fleet_file, workload, checkpoint=out["checkpoint"],
-                        via_deployments=via_deployments)
+        back = run_step(node=source, action="restore_local", fleet_file=fleet_file, workload=workload,
+                        checkpoint=out["checkpoint"], via_deployments=via_deployments)
         create_markdown_artifact(key=f"migrate-{workload}", markdown=render(
             "migrate_report.md.j2", workload=workload, source=source, target=target_node, out=out, inn=None,
             back=back, error=str(e).splitlines()[0]))

@@ -16,25 +16,21 @@ Actions (each a task on the node that holds the process or the images):
 from __future__ import annotations
 
 from functools import partial
-from typing import Literal
 
 from prefect import flow
 
 from ckptflow.flows.handoff import checkpoint_of, mark_ready, publish_checkpoint, wait_ready
+from ckptflow.results import Step, StepResult
 from ckptflow.tasks.common import open_fleet, placed
 from ckptflow.tasks.move import (migrate_in, migrate_out, restore_local, scale_down_in, scale_up_in, stop_workload,
                                  take_template)
 from ckptflow.tasks.node import restore_workload
 from ckptflow.tasks.verify import cold_start_placed
 
-Step = Literal["migrate_out", "migrate_in", "restore_local", "stop", "take_template", "scale_up_in", "scale_down",
-               "restore", "cold_start"]
-
-
 @flow(name="node-step", persist_result=True, log_prints=True)
 def node_step(fleet_file: str, action: Step, workload: str, node: str, checkpoint: str | None = None,
               replica: str | None = None, checkpoint_from: str | None = None,
-              when_ready: str | None = None) -> dict:
+              when_ready: str | None = None) -> StepResult:
     """Run one node-level action for ``workload`` on ``node`` (this node).
 
     A move between nodes pairs two steps (flows.steps.move): ``when_ready`` (on migrate_out)

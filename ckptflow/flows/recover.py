@@ -10,13 +10,14 @@ from ckptflow.errors import NotRecovered
 from ckptflow.flows.steps import run_step, spreader_off
 from ckptflow.recovery import recover_sequence
 from ckptflow.render import render
+from ckptflow.results import ColdStarted, Failure, MoveAction, MoveRow, Recovered, WorkloadRestored
 from ckptflow.tasks.common import open_fleet
 from ckptflow.tasks.fleet import record_placement
 from ckptflow.tasks.verify import alert_recovered, alert_restore_failed
 
 
 @flow(name="recover", log_prints=True, persist_result=True)
-def recover(fleet_file: str, workload: str, node: str | None = None, via_deployments: bool = False) -> dict:
+def recover(fleet_file: str, workload: str, node: str | None = None, via_deployments: bool = False) -> Recovered:
     """Restore ``workload`` on ``node`` (default: the node it runs on), check health and its
     session state, leave a report.
 
@@ -41,13 +42,14 @@ class _Flow:
     def __init__(self, fleet_file: str, workload: str, via_deployments: bool):
         self.fleet_file, self.workload, self.via_deployments = fleet_file, workload, via_deployments
 
-    def step(self, node: str, action: str) -> dict:
-        return run_step(node, action, self.fleet_file, self.workload, via_deployments=self.via_deployments)
+    def step(self, node: str, action: str) -> WorkloadRestored | ColdStarted:
+        return run_step(node=node, action=action, fleet_file=self.fleet_file, workload=self.workload,
+                        via_deployments=self.via_deployments)
 
     def recovered(self, scope, workload, node, how, checkpoint, skipped):
         return alert_recovered(scope, workload, node, how, checkpoint, skipped)
 
-    def failed(self, scope, workload, node, f):
+    def failed(self, scope, workload, node, f: Failure):
         return alert_restore_failed(scope, workload, node, f["reason"], f["checkpoint"], f["fallback"], f["log_tail"],
                                     cause=f["cause"], fix=f["fix"])
 
@@ -59,7 +61,7 @@ class _Flow:
 
 
 @flow(name="recover-node", log_prints=True, persist_result=True)
-def recover_node(fleet_file: str, node: str, via_deployments: bool = False) -> list[dict]:
+def recover_node(fleet_file: str, node: str, via_deployments: bool = False) -> list[MoveRow]:
     """``node`` is gone (hardware failure, reclaimed): bring each of its workloads back on
     another node of the same GPU class — from the S3 copy of its newest checkpoint, or a cold
     start where there is none — and report what came back where.
@@ -72,22 +74,23 @@ def recover_node(fleet_file: str, node: str, via_deployments: bool = False) -> l
     """
     fleet = open_fleet(fleet_file)
     targets = spreader_off(fleet, node)
-    rows = []
+    rows: list[MoveRow] = []
     for w in (x for x in fleet.workloads if x.node == node):
         p = targets.place(w.gpu_footprint_gib or 0)
         if p.node is None:
-            rows.append({"workload": w.name, "action": "NOT RECOVERED", "target": "-", "reason": p.reason})
+            rows.append(MoveRow(workload=w.name, action=MoveAction.not_recovered, target="-", reason=p.reason))
             continue
         try:
             r = recover(fleet_file, w.name, node=p.node, via_deployments=via_deployments)
         except Exception as e:
-            rows.append({"workload": w.name, "action": "FAILED", "target": p.node, "reason": str(e).splitlines()[0]})
+            rows.append(MoveRow(workload=w.name, action=MoveAction.failed, target=p.node,
+                                reason=str(e).splitlines()[0]))
             continue
         targets.placed(p.node)
-        rows.append({"workload": w.name, "target": p.node,
-                     "action": "cold started" if r["cold_start"] else f"restored {r['checkpoint']}",
-                     "reason": p.reason})
-    bad = [r for r in rows if r["action"] in ("FAILED", "NOT RECOVERED")]
+        rows.append(MoveRow(workload=w.name, target=p.node,
+                            action=MoveAction.cold_started if r["cold_start"] else f"restored {r['checkpoint']}",
+                            reason=p.reason))
+    bad = [r for r in rows if MoveAction.left_behind(r["action"])]
     create_markdown_artifact(key=f"recover-node-{node}", markdown=render("drain_report.md.j2", node=node, rows=rows,
                                                                          title=f"Recovery of lost node {node}"))
     if bad:  # the report has every row; the run itself must not look green

@@ -24,9 +24,11 @@ def scale_up(fleet_file: str, workload: str, target_node: str, via_deployments: 
     fleet = open_fleet(fleet_file)
     w = fleet.workload(workload)
     need_shared_tier(fleet.scope())  # the template goes through it, even to the same node
-    ckpt = find_template(fleet.scope(), workload) or run_step(w.node, "take_template", fleet_file, workload,
-                                                              via_deployments=via_deployments)["checkpoint"]
-    res = run_step(target_node, "scale_up_in", fleet_file, workload, checkpoint=ckpt, via_deployments=via_deployments)
+    ckpt = find_template(fleet.scope(), workload) or run_step(
+        node=w.node, action="take_template", fleet_file=fleet_file, workload=workload,
+        via_deployments=via_deployments)["checkpoint"]
+    res = run_step(node=target_node, action="scale_up_in", fleet_file=fleet_file, workload=workload, checkpoint=ckpt,
+                   via_deployments=via_deployments)
     cold = CostModel().cold_start_s
     create_markdown_artifact(key=f"scale-up-{workload}", markdown=render(
         "scale_up_report.md.j2", workload=workload, node=target_node, res=res, cold_start_s=cold))
@@ -39,4 +41,5 @@ def scale_down(fleet_file: str, workload: str, node: str, replica: str | None = 
     """Stop a replica scale_up started on ``node`` (``replica``: its network namespace, as
     scale_up reported it), or all of ``workload``'s replicas there. The original is untouched."""
     open_fleet(fleet_file).node(node)
-    return run_step(node, "scale_down", fleet_file, workload, via_deployments=via_deployments, replica=replica)
+    return run_step(node=node, action="scale_down", fleet_file=fleet_file, workload=workload,
+                    via_deployments=via_deployments, replica=replica)

@@ -23,6 +23,7 @@ from ckptflow.flows.handoff import (CHECKPOINT_LABEL, CHECKPOINT_POLL_S, POLL_S,
                                     STEP_TIMEOUT_S, StepFailed, checkpoint_of, mark_ready, publish_checkpoint,
                                     state_reason, wait_ready, wait_run)
 from ckptflow.fleet import load_fleet, node_deployment
+from ckptflow.results import MigratedOut, Step, StepParams, StepResult
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
@@ -33,10 +34,15 @@ def step_key(action: str, workload: str, node: str) -> str:
     return f"{flow_run.get_id()}-{action}-{workload}-{node}"
 
 
-def _params(node, action, fleet_file, workload, checkpoint, replica=None, **extra) -> dict:
-    return {"fleet_file": fleet_file, "action": action, "workload": workload, "node": node,
-            "checkpoint": checkpoint, **({"replica": replica} if replica else {}),
-            **{k: v for k, v in extra.items() if v is not None}}
+def step_params(*, node: str, action: Step, fleet_file: str, workload: str, checkpoint: str | None = None,
+                replica: str | None = None, when_ready: str | None = None,
+                checkpoint_from: str | None = None) -> StepParams:
+    """The node-step flow's parameters for ``run_deployment``; an option left None is left out
+    (the flow's default), ``checkpoint`` is always sent."""
+    params = StepParams(fleet_file=fleet_file, action=action, workload=workload, node=node, checkpoint=checkpoint)
+    options = {"replica": replica, "when_ready": when_ready, "checkpoint_from": checkpoint_from}
+    params.update({k: v for k, v in options.items() if v})  # type: ignore[typeddict-item]
+    return params
 
 
 def _deployment(fleet_file: str, node: str) -> str:
@@ -57,16 +63,19 @@ def _named(fleet_file: str, node: str) -> Iterator[None]:
                           fix=f"run `ckptflow deploy {fleet_file}` (per-node deployments are named <fleet>:<node>)") from None
 
 
-def run_step(node: str, action: str, fleet_file: str, workload: str, *, checkpoint: str | None = None,
-             via_deployments: bool = True, replica: str | None = None, when_ready: str | None = None) -> dict:
+def run_step(*, node: str, action: Step, fleet_file: str, workload: str, checkpoint: str | None = None,
+             via_deployments: bool = True, replica: str | None = None, when_ready: str | None = None) -> StepResult:
     """Run node-step ``action`` on ``node``: through its deployment ``node-step/<fleet>:<node>`` (its
-    work pool's worker), or in this process. ``when_ready``: the flow run id of a step that
-    must be ready before this one acts (``move``).
+    work pool's worker), or in this process. ``checkpoint``: the one to restore or start from
+    (migrate_in, restore_local, scale_up_in); ``replica``: the one to stop (scale_down);
+    ``when_ready``: the flow run id of a step that must be ready before this one acts (``move``).
+    The result is the action's own model (``ckptflow.results``: ``MigratedOut`` for migrate_out, ...).
 
     A failed step raises the step's own typed error when Prefect kept it (so a caller can
     still tell "no checkpoint" from "restore broke"), else StepFailed naming the flow run.
     """
-    params = _params(node, action, fleet_file, workload, checkpoint, replica, when_ready=when_ready)
+    params = step_params(node=node, action=action, fleet_file=fleet_file, workload=workload, checkpoint=checkpoint,
+                         replica=replica, when_ready=when_ready)
     if not via_deployments:
         from ckptflow.flows.node_step import node_step
 
@@ -77,16 +86,17 @@ def run_step(node: str, action: str, fleet_file: str, workload: str, *, checkpoi
     return step_result(fr, action, workload, node)
 
 
-def start_step(node: str, action: str, fleet_file: str, workload: str, checkpoint_from: str) -> FlowRun:
+def start_step(*, node: str, action: Step, fleet_file: str, workload: str, checkpoint_from: str) -> FlowRun:
     """Start node-step ``action`` on ``node`` without waiting for it; it takes its checkpoint
     from the result of the step whose idempotency key is ``checkpoint_from`` once that ends."""
     with _named(fleet_file, node):
         return run_deployment(name=_deployment(fleet_file, node), timeout=0,
                               idempotency_key=step_key(action, workload, node),
-                              parameters=_params(node, action, fleet_file, workload, None, checkpoint_from=checkpoint_from))
+                              parameters=step_params(node=node, action=action, fleet_file=fleet_file, workload=workload,
+                                                     checkpoint_from=checkpoint_from))
 
 
-def wait_step(fr: FlowRun, action: str, workload: str, node: str, timeout_s: float = STEP_TIMEOUT_S) -> dict:
+def wait_step(fr: FlowRun, *, action: Step, workload: str, node: str, timeout_s: float = STEP_TIMEOUT_S) -> StepResult:
     """Wait for a step ``start_step`` started; its result as ``run_step`` returns it."""
     return step_result(wait_run(fr.id, lambda s: s.is_final(), timeout_s, f"{action} of {workload} on {node}"),
                        action, workload, node)
@@ -104,15 +114,16 @@ def cancel_step(fr: FlowRun) -> None:
             c.set_flow_run_state(fr.id, Cancelled(message="the step it waited for failed"), force=True)
 
 
-def move(source: str, target: str, fleet_file: str, workload: str) -> tuple[dict, FlowRun]:
+def move(*, source: str, target: str, fleet_file: str, workload: str) -> tuple[MigratedOut, FlowRun]:
     """Checkpoint ``workload`` on ``source`` for ``target``, with the target's migrate_in step
     started first and ready (its tier and runner open, waiting) when the source dumps. Returns
     migrate_out's result and the target's flow run (``wait_step`` it). A failed migrate_out
     cancels or ends that run."""
-    inn = start_step(target, "migrate_in", fleet_file, workload,
+    inn = start_step(node=target, action="migrate_in", fleet_file=fleet_file, workload=workload,
                      checkpoint_from=step_key("migrate_out", workload, source))
     try:
-        out = run_step(source, "migrate_out", fleet_file, workload, when_ready=str(inn.id))
+        out = run_step(node=source, action="migrate_out", fleet_file=fleet_file, workload=workload,
+                       when_ready=str(inn.id))
     except BaseException:
         try:
             cancel_step(inn)
@@ -122,7 +133,7 @@ def move(source: str, target: str, fleet_file: str, workload: str) -> tuple[dict
     return out, inn
 
 
-def step_result(fr: FlowRun, action: str, workload: str, node: str) -> dict:
+def step_result(fr: FlowRun, action: str, workload: str, node: str) -> StepResult:
     """A node step's result; its failure as the step's own typed error when Prefect kept it,
     else StepFailed naming the flow run."""
     if fr.state and fr.state.is_completed():

@@ -6,12 +6,13 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from ckptflow.models import TrafficClass
+from ckptflow.results import Verified
 from ckptflow.tasks.common import open_fleet
 from ckptflow.tasks.verify import verify_workload
 
 
 @flow(name="verify", log_prints=True)
-def verify(fleet_file: str, workloads: list[str] | None = None, node: str | None = None) -> list[dict]:
+def verify(fleet_file: str, workloads: list[str] | None = None, node: str | None = None) -> list[Verified]:
     """Restore each protected workload's newest unverified checkpoint in a sandbox beside the
     original, compare its golden answer and session state, mark it verified or verify_failed.
     ``node``: the workloads running on that node *now* (placements followed, so a workload

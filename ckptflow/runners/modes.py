@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ckptflow.modes import ModeParams, get_mode, mode_of_kind
 from ckptflow.models import Manifest, Workload
+from ckptflow.results import RestoreSummary, Skipped
 
 if TYPE_CHECKING:
     from ckptflow.runners.node import NodeRunner
@@ -42,15 +43,15 @@ class Restored:
     bytes: int                          # bytes the checkpoint holds
     downloaded_bytes: int = 0           # pulled from the shared tier
     copies: list[str] = field(default_factory=list)     # "tier:location" of each copy of it
-    skipped: list[dict] = field(default_factory=list)   # corrupt checkpoints passed over
+    skipped: list[Skipped] = field(default_factory=list)  # corrupt checkpoints passed over
     files: int = 0                      # image files (0: its bytes are chunks)
     template: Manifest | None = None    # the template it was restored over, for a mode that has one
 
-    def summary(self) -> dict[str, Any]:
-        out = {"checkpoint": self.manifest.id, "pid": self.pid, "timings": self.timings, "bytes": self.bytes,
-               "downloaded_bytes": self.downloaded_bytes, "copies": self.copies, "skipped": self.skipped,
-               "created": self.manifest.created.strftime("%Y-%m-%d %H:%M:%S UTC"), "files": self.files,
-               "sessions": len(self.manifest.probe.sessions or {})}
+    def summary(self) -> RestoreSummary:
+        out = RestoreSummary(checkpoint=self.manifest.id, pid=self.pid, timings=self.timings, bytes=self.bytes,
+                             downloaded_bytes=self.downloaded_bytes, copies=self.copies, skipped=self.skipped,
+                             created=self.manifest.created.strftime("%Y-%m-%d %H:%M:%S UTC"), files=self.files,
+                             sessions=len(self.manifest.probe.sessions or {}))
         if self.template is not None:
             out["template"] = self.template.id
         return out

@@ -34,6 +34,8 @@ from prefect.context import FlowRunContext
 from prefect.events import emit_event
 from prefect.settings import PREFECT_API_URL
 
+from ckptflow.results import CheckpointRow
+
 log = logging.getLogger("ckptflow")
 
 PREFIX = "ckptflow"
@@ -75,13 +77,13 @@ def emit(event: str, *, workload: str | None = None, node: str | None = None, fl
         log.warning("could not emit the Prefect event %s.%s for %s: %s", PREFIX, event, workload or node, e)
 
 
-def checkpoint_row(row: dict, fleet: str | None) -> None:
+def checkpoint_row(row: CheckpointRow, fleet: str | None) -> None:
     """The event of one heartbeat row (tasks.node.checkpoint_batch)."""
-    common = {"workload": row["workload"], "node": row.get("node"), "fleet": fleet, "decision": row.get("decision")}
-    if not row.get("ok"):
+    common = {"workload": row["workload"], "node": row["node"], "fleet": fleet, "decision": row["decision"]}
+    if not row["ok"]:
         emit("checkpoint.failed", **common, error=row.get("error"), error_type=row.get("error_type"))
     elif row.get("checkpoint"):
         emit("checkpoint.committed", **common, checkpoint=row["checkpoint"], bytes=row.get("bytes"),
-             pause_s=row.get("pause_s"), reason=row.get("reason"))
+             pause_s=row.get("pause_s"), reason=row["reason"])
     else:
-        emit("checkpoint.skipped", **common, reason=row.get("reason"))
+        emit("checkpoint.skipped", **common, reason=row["reason"])

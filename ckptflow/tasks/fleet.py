@@ -14,6 +14,7 @@ from ckptflow.errors import CkptflowError
 from ckptflow.fleet import FleetScope, Node, PolicyChoice
 from ckptflow.models import CheckpointKind, CheckpointState, Workload
 from ckptflow.policies.compat import stale
+from ckptflow.results import CheckpointRow, Invalidated, MoveRow
 from ckptflow.runners.fingerprint import node_fingerprint, workload_fingerprint
 from ckptflow.runners.gpu import get_backend
 from ckptflow.runners.runtime import runtime_for
@@ -31,7 +32,7 @@ def _retryable(e: Exception) -> bool:
 
 @task(name="checkpoint-nodes", cache_policy=NO_CACHE)  # a heartbeat is never a cached result: no input hashing
 def checkpoint_nodes(scope: FleetScope, batches: list[tuple[Node, list[PolicyChoice]]],
-                     force: bool = False) -> list[dict]:
+                     force: bool = False) -> list[CheckpointRow]:
     """The heartbeat of a group of nodes: each node's batch as ``tasks.node.checkpoint_batch``
     decides and checkpoints it, one node after another.
 
@@ -42,7 +43,7 @@ def checkpoint_nodes(scope: FleetScope, batches: list[tuple[Node, list[PolicyCho
     node that fails does not keep the group's later nodes from their heartbeat; the first failure
     is raised once all have run.
     """
-    out: list[dict] = []
+    out: list[CheckpointRow] = []
     failure: Exception | None = None
     for node, batch in batches:
         for attempt in (1, 2):
@@ -73,7 +74,8 @@ def report_node_fingerprint(scope: FleetScope, node: str | None) -> dict:
 
 
 @task(name="invalidate-stale-checkpoints")
-def invalidate_stale(scope: FleetScope, node: str | None, workloads: list[Workload], nodes: list[Node]) -> list[dict]:
+def invalidate_stale(scope: FleetScope, node: str | None, workloads: list[Workload],
+                     nodes: list[Node]) -> list[Invalidated]:
     """Mark every checkpoint no eligible node can restore as invalidated, with the reason: the
     copies in this node's store, and the shared tier's copies of the workloads placed on this node.
 
@@ -89,20 +91,20 @@ def invalidate_stale(scope: FleetScope, node: str | None, workloads: list[Worklo
     for n in nodes:
         if n.name in reported:
             by_class[n.gpu_class].append(n.name)
-    rows = []
+    rows: list[Invalidated] = []
     for w in workloads:
         eligible = {n: workload_fingerprint(w, reported[n]) for n in by_class[gpu_class[w.node]]}
         groups = gated[w.node]
         own = runtime_for(w).gated  # a container's runtime versions, say
         for m, why in stale(store.list(w.name), eligible, w.gpu, own, groups):
             store.set_state(m, CheckpointState.invalidated, why)
-            rows.append({"workload": w.name, "node": m.node, "checkpoint": m.id, "reason": why,
-                         "copy": store.copy_tier.value})
+            rows.append(Invalidated(workload=w.name, node=m.node, checkpoint=m.id, reason=why,
+                                    copy=store.copy_tier.value))
         if t is not None and w.node == node:
             for m, why in stale(t.manifests(w.name), eligible, w.gpu, own, groups):
                 t.set_state(m, CheckpointState.invalidated, why)
-                rows.append({"workload": w.name, "node": m.node, "checkpoint": m.id, "reason": why,
-                             "copy": t.copy_tier.value})
+                rows.append(Invalidated(workload=w.name, node=m.node, checkpoint=m.id, reason=why,
+                                        copy=t.copy_tier.value))
     for r in rows:
         events.emit("checkpoint.invalidated", workload=r["workload"], node=r["node"], fleet=scope.fleet,
                     checkpoint=r["checkpoint"], reason=r["reason"], copy=r["copy"])
@@ -125,7 +127,7 @@ def collect_template_sessions(scope: FleetScope, node: str | None) -> dict:
 
 
 @task(name="alert-invalidations")
-def alert_invalidations(scope: FleetScope, rows: list[dict], placed: dict[str, str]) -> int:
+def alert_invalidations(scope: FleetScope, rows: list[Invalidated], placed: dict[str, str]) -> int:
     """One alert per workload whose set of invalidation reasons changed. ``placed``: each
     workload's node now."""
     a = alerter(scope)
@@ -170,7 +172,7 @@ def record_placement(scope: FleetScope, workload: str, node: str, checkpoint: st
 
 
 @task(name="mark-node-drained")
-def mark_drained(scope: FleetScope, node: str, rows: list[dict]) -> str:
+def mark_drained(scope: FleetScope, node: str, rows: list[MoveRow]) -> str:
     """Record on the node's own store that ``node`` was drained, and what went where."""
-    events.emit("node.drained", node=node, fleet=scope.fleet, moved=[r.get("workload") for r in rows])
+    events.emit("node.drained", node=node, fleet=scope.fleet, moved=[r["workload"] for r in rows])
     return str(open_store(scope.storage, node).mark_drained(node, {"flow_run": str(flow_run.get_id()), "rows": rows}))

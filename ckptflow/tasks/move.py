@@ -18,6 +18,7 @@ from prefect import get_run_logger, task
 from ckptflow.errors import ConfigError, RestoreFailed, WorkloadNotFound
 from ckptflow.fleet import FleetScope
 from ckptflow.models import CheckpointKind, Workload
+from ckptflow.results import MigratedIn, MigratedOut, ReplicaStarted, ReplicasStopped, RestoredLocal, Stopped, Template
 from ckptflow.runners import process
 from ckptflow.store import has_shared_tier
 from ckptflow.tasks.common import node_runner, node_slot
@@ -45,7 +46,7 @@ def _tier(scope: FleetScope):
 
 
 @task(name="migrate-out")
-def migrate_out(scope: FleetScope, w: Workload, publish: Callable[[str], None] | None = None) -> dict:
+def migrate_out(scope: FleetScope, w: Workload, publish: Callable[[str], None] | None = None) -> MigratedOut:
     """Checkpoint ``w`` on the node it runs on (the worker exits) and push it to the shared tier.
 
     ``publish``: told the checkpoint's id as soon as the tier holds all of it, inside this task
@@ -68,12 +69,12 @@ def migrate_out(scope: FleetScope, w: Workload, publish: Callable[[str], None] |
         except Exception as e:
             get_run_logger().warning("could not publish checkpoint %s to the target (%s); it reads it from "
                                      "this step's result", m.id, e)
-    return {"checkpoint": m.id, "bytes": m.bytes, "timings": m.timings, "at": at, **pushed}
+    return MigratedOut(checkpoint=m.id, bytes=m.bytes, timings=m.timings, at=at, **pushed)
 
 
 @task(name="migrate-in")
 def migrate_in(scope: FleetScope, w: Workload, checkpoint: str | None,
-               checkpoint_from: Callable[[], str] | None = None, ready: Callable[[], None] | None = None) -> dict:
+               checkpoint_from: Callable[[], str] | None = None, ready: Callable[[], None] | None = None) -> MigratedIn:
     """Pull ``checkpoint`` into the store of ``w.node`` (the target) and restore it there.
 
     In a paired move (flows.steps.move) this task starts before the source checkpoints: it
@@ -97,19 +98,19 @@ def migrate_in(scope: FleetScope, w: Workload, checkpoint: str | None,
             m, pulled = pull.result()
             res = runner.restore(w, manifest=m, fallback=False)
             at["restored"] = time.time()  # healthy: before the slot's release
-    return {"checkpoint": m.id, "pid": res.pid, "timings": res.timings, "at": at, **pulled}
+    return MigratedIn(checkpoint=m.id, pid=res.pid, timings=res.timings, at=at, **pulled)
 
 
 @task(name="restore-local")
-def restore_local(scope: FleetScope, w: Workload, node: str, checkpoint: str) -> dict:
+def restore_local(scope: FleetScope, w: Workload, node: str, checkpoint: str) -> RestoredLocal:
     """Restore ``checkpoint`` of ``w`` from the store of ``node`` (the fallback after a failed move)."""
     with node_runner(scope, node) as runner, node_slot(node):
         res = runner.restore(w, manifest=runner.store.get(w.name, checkpoint), fallback=False)
-    return {"checkpoint": checkpoint, "pid": res.pid, "timings": res.timings}
+    return RestoredLocal(checkpoint=checkpoint, pid=res.pid, timings=res.timings)
 
 
 @task(name="stop-workload")
-def stop_workload(w: Workload, grace_s: float = 30) -> dict:
+def stop_workload(w: Workload, grace_s: float = 30) -> Stopped:
     """Stop a declared worker through its runtime (runners/runtime): SIGTERM a process and wait
     for it to exit (SIGKILL after ``grace_s``), ``podman stop`` a container, delete a pod."""
     from ckptflow.runners.runtime import runtime_for
@@ -118,18 +119,18 @@ def stop_workload(w: Workload, grace_s: float = 30) -> dict:
 
 
 @task(name="take-template")
-def take_template(scope: FleetScope, w: Workload) -> dict:
+def take_template(scope: FleetScope, w: Workload) -> Template:
     """The initialised checkpoint: taken once the worker is ready, before it takes traffic;
     replicas start from it with warm weights and graphs (scale_up)."""
     with node_runner(scope, w.node) as runner:
         with node_slot(w.node):
             m = runner.checkpoint(w, leave_running=True, kind=CheckpointKind.scale_template)
         pushed = _tier(scope).push(runner.store, m)
-    return {"checkpoint": m.id, "bytes": m.bytes, **pushed}
+    return Template(checkpoint=m.id, bytes=m.bytes, **pushed)
 
 
 @task(name="scale-up-in")
-def scale_up_in(scope: FleetScope, w: Workload, checkpoint: str) -> dict:
+def scale_up_in(scope: FleetScope, w: Workload, checkpoint: str) -> ReplicaStarted:
     """Start a replica from the template in its own PID and network namespace on ``w.node``
     (this node)."""
     from ckptflow.runners.engine import golden_digest
@@ -154,14 +155,14 @@ def scale_up_in(scope: FleetScope, w: Workload, checkpoint: str) -> dict:
     runner.store.put_replica(workload, {"netns": ns, "pid": copy.pid, "init_pid": copy.init_pid,
                                         "init_start": process.start_time(copy.init_pid),
                                         "checkpoint": m.id, "started": time.time()})
-    return {"checkpoint": m.id, "pid": copy.pid, "init_pid": copy.init_pid, "netns": ns,
-            "start_s": round(time.perf_counter() - t0, 3), "downloaded_bytes": pulled["downloaded_bytes"],
-            "sessions": got.get("sessions"),
-            "golden": golden_digest(got["golden_answer"], w.golden.field) if w.golden else None}
+    return ReplicaStarted(checkpoint=m.id, pid=copy.pid, init_pid=copy.init_pid, netns=ns,
+                          start_s=round(time.perf_counter() - t0, 3), downloaded_bytes=pulled["downloaded_bytes"],
+                          sessions=got.get("sessions"),
+                          golden=golden_digest(got["golden_answer"], w.golden.field) if w.golden else None)
 
 
 @task(name="scale-down-in")
-def scale_down_in(scope: FleetScope, workload: str, node: str, replica: str | None = None) -> dict:
+def scale_down_in(scope: FleetScope, workload: str, node: str, replica: str | None = None) -> ReplicasStopped:
     """Stop one replica (by its network namespace name) or every replica of ``workload`` that
     scale_up started on this node: kill its PID namespace's init, delete its namespace."""
     from ckptflow.runners.criu import SandboxCopy
@@ -180,4 +181,4 @@ def scale_down_in(scope: FleetScope, workload: str, node: str, replica: str | No
             SandboxCopy(pid=r["pid"], init_pid=r["init_pid"], netns=r["netns"]).stop()
         del_netns(r["netns"])
         store.drop_replica(workload, r["netns"])
-    return {"stopped": [r["netns"] for r in chosen], "node": node}
+    return ReplicasStopped(stopped=[r["netns"] for r in chosen], node=node)

@@ -15,6 +15,7 @@ from ckptflow.models import Action, Workload
 from ckptflow.policies.cadence import decide, forced
 from ckptflow.policies.sessions import export_context
 from ckptflow.report import checkpoint_bytes
+from ckptflow.results import CheckpointRow, Pushed, WorkloadRestored
 from ckptflow.runners.facts import collect_facts, node_mtbf_s
 from ckptflow.runners.modes import manifest_runner, mode_runner
 from ckptflow.tasks import events
@@ -23,7 +24,8 @@ from ckptflow.tasks.common import run_logger as get_run_logger  # tolerant: also
 from ckptflow.tasks.common import tier as fleet_tier
 
 
-def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], force: bool = False) -> list[dict]:
+def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice],
+                     force: bool = False) -> list[CheckpointRow]:
     """Decide per workload of ``node`` with the policy its fleet rule chose, and checkpoint
     (leave running) those due.
 
@@ -47,7 +49,7 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
             w, name = choice.workload, choice.workload.name
             facts = collect_facts(w, runner.store, mtbf_s=mtbf_s, maintenance=maintenance, gpu=runner.gpu)
             d = decide(facts, choice.policy, choice.params)
-            row = {"workload": name, "node": node.name, "decision": d.action.value, "reason": d.reason}
+            row = dict(workload=name, node=node.name, decision=d.action.value, reason=d.reason)
             if facts.gone:
                 # No log line of its own: the row carries the reason and the flow fails with it (the
                 # CLI's error line, the run's final state), the alert takes it to Slack; each more
@@ -59,8 +61,8 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
                 newest = next(runner.store.valid(name), None)
                 alerts.send(AlertKind.worker_gone, workload=name, key=facts.gone, node=node.name, reason=facts.gone,
                             checkpoint=newest.id if newest else None, flow_run_id=flow_run.get_id())
-                out.append({**row, "ok": False, "checkpoint": None, "error": facts.gone,
-                            "error_type": "WorkloadNotFound", "gone": True})
+                out.append(CheckpointRow(**row, ok=False, checkpoint=None, error=facts.gone,
+                                         error_type=WorkloadNotFound.__name__, gone=True))
                 continue
             if facts.template_sessions:  # the turn-end export weighs sessions in it until the next tick
                 runner.store.put_export_context(name, export_context(facts, d).model_dump_json())
@@ -69,7 +71,7 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
                                flow_run_id=flow_run.get_id())
             if not (force or (d.due and d.action in (Action.protect, Action.checkpoint_now))):
                 log.info("%s: %s (%s)", name, d.action.value, d.reason)
-                out.append({**row, "ok": True, "checkpoint": None})
+                out.append(CheckpointRow(**row, ok=True, checkpoint=None))
                 continue
             if force:  # the row says what was done; the policy's view stays in the reason
                 row["decision"] = "forced"
@@ -82,8 +84,8 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
                 log.error("checkpoint of %s failed: %s", name, e)
                 # gone: the worker vanished between its facts and the dump; the flow decides on this
                 # flag (its recover-if-gone rule), not on the exception's name.
-                out.append({**row, "ok": False, "error": str(e).splitlines()[0], "error_type": type(e).__name__,
-                            "gone": isinstance(e, WorkloadNotFound)})
+                out.append(CheckpointRow(**row, ok=False, error=str(e).splitlines()[0], error_type=type(e).__name__,
+                                         gone=isinstance(e, WorkloadNotFound)))
                 continue
             size = checkpoint_bytes(m)  # a session checkpoint's bytes are in the chunks it names
             log.info("checkpoint %s (%s) of %s: %.1f MiB%s, pause %.2f s", m.id, m.kind, name, size / 2**20,
@@ -97,22 +99,22 @@ def checkpoint_batch(scope: FleetScope, node: Node, batch: list[PolicyChoice], f
                 if tmpl is not None and tmpl.created >= began:
                     log.info("  with a new template %s of %s: %.1f MiB", tmpl.id, tmpl.workload,
                              checkpoint_bytes(tmpl) / 2**20)
-            pushed = {}
+            pushed: Pushed | dict[str, str] = {}
             if tier is not None:
                 try:  # a session checkpoint goes up with its template (once) and the chunks it names
                     pushed = manifest_runner(runner, w, m).push(m, tier)
                 except CkptflowError as e:  # the local copy stands; the next heartbeat pushes again
                     log.error("upload of %s to the shared tier failed: %s", m.id, e)
                     pushed = {"upload_error": str(e).splitlines()[0]}
-            out.append({**row, "ok": True, "checkpoint": m.id, "bytes": size, **pushed,
-                        **{f"{k}_s": v for k, v in m.timings.items()}})
+            out.append(CheckpointRow(**row, ok=True, checkpoint=m.id, bytes=size, **pushed,
+                                     **{f"{k}_s": v for k, v in m.timings.items()}))
     for row in out:
         events.checkpoint_row(row, scope.fleet)
     return out
 
 
 @task(name="restore-workload", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_if_retryable)
-def restore_workload(scope: FleetScope, w: Workload) -> dict:
+def restore_workload(scope: FleetScope, w: Workload) -> WorkloadRestored:
     """Restore a lost workload on ``w.node`` (the flow placed it: ``tasks.common.placed``) from
     its newest valid checkpoint, read from the nearest copy: this node's store, else the shared
     tier (older ones if corrupt)."""

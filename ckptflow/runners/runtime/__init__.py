@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, TypeVar
 
 from ckptflow.errors import ConfigError, CriuError, RunnerUnavailable, UnsupportedWorkload
 from ckptflow.models import Fingerprint, Manifest, ManifestProbe, Workload
+from ckptflow.results import Stopped
 from ckptflow.registry import WORKLOAD_RUNTIMES
 from ckptflow.runners.coldstart import run_start_command
 from ckptflow.runners.fingerprint import workload_fingerprint
@@ -98,7 +99,7 @@ class WorkloadRuntime(ABC):
         """
 
     @abstractmethod
-    def stop(self, w: Workload, grace_s: float = 30) -> dict:
+    def stop(self, w: Workload, grace_s: float = 30) -> Stopped:
         """Stop the worker (TERM, KILL after ``grace_s``); ``{"stopped": False, ...}`` when it does not run."""
 
     def clear_leftovers(self, w: Workload) -> list[str]:

@@ -21,6 +21,7 @@ from typing import Callable
 from ckptflow.container_models import PortMap
 from ckptflow.errors import RestoreFailed, WorkloadNotFound
 from ckptflow.models import ContainerRecord, Manifest, VerifyOutcome, Workload
+from ckptflow.results import Stopped
 from ckptflow.runners import pod
 from ckptflow.runners.container import IMAGE_FILE, container_spec
 from ckptflow.runners.digests import VerifyResult
@@ -38,7 +39,7 @@ class PodRuntime(PodmanRuntime):
     def resolve(self, w: Workload) -> DeclaredProcess:
         return pod.resolve_pod(w)
 
-    def stop(self, w: Workload, grace_s: float = 30) -> dict:
+    def stop(self, w: Workload, grace_s: float = 30) -> Stopped:
         """Delete the pod (never a signal: its PIDs are unknown here)."""
         try:
             pod.resolve_pod(w)

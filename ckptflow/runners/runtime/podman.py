@@ -43,6 +43,7 @@ import psutil
 from ckptflow.container_models import PortMap
 from ckptflow.errors import CkptflowError, RestoreFailed, WorkloadNotFound, WorkloadRunning
 from ckptflow.models import ContainerRecord, Fingerprint, Manifest, ManifestProbe, VerifyOutcome, Workload
+from ckptflow.results import Stopped
 from ckptflow.runners import engine
 from ckptflow.runners.container import (IMAGE_FILE, MEMORY_MARGIN, SPEC_FILE, ContainerState, Podman,
                                         container_fingerprint, container_spec, free_port, not_found, port_taken,
@@ -94,7 +95,7 @@ class PodmanRuntime(WorkloadRuntime):
             raise WorkloadNotFound(f"workload {w.name}: container {spec.name!r} exited while being resolved")
         return DeclaredProcess(workload=w.name, pid=c.pid, start_time=st, cmdline=f"container {c.name} ({c.id[:12]})")
 
-    def stop(self, w: Workload, grace_s: float = 30) -> dict:
+    def stop(self, w: Workload, grace_s: float = 30) -> Stopped:
         """``podman stop`` (SIGTERM, SIGKILL after ``grace_s``); never a signal to a host PID."""
         spec = container_spec(w)
         try:

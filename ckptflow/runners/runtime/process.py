@@ -20,6 +20,7 @@ from typing import Callable
 
 from ckptflow.errors import CriuError, WorkloadNotFound
 from ckptflow.models import Manifest, Workload
+from ckptflow.results import Stopped
 from ckptflow.poll import PollTimeout, poll
 from ckptflow.runners import devshm, engine, process
 from ckptflow.runners.digests import VerifyResult
@@ -39,7 +40,7 @@ class ProcessRuntime(WorkloadRuntime):
     def resolve(self, w: Workload) -> DeclaredProcess:
         return process.resolve(w)
 
-    def stop(self, w: Workload, grace_s: float = 30) -> dict:
+    def stop(self, w: Workload, grace_s: float = 30) -> Stopped:
         """SIGTERM the declared worker and wait for it to exit (SIGKILL after ``grace_s``)."""
         try:
             proc = process.resolve(w)
