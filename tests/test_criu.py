@@ -302,6 +302,40 @@ def test_sandbox_copy_beside_the_running_original(tmp_path, criu, demo_worker):
         subprocess.run(["ip", "netns", "del", ns])
 
 
+def test_sandbox_copy_of_a_tree_holding_tcp_between_its_processes(tmp_path, criu):
+    """A tree whose processes talk over loopback TCP (a TP vLLM's ranks, a GPU vLLM's TCPStore),
+    dumped with tcp_established, is copied beside the original (verify, standby, replica): the
+    copy's restore gets --tcp-established too (without it CRIU refuses the image: 'Connected TCP
+    socket in image'), and the copy's inner connection carries on from the count at the dump."""
+    import urllib.request
+
+    port, pid_file = free_port(), tmp_path / "t.pid"
+    p = _spawn([HELPERS / "tcp_pair.py", port, pid_file], pid_file)
+    w = Workload(name="pair", node="n", tcp_established=True,
+                 find=ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="tcp_pair.py"))
+    ns = f"ckp{os.getpid() % 100000}"
+    try:
+        count = lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=20).read()
+        assert count() == b"1\n" and count() == b"2\n"
+        criu.dump(w, tmp_path / "img", leave_running=True)
+        assert count() == b"3\n"                              # the original carries on
+        subprocess.run(["ip", "netns", "add", ns], check=True)
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        copy = criu.restore_beside(tmp_path / "img", netns=ns, tcp_established=w.tcp_established)
+        try:
+            out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c",
+                                  f"import urllib.request;print(urllib.request.urlopen("
+                                  f"'http://127.0.0.1:{port}/', timeout=20).read().decode())"],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.stdout.strip() == "3", out.stderr            # the dump's state: 2 counted, then one more
+        finally:
+            copy.stop()
+        assert count() == b"4\n" and p.poll() is None              # the original untouched by its copy
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        kill_pid_file(pid_file, "tcp_pair.py")
+
+
 def test_restore_resumes_every_process_of_the_tree(tmp_path, store):
     # Found on the H200 with a TP=2 worker: CRIU's --leave-stopped stops the whole tree; a child
     # left stopped (another rank) hung the restore. Every restored process must run again.

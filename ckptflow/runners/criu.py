@@ -412,15 +412,23 @@ class CriuRunner:
         beside = Path(shutil.which(self.criu_bin) or self.criu_bin).parent / "ss"
         return shutil.which("ss") or (str(beside) if beside.exists() else None)
 
-    def restore_beside(self, images_dir: Path, *, netns: str | None = None,
+    def restore_beside(self, images_dir: Path, *, netns: str | None = None, tcp_established: bool = False,
                        timeout_s: float | None = None) -> SandboxCopy:
         """Restore a copy in a fresh PID namespace (criu-ns), beside the running original.
 
         ``netns`` names a network namespace (``ip netns add``) so the copy's ports do not clash.
+        ``tcp_established``: the image was dumped with its established connections (the
+        workload's flag), which CRIU restores only when told so again.
         """
         log = self.log_dir / f"sandbox-{time.time_ns()}.log"
         pidfile = self.log_dir / f"sandbox-{time.time_ns()}.pid"
         args = ["restore", "-d", "--pidfile", str(pidfile), *self._common(images_dir, log, False)]
+        if tcp_established:
+            # Without it CRIU refuses the image ("Connected TCP socket in image"): every verify or
+            # standby of a TP vLLM (gloo's mesh) or a GPU vLLM (torch's TCPStore) failed so. In
+            # the copy's own network namespace nothing else talks, so nothing needs locking there;
+            # without one, the host's lock would hold the original's traffic.
+            args += ["--tcp-established", "--network-lock", "skip" if netns else self.network_lock]
         if netns:
             args += ["--join-ns", f"net:/var/run/netns/{netns}"]
         if image_isolated(images_dir):

@@ -308,7 +308,7 @@ class NodeRunner:
             self.gate_gpu_memory(w, m)
         images = self.store.images_dir(m)
         t0 = time.perf_counter()
-        copy = self.criu.restore_beside(images, netns=netns)
+        copy = self.criu.restore_beside(images, netns=netns, tcp_established=w.tcp_established)
         t["restore"] = round(time.perf_counter() - t0, 4)
         if device:
             t0 = time.perf_counter()

@@ -146,7 +146,8 @@ def scale_up_in(scope: FleetScope, w: Workload, checkpoint: str) -> ReplicaStart
         runner.gate(w, m)
         runner.store.verify_bytes(m)
         ns = new_netns(f"ckr-{workload[:6]}")
-        copy = runner.criu.restore_beside(runner.store.images_dir(m), netns=ns)
+        copy = runner.criu.restore_beside(runner.store.images_dir(m), netns=ns,
+                                           tcp_established=w.tcp_established)
     got = probe_in_netns(ns, w)
     if "error" in got:
         copy.stop()
