@@ -16,12 +16,27 @@ Rows:
      then CUDA checkpoint + CRIU dump; restore = CRIU restore + CUDA restore (NodeRunner), then
      ``/wake_up?tags=weights``, ``/collective_rpc reload_weights``, ``/wake_up?tags=kv_cache``,
      the session's blocks imported; next 32 tokens equal. Target: restore-to-ready <= 0.1 x (a).
+  p  two tiers driven by TemplateSessionsRunner through the protocol vLLM serves (its middleware,
+     ckptflow's connector and worker extension): heartbeat, SIGKILL, the node's KV files removed,
+     recover; next 32 tokens equal, the session's tokens external prefix-cache hits.
+  s  standby failover (issue #31 item 6): the engine started isolated (its own PID and mount
+     namespaces); its template restored beside it by TemplateSessionsRunner.standby and parked
+     (asleep: ~1.3 GiB of CUDA context and graphs on the GPU, no weights, no KV); the session grows,
+     a heartbeat; SIGKILL; ``promote``. Targets: kill -> ready <= 1.5 s, the next turn's first token
+     <= 0.5 s with the session from the store (external prefix hits), next 32 tokens equal.
+  t  a turn-end export's cost to a decoding client (issue #31 item 6): a batch-1 client streams
+     tokens (its own process) while ``TurnWatch.poll`` (``ckptflow turns``) exports other
+     sessions at their turn ends; the client's inter-token gaps during the exports against those
+     outside. Target: <= 5 ms more.
+  a_warm  row a's engine started again with the compile caches kept (after row a, or whatever the
+     rows before left in work/cache-a).
 
 Row c's session tier: ckptflow's CkptflowConnector through bench/vllm_kv_bench.py (two fixes it
 needed on the H200), then vLLM's ExampleConnector if that fails (``--connector`` picks one).
 
 Usage on the GPU node (root; vLLM, its deps and CRIU carried by scripts/carry-vllm.sh):
     eval "$(scripts/carry-vllm.sh env)"; python3 bench/vllm_gpu.py --rows a,b,c
+    python3 bench/vllm_gpu.py --rows s,t,a_warm   # standby, turn-end export cost, warm-cache start
     python3 bench/vllm_gpu.py --rows c            # merges into the rows of this machine ($HOME state)
     python3 bench/vllm_gpu.py --rows c --resume-from bench/results/vllm_gpu.json   # on a fresh machine
 Here, after fetching the device's $OUT/vllm_gpu.json:  python3 bench/vllm_gpu.py --append-results FETCHED.json
@@ -174,6 +189,114 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
+def stream(url: str, prompt: list[int], max_tokens: int, timeout: float = 300) -> tuple[list[int], list[float], bool]:
+    """A streamed greedy completion: its token ids, the time (``time.monotonic``: one clock for every
+    process of the node) each event that carried tokens arrived, and whether the events carried their
+    token ids (without them each event counts as one token and the ids are [])."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": True}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    ids: list[int] = []
+    times: list[float] = []
+    with_ids = True
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for line in r:
+            now = time.monotonic()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            choices = json.loads(data).get("choices") or []
+            if not choices:
+                continue
+            if "token_ids" in choices[0] and choices[0]["token_ids"] is not None:
+                if not choices[0]["token_ids"]:
+                    continue
+                ids += choices[0]["token_ids"]
+            else:
+                with_ids = False
+            times.append(now)
+    return (ids if with_ids else []), times, with_ids
+
+
+def in_netns(netns: str, fn, *args):
+    """``fn(*args)`` in a thread that entered network namespace ``netns`` (a socket belongs to the
+    namespace of the thread that opens it): a standby copy answers on its source's address there."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            fd = os.open(f"/var/run/netns/{netns}", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if hasattr(os, "setns"):   # Python >= 3.12
+                    os.setns(fd, 0x40000000)   # CLONE_NEWNET
+                else:
+                    import ctypes
+
+                    if ctypes.CDLL(None, use_errno=True).setns(fd, 0x40000000) != 0:
+                        raise OSError(ctypes.get_errno(), f"setns into {netns}")
+            finally:
+                os.close(fd)
+            box["ok"] = fn(*args)
+        except BaseException as e:  # raised again here, in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name=f"in-{netns}", daemon=True)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["ok"]
+
+
+def stream_client(url: str, out: Path, tokens: int = 512) -> None:
+    """Row t's decoding client, a process of its own (the runner's export in the bench process takes
+    no GIL from it): batch-1 streamed requests of one short prompt until ``out``.stop exists; each
+    request's token ids and event times into ``out``; ``out``.started once the first one ended."""
+    stop, started = out.with_name(out.name + ".stop"), out.with_name(out.name + ".started")
+    reqs: list[dict] = []
+    try:
+        while not stop.exists():
+            ids, times, with_ids = stream(url, FIRST_PROMPT, tokens)
+            reqs.append({"ids": ids, "times": times, "with_ids": with_ids})
+            started.touch()
+        out.write_text(json.dumps({"requests": reqs}))
+    except Exception as e:
+        out.write_text(json.dumps({"requests": reqs, "error": f"{type(e).__name__}: {e}"}))
+
+
+def gap_stats(requests: list[dict], spans: list[tuple[float, float]], since: float, until: float) -> dict:
+    """Row t: the decoding client's gaps between token events (ms) from ``since`` to ``until``, those
+    that overlap an export span and the others, and what the exports added."""
+    inside: list[float] = []
+    outside: list[float] = []
+    for r in requests:
+        t = r["times"]
+        for t0, t1 in zip(t, t[1:]):
+            if since <= t0 and t1 <= until:
+                (inside if any(t0 < e1 and t1 > e0 for e0, e1 in spans) else outside).append(1000 * (t1 - t0))
+
+    def stats(xs: list[float]) -> dict:
+        xs = sorted(xs)
+        if not xs:
+            return {"n": 0}
+        return {"n": len(xs), "p50_ms": round(xs[len(xs) // 2], 3), "mean_ms": round(sum(xs) / len(xs), 3),
+                "p99_ms": round(xs[min(len(xs) - 1, int(0.99 * len(xs)))], 3), "max_ms": round(xs[-1], 3)}
+
+    base, during = stats(outside), stats(inside)
+    out = {"gaps_outside_exports": base, "gaps_during_exports": during}
+    if base["n"] and during["n"]:
+        out["gap_increase_ms"] = round(during["mean_ms"] - base["mean_ms"], 3)        # the decode slowed by
+        out["max_gap_increase_ms"] = round(during["max_ms"] - base["p50_ms"], 3)      # the longest stall
+        out["base_max_gap_increase_ms"] = round(base["max_ms"] - base["p50_ms"], 3)   # the same without exports
+        out["p99_gap_increase_ms"] = round(during["p99_ms"] - base["p99_ms"], 3)
+        out["lost_ms_per_export"] = round(sum(g - base["p50_ms"] for g in inside) / max(1, len(spans)), 2)
+        out["target_met"] = out["max_gap_increase_ms"] <= 5
+    return out
+
+
 def wait_health(url: str, timeout: float, proc: subprocess.Popen | None = None) -> float:
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
@@ -258,8 +381,11 @@ def phases(w: LogWatch) -> dict:
 # --- starting and stopping vLLM ------------------------------------------------------------------
 class Engine:
     def __init__(self, name: str, run: Path, model: Path, port: int, gpu_util: float, cache_root: Path,
-                 extra: list[str] = (), env: dict | None = None):
-        self.name, self.run, self.port = name, run, port
+                 extra: list[str] = (), env: dict | None = None, isolated: bool = False):
+        """``isolated``: started as ``ckptflow run-isolated`` starts a worker (PID 1 of its own PID and
+        mount namespaces, runners/isolate.py), whose template the CUDA driver restores as a copy
+        beside it (row s's standby)."""
+        self.name, self.run, self.port, self.isolated = name, run, port, isolated
         self.url = f"http://127.0.0.1:{port}"
         self.pid_file, self.log_file = run / f"{name}.pid", run / f"{name}.log"
         self.args = [sys.executable, "-m", CMDLINE, "--model", str(model), "--served-model-name", "m",
@@ -279,8 +405,14 @@ class Engine:
         t0 = time.perf_counter()
         self.watch = LogWatch(self.log_file, t0)
         self.watch.start()
-        self.proc = subprocess.Popen(start_command(self.args, self.env, self.pid_file, self.log_file),
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        if self.isolated:
+            from ckptflow.runners.isolate import isolated_argv
+
+            cmd = isolated_argv(["env", *(f"{k}={v}" for k, v in sorted(self.env.items())), *self.args],
+                                self.pid_file, self.log_file)
+        else:
+            cmd = start_command(self.args, self.env, self.pid_file, self.log_file)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True, close_fds=True)
         p = self.proc
         threading.Thread(target=p.wait, daemon=True).start()  # reap it when CRIU's dump ends it
@@ -314,6 +446,20 @@ class Engine:
         time.sleep(2.5)  # init reaps orphans late on these VMs (notes/criu.md)
         if self.watch:
             self.watch.stop = True
+
+
+FIRST_PROMPT = [128000, 9906, 1917, 0, 1]   # the one-token request that says an engine serves
+
+
+def serve(eng: Engine, a) -> dict:
+    """Start ``eng``; wait for /health and its first token. Seconds to each from the start, the
+    token, and vLLM's own phases from its log."""
+    t0 = eng.start()
+    wait_health(eng.url, a.start_timeout, eng.proc)
+    health = round(time.perf_counter() - t0, 2)
+    first = complete(eng.url, FIRST_PROMPT, 1)
+    return {"health_s": health, "first_token_s": round(time.perf_counter() - t0, 2), "first_token_id": first,
+            "phases": phases(eng.watch)}
 
 
 def start_command(args: list[str], env: dict[str, str], pid_file: Path, log_file: Path) -> list[str]:
@@ -431,6 +577,14 @@ def prompts(seed: int = 7) -> tuple[list[int], list[int]]:
 
 
 # --- rows ------------------------------------------------------------------------------------------
+def cold_start(eng: Engine, a, row: dict) -> None:
+    """Row a's figures of one start of ``eng`` (``serve``) into ``row``."""
+    st = serve(eng, a)
+    row.update(health_s=st["health_s"], cold_start_s=st["first_token_s"], first_token_id=st["first_token_id"],
+               **st["phases"])
+    row["gpu_used_gib"] = gpu_used_gib()
+
+
 def row_ab(a, model: dict, work: Path, res: dict) -> None:
     cache = work / "cache-a"
     shutil.rmtree(cache, ignore_errors=True)  # cold: no compiled graphs, kernels or autotune results
@@ -438,15 +592,8 @@ def row_ab(a, model: dict, work: Path, res: dict) -> None:
     ra: dict = {"row": "a", "what": "cold start to first token (empty vLLM/inductor/triton caches; weights in page cache)",
                 "gpu_memory_utilization": a.gpu_util}
     res["rows"]["a"] = ra
-    t0 = eng.start()
     try:
-        wait_health(eng.url, a.start_timeout, eng.proc)
-        ra["health_s"] = round(time.perf_counter() - t0, 2)
-        first = complete(eng.url, [128000, 9906, 1917, 0, 1], 1)
-        ra["cold_start_s"] = round(time.perf_counter() - t0, 2)
-        ra["first_token_id"] = first
-        ra.update(phases(eng.watch))
-        ra["gpu_used_gib"] = gpu_used_gib()
+        cold_start(eng, a, ra)
         ra["next_tokens_equal"] = None
         ra["next_tokens_equal_note"] = "no restore in this row"
         log("row a", json.dumps(ra))
@@ -535,6 +682,13 @@ def row_ab(a, model: dict, work: Path, res: dict) -> None:
         shutil.rmtree(a.store / "store-b", ignore_errors=True)
 
 
+def started(eng: Engine, a, row: dict) -> None:
+    """A two-tier row's engine started (``serve``): its start-to-first-token and phases into ``row``."""
+    st = serve(eng, a)
+    row["start_to_first_token_s"] = st["first_token_s"]
+    row["start_phases"] = st["phases"]
+
+
 def connector_config(kind: str, chunk_dir: Path) -> dict:
     if kind in ("ckptflow", "ckptflow-bench"):
         from ckptflow.engines.vllm import kv_transfer_config
@@ -577,11 +731,7 @@ def attempt_c(a, model: dict, work: Path, res: dict, rc: dict, kind: str) -> boo
         eng = Engine("e2", work, Path(model["path"]), a.port + 1, a.gpu_util, cache,
                      ["--enable-sleep-mode", "--kv-transfer-config", json.dumps(cfg)],
                      env={"PYTHONPATH": os.environ.get("PYTHONPATH", "") + ":" + str(Path(__file__).parent)})
-        t0 = eng.start()
-        wait_health(eng.url, a.start_timeout, eng.proc)
-        complete(eng.url, [128000, 9906, 1917, 0, 1], 1)
-        rc["start_to_first_token_s"] = round(time.perf_counter() - t0, 2)
-        rc["start_phases"] = phases(eng.watch)
+        started(eng, a, rc)
         if kind == "example":
             rc["session_tier_note"] = ("ckptflow's connector failed (connector_failures): vLLM's ExampleConnector "
                                        "(per-prompt safetensors under shared_storage_path) served as the session tier")
@@ -668,14 +818,7 @@ def attempt_c(a, model: dict, work: Path, res: dict, rc: dict, kind: str) -> boo
         after = complete(eng.url, nxt, TURN_TOKENS)
         rc["next_turn_after_restore_s"] = round(time.perf_counter() - t2, 3)
         rc["restore_to_first_token_s"] = round(time.perf_counter() - t1, 2)
-        m1 = metrics(eng.url)
-        for k in ("vllm:external_prefix_cache_hits_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total"):
-            rc[k.split(":")[1].replace("_total", "") + "_next_turn"] = m1.get(k, 0) - m0.get(k, 0)
-        rc["prompt_tokens_next_turn"] = len(nxt)
-        rc["next_tokens"] = ref
-        rc["next_tokens_equal"] = after == ref
-        if after != ref:
-            rc["next_tokens_after"] = after
+        compare_next_turn(rc, m0, metrics(eng.url), nxt, ref, after, HITS + ("vllm:prompt_tokens_total",))
         cold = res["rows"].get("a", {}).get("cold_start_s")
         if cold:
             rc["cold_start_a_s"] = cold
@@ -683,12 +826,8 @@ def attempt_c(a, model: dict, work: Path, res: dict, rc: dict, kind: str) -> boo
             rc["target_met"] = rc["restore_to_ready_s"] <= 0.1 * cold
         log("row c", json.dumps({k: v for k, v in rc.items() if k not in ("next_tokens", "connector_failures")}))
         return True
-    except Exception as e:
-        rc["error"] = f"{type(e).__name__}: {e}"
-        rc["traceback"] = traceback.format_exc()[-3000:]
-        rc["log_tail"] = _errors(eng) if eng else ""
-        rc.setdefault("next_tokens_equal", None)
-        log(f"row c ({kind}) failed", rc["traceback"], rc["log_tail"][-2500:])
+    except Exception:
+        failed(rc, eng)
         return False
     finally:
         if eng is not None:
@@ -699,11 +838,76 @@ def attempt_c(a, model: dict, work: Path, res: dict, rc: dict, kind: str) -> boo
             node.close()
 
 
+def protocol_engine(a, model: dict, work: Path, name: str, port: int, chunk_dir: Path,
+                    isolated: bool = False) -> Engine:
+    """A vLLM that serves ckptflow's engine protocol (sleep mode, ckptflow's KV connector over an
+    emptied ``chunk_dir``, the middleware and the worker extension), not started yet."""
+    from ckptflow.engines.vllm import protocol_args
+
+    shutil.rmtree(chunk_dir, ignore_errors=True)
+    chunk_dir.mkdir(mode=0o700, parents=True)
+    repo = Path(__file__).resolve().parents[1]
+    return Engine(name, work, Path(model["path"]), port, a.gpu_util, work / "cache-a",
+                  ["--enable-sleep-mode", *protocol_args(chunk_dir)],
+                  env={"PYTHONPATH": os.environ.get("PYTHONPATH", "") + ":" + str(repo)}, isolated=isolated)
+
+
+def long_session(url: str) -> tuple[str, list[int], list[int], list[int]]:
+    """The long session's first turn (the connector lists it as ``s-long``); the next turn's prompt;
+    the engine's answer to it (``ref``) and that answer again (``ref_cached``)."""
+    session, user = prompts()
+    sid = "s-long"
+    turn = complete(url, session, TURN_TOKENS, session=sid)
+    nxt = session + turn + user
+    ref = complete(url, nxt, TURN_TOKENS)
+    # The connector now holds the next turn's own prompt blocks too; an answer computed from
+    # them is this one (bf16: cached and recomputed KV give other tokens on the H200).
+    ref_cached = complete(url, nxt, TURN_TOKENS)
+    return sid, nxt, ref, ref_cached
+
+
+def capture_template(tt, w, row: dict, sid: str):
+    """The first two-tier heartbeat of ``w`` (it captures the template); its figures into ``row``."""
+    t1 = time.perf_counter()
+    m = tt.heartbeat(w)
+    row["heartbeat_with_capture_s"] = round(time.perf_counter() - t1, 2)
+    tmpl = tt.store.get(m.probe.template.workload, m.probe.template.id)
+    row["template_timings"] = tmpl.timings
+    row["template_image_gib"] = round(tmpl.bytes / GiB, 2)
+    row["template_gpu_gib"] = round((tmpl.gpu_footprint_bytes or 0) / GiB, 2)
+    row["session_tokens"] = tt._records(m)["sessions"][sid]["tokens"]
+    row["session_bytes"] = m.probe.export.total_bytes
+    return m
+
+
+def only_in_store(chunk_dir: Path) -> None:
+    """The node's KV files gone (only the store holds the sessions), the connector's folders kept."""
+    shutil.rmtree(chunk_dir)
+    for d in (chunk_dir / "blocks", chunk_dir / "sessions"):
+        d.mkdir(mode=0o700, parents=True)
+
+
+HITS = ("vllm:external_prefix_cache_hits_total", "vllm:prefix_cache_hits_total")
+
+
+def compare_next_turn(row: dict, m0: dict, m1: dict, nxt: list[int], ref: list[int], after: list[int],
+                      counters: tuple[str, ...] = HITS) -> None:
+    """The next turn after a restore against the engine's before it: each of ``counters`` over the
+    turn (metrics ``m0`` before it, ``m1`` after), and whether its tokens equal ``ref``."""
+    for k in counters:
+        row[k.split(":")[1].replace("_total", "") + "_next_turn"] = m1.get(k, 0) - m0.get(k, 0)
+    row["prompt_tokens_next_turn"] = len(nxt)
+    row["next_tokens"] = ref
+    row["next_tokens_equal"] = after == ref
+    if after != ref:
+        row["next_tokens_after"] = after
+
+
 def row_p(a, model: dict, work: Path, res: dict) -> None:
     """Two tiers driven by ckptflow's own runner through the protocol vLLM serves (its middleware
     and ckptflow's connector): heartbeat (template capture + session export), SIGKILL, the node's
     KV files removed, recover; no bench code between the runner and the engine."""
-    from ckptflow.engines.vllm import kill_tree, protocol_args
+    from ckptflow.engines.vllm import kill_tree
     from ckptflow.runners.process import pid_alive, tree
     from ckptflow.runners.template_sessions import TemplateSessionsRunner
 
@@ -712,40 +916,16 @@ def row_p(a, model: dict, work: Path, res: dict) -> None:
                 "template = pause + sleep level 2 + CUDA checkpoint + CRIU dump", "gpu_memory_utilization": a.gpu_util}
     res["rows"]["p"] = rp
     chunk_dir = work / "kv-p"
-    shutil.rmtree(chunk_dir, ignore_errors=True)
-    chunk_dir.mkdir(mode=0o700, parents=True)
-    repo = Path(__file__).resolve().parents[1]
-    eng = Engine("e3", work, Path(model["path"]), a.port + 2, a.gpu_util, work / "cache-a",
-                 ["--enable-sleep-mode", *protocol_args(chunk_dir)],
-                 env={"PYTHONPATH": os.environ.get("PYTHONPATH", "") + ":" + str(repo)})
+    eng = protocol_engine(a, model, work, "e3", a.port + 2, chunk_dir)
     node = None
     try:
-        t0 = eng.start()
-        wait_health(eng.url, a.start_timeout, eng.proc)
-        complete(eng.url, [128000, 9906, 1917, 0, 1], 1)
-        rp["start_to_first_token_s"] = round(time.perf_counter() - t0, 2)
-        rp["start_phases"] = phases(eng.watch)
-        session, user = prompts()
-        sid = "s-long"
-        turn = complete(eng.url, session, TURN_TOKENS, session=sid)
-        nxt = session + turn + user
-        ref = complete(eng.url, nxt, TURN_TOKENS)
-        # The connector now holds the next turn's own prompt blocks too; an answer computed from
-        # them is this one (bf16: cached and recomputed KV give other tokens on the H200).
-        ref_cached = complete(eng.url, nxt, TURN_TOKENS)
+        started(eng, a, rp)
+        sid, nxt, ref, ref_cached = long_session(eng.url)
         rp["distinct_tokens"] = len(set(ref))
         node = node_runner(a.store / "store-p")
         w = workload("vllm-p", eng, model).model_copy(update={"checkpoint": "template-sessions"})
         tt = TemplateSessionsRunner(node)
-        t1 = time.perf_counter()
-        m = tt.heartbeat(w)
-        rp["heartbeat_with_capture_s"] = round(time.perf_counter() - t1, 2)
-        tmpl = node.store.get(m.probe.template.workload, m.probe.template.id)
-        rp["template_timings"] = tmpl.timings
-        rp["template_image_gib"] = round(tmpl.bytes / GiB, 2)
-        rp["template_gpu_gib"] = round((tmpl.gpu_footprint_bytes or 0) / GiB, 2)
-        rp["session_tokens"] = tt._records(m)["sessions"][sid]["tokens"]
-        rp["session_bytes"] = m.probe.export.total_bytes
+        capture_template(tt, w, rp, sid)
         again = complete(eng.url, nxt, TURN_TOKENS)    # served on after the capture (weights back from disk)
         rp["served_after_capture_equal"] = again == ref_cached
         t1 = time.perf_counter()
@@ -757,9 +937,7 @@ def row_p(a, model: dict, work: Path, res: dict) -> None:
         deadline = time.time() + 60
         while any(pid_alive(p) for p in pids) and time.time() < deadline:
             time.sleep(0.05)
-        shutil.rmtree(chunk_dir)                       # only the store holds the session now
-        for d in (chunk_dir / "blocks", chunk_dir / "sessions"):
-            d.mkdir(mode=0o700, parents=True)
+        only_in_store(chunk_dir)
         t1 = time.perf_counter()
         r = tt.restore(w)
         rp["restore_to_ready_s"] = round(time.perf_counter() - t1, 2)
@@ -769,26 +947,280 @@ def row_p(a, model: dict, work: Path, res: dict) -> None:
         after = complete(eng.url, nxt, TURN_TOKENS)
         rp["next_turn_after_restore_s"] = round(time.perf_counter() - t2, 3)
         rp["restore_to_first_token_s"] = round(time.perf_counter() - t1, 2)
-        m1 = metrics(eng.url)
-        for k in ("vllm:external_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"):
-            rp[k.split(":")[1].replace("_total", "") + "_next_turn"] = m1.get(k, 0) - m0.get(k, 0)
-        rp["prompt_tokens_next_turn"] = len(nxt)
-        rp["next_tokens"] = ref
-        rp["next_tokens_equal"] = after == ref
-        if after != ref:
-            rp["next_tokens_after"] = after
+        compare_next_turn(rp, m0, metrics(eng.url), nxt, ref, after)
         log("row p", json.dumps({k: v for k, v in rp.items() if k != "next_tokens"}))
-    except Exception as e:
-        rp["error"] = f"{type(e).__name__}: {e}"
-        rp["traceback"] = traceback.format_exc()[-3000:]
-        rp["log_tail"] = _errors(eng)
-        rp.setdefault("next_tokens_equal", None)
-        log("row p failed", rp["traceback"], rp["log_tail"][-2500:])
+    except Exception:
+        failed(rp, eng)
     finally:
         eng.kill()   # its log is work/e3.log already, which save() copies
         if node is not None:
             node.close()
         save(res)
+
+
+KV_BYTES_PER_TOKEN = 2 * SHAPE["num_hidden_layers"] * SHAPE["num_key_value_heads"] * \
+    (SHAPE["hidden_size"] // SHAPE["num_attention_heads"]) * 2   # K and V, bf16: 128 KiB a token
+
+
+PROMOTE_GUARD_S = 180   # promote took 1.6 s and the next turn 0.7 s in row p's restore (H200)
+
+
+def row_s(a, model: dict, work: Path, res: dict) -> None:
+    """Failover onto a parked standby (issue #31 item 6), as tests/test_vllm.py's standby test on CPU:
+    the engine started isolated (PID 1 of its own PID and mount namespaces, as ``ckptflow
+    run-isolated``); after the first heartbeat (template + session) TemplateSessionsRunner.standby
+    restores the template beside it, in its own PID and network namespaces, and parks it there
+    (asleep: CUDA context and graphs back, no weights, no KV on the GPU). The session then grows a
+    turn and a heartbeat exports it; the node's KV files are removed, the engine is SIGKILLed, and
+    ``promote`` gives the standby the weights and the session (one template/resume: no CRIU, no device
+    restore). The next turn, streamed from the standby in its namespace: its first token, its 32
+    tokens against the engine's before the kill, the session's tokens as external prefix-cache hits."""
+    from ckptflow.runners import devshm
+    from ckptflow.runners import engine as protocol
+    from ckptflow.runners.process import pid_alive, tree
+    from ckptflow.runners.template_sessions import TemplateSessionsRunner
+    from ckptflow.runners.verify import del_netns, new_netns
+
+    rs: dict = {"row": "s", "what": "standby failover: the template restored beside the live engine (isolated) by "
+                "TemplateSessionsRunner.standby, parked asleep in its own namespaces; SIGKILL; promote (weights + "
+                "session in one template/resume)", "gpu_memory_utilization": a.gpu_util}
+    res["rows"]["s"] = rs
+    chunk_dir = work / "kv-s"
+    eng = protocol_engine(a, model, work, "e4", a.port + 3, chunk_dir, isolated=True)
+    node = sb = ns = guard = None
+    try:
+        started(eng, a, rs)
+        pids = tree(eng.pid)
+        # an isolated image whose tree keeps /dev/shm files gets no copy beside it (runners/criu.py)
+        rs["engine_dev_shm_files"] = sorted(devshm.files_of(pids))
+        rs["engine_holds_dev_shm"] = devshm.needed(pids)
+        rs["gpu_used_live_gib"] = gpu_used_gib()
+        sid, nxt, _, _ = long_session(eng.url)
+        node = node_runner(a.store / "store-s")
+        w = workload("vllm-s", eng, model).model_copy(update={"checkpoint": "template-sessions"})
+        tt = TemplateSessionsRunner(node)
+        capture_template(tt, w, rs, sid)
+        ns = new_netns("ckvs")
+        t1 = time.perf_counter()
+        sb = tt.standby(w, ns)
+        rs["standby_s"] = round(time.perf_counter() - t1, 2)
+        rs["standby_phases"] = sb.timings
+        rs["standby_parked"] = protocol.call(w, "/v1/ckptflow/engine", base=sb.base, netns=ns).get("parked")
+        rs["gpu_used_with_standby_gib"] = gpu_used_gib()
+        _, user2 = prompts(seed=8)
+        turn2 = complete(eng.url, nxt, TURN_TOKENS, session=sid)   # the session grows after the standby was taken
+        nxt2 = nxt + turn2 + user2
+        ref = complete(eng.url, nxt2, TURN_TOKENS)                  # the engine's answer to the turn after
+        ref_cached = complete(eng.url, nxt2, TURN_TOKENS)           # again, its own blocks cached (diagnosis only)
+        rs["distinct_tokens"] = len(set(ref))
+        t1 = time.perf_counter()
+        m2 = tt.heartbeat(w)
+        rs["session_heartbeat_s"] = round(time.perf_counter() - t1, 3)
+        rs["session_heartbeat_pause_s"] = m2.timings.get("pause")
+        rs["session_tokens"] = tt._records(m2)["sessions"][sid]["tokens"]
+        rs["session_bytes"] = m2.probe.export.total_bytes
+        only_in_store(chunk_dir)
+        victims = tree(eng.pid)
+        exited: dict = {}
+
+        def hung() -> None:   # a standby that hangs in promote must not take this call's other rows with it
+            rs["guard_fired"] = f"promote and the next turn took over {PROMOTE_GUARD_S} s: the standby was killed"
+            sb.copy.stop()
+
+        guard = threading.Timer(PROMOTE_GUARD_S, hung)
+        guard.daemon = True
+        guard.start()
+        t0 = time.perf_counter()
+        for p in victims:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        def watch() -> None:  # on one GPU the killed engine's teardown overlaps the promotion
+            while any(pid_alive(p) for p in victims) and time.perf_counter() - t0 < 60:
+                time.sleep(0.005)
+            exited["s"] = round(time.perf_counter() - t0, 3)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        r = tt.promote(w, sb)
+        rs["kill_to_ready_s"] = round(time.perf_counter() - t0, 3)
+        ready = time.monotonic()
+        rs["promote_phases"] = r.timings
+        m0 = in_netns(ns, metrics, sb.base)
+        t2 = time.monotonic()
+        after, times, with_ids = in_netns(ns, stream, sb.base, nxt2, TURN_TOKENS)
+        rs["next_turn_after_restore_s"] = round(time.monotonic() - t2, 3)
+        rs["next_turn_first_token_s"] = round(times[0] - t2, 3) if times else None
+        rs["kill_to_first_token_s"] = round(rs["kill_to_ready_s"] + times[0] - ready, 3) if times else None
+        m1 = in_netns(ns, metrics, sb.base)
+        if not with_ids:   # the stream carried no token ids: the tokens from a plain request (its prompt cached now)
+            rs["stream_without_token_ids"] = True
+            after = in_netns(ns, complete, sb.base, nxt2, TURN_TOKENS)
+        compare_next_turn(rs, m0, m1, nxt2, ref, after)
+        rs["equal_to_cached_reference"] = after == ref_cached
+        guard.cancel()
+        watcher.join(timeout=60)
+        rs["original_exited_s"] = exited.get("s")
+        rs["kill_to_ready_target_met"] = rs["kill_to_ready_s"] <= 1.5
+        rs["first_token_target_met"] = rs["next_turn_first_token_s"] is not None and rs["next_turn_first_token_s"] <= 0.5
+        rs["session_from_store"] = rs["external_prefix_cache_hits_next_turn"] >= rs["session_tokens"]
+        log("row s", json.dumps({k: v for k, v in rs.items() if k != "next_tokens"}))
+    except Exception:
+        failed(rs, eng)
+    finally:
+        if guard is not None:
+            guard.cancel()
+        if sb is not None:
+            sb.copy.stop()
+        if ns:
+            del_netns(ns)
+        eng.kill()
+        if node is not None:
+            node.close()
+        save(res)
+
+
+def row_t(a, model: dict, work: Path, res: dict) -> None:
+    """A turn-end export's cost to a decoding client (issue #31 item 6; bench/gpu_turn_export.py for the
+    bench engine): a batch-1 client streams tokens (its own process) while the runner exports other
+    sessions at their turn ends, one at a time, the way ``ckptflow turns`` does (runners/turns.py
+    ``TurnWatch.poll`` -> ``turn_end_checkpoint``, each a new 4,000-token session: all its blocks
+    move). The client's gaps between tokens during each export against those outside."""
+    from ckptflow.policies.cadence import CostModel
+    from ckptflow.policies.sessions import ExportContext
+    from ckptflow.runners import engine as protocol
+    from ckptflow.runners.template_sessions import TemplateSessionsRunner
+    from ckptflow.runners.turns import DEFAULT_MTBF_S, TurnWatch
+
+    rt: dict = {"row": "t", "what": "turn-end exports (TurnWatch.poll -> turn_end_checkpoint) beside a batch-1 "
+                "streamed decode: the client's inter-token gaps during the exports", "gpu_memory_utilization": a.gpu_util,
+                "exports_planned": a.turn_exports, "every_s": a.turn_every, "base_s": a.turn_base}
+    res["rows"]["t"] = rt
+    eng = protocol_engine(a, model, work, "e5", a.port + 4, work / "kv-t")
+    out = work / "t-client.json"
+    flags = [out.with_name(out.name + x) for x in ("", ".stop", ".started")]
+    node = client = None
+    try:
+        started(eng, a, rt)
+        sid, _, _, _ = long_session(eng.url)
+        node = node_runner(a.store / "store-t")
+        w = workload("vllm-t", eng, model).model_copy(update={"checkpoint": "template-sessions"})
+        tt = TemplateSessionsRunner(node)
+        capture_template(tt, w, rt, sid)
+        others = [f"s-t{i}" for i in range(a.turn_exports)]
+        for i, other in enumerate(others):   # their first turns, before the client decodes
+            complete(eng.url, prompts(seed=100 + i)[0], TURN_TOKENS, session=other)
+        # An announced interruption and bytes unpriced: the turn-end rule exports every new session.
+        ctx = ExportContext(mtbf_s=DEFAULT_MTBF_S, interruption_ahead=True, at_turn_end=True,
+                            kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+                            cost=CostModel(shared_tier_usd_per_gib=0.0, node_usd_per_gib=0.0))
+        tt.store.put_export_context(w.name, ctx.model_dump_json())
+        watch = TurnWatch(tt, w)
+        for f in flags:
+            f.unlink(missing_ok=True)
+        client = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--stream-client", eng.url, str(out)],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=open(work / "t-client.log", "w"), start_new_session=True)
+        deadline = time.monotonic() + 120
+        while not flags[2].exists():
+            if client.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the decoding client did not start streaming (exit {client.poll()}): "
+                                   f"{(work / 't-client.log').read_text(errors='replace')[-1500:]}")
+            time.sleep(0.05)
+        since = time.monotonic()
+        time.sleep(a.turn_base)
+        exports: list[dict] = []
+        for other in others:
+            held = {k: int(v) for k, v in protocol.engine_info(w).get("sessions", {}).items()}
+            watch.seen = held                                            # unchanged since the last look:
+            watch.weighed = {k: n for k, n in held.items() if k != other}   # only `other` is at a turn end
+            t0 = time.monotonic()
+            m = watch.poll()
+            t1 = time.monotonic()
+            e = {"session": other, "start": t0, "end": t1, "wall_s": round(t1 - t0, 4), "exported": m is not None}
+            if m is not None:
+                e.update(timings=m.timings, moved_bytes=m.probe.export.moved_bytes,
+                         decision=m.probe.export.decisions.get(other))
+            exports.append(e)
+            time.sleep(a.turn_every)
+        time.sleep(a.turn_base)
+        until = time.monotonic()
+        flags[1].touch()
+        client.wait(timeout=120)
+        got = json.loads(out.read_text())
+        if got.get("error"):
+            raise RuntimeError(f"the decoding client failed: {got['error']}")
+        reqs = got["requests"]
+        rt.update(gap_stats(reqs, [(e["start"], e["end"]) for e in exports if e["exported"]], since, until))
+        rt["exports"] = [{k: v for k, v in e.items() if k not in ("start", "end")} for e in exports]
+        done = [e for e in exports if e["exported"]]
+        rt["exported"] = len(done)
+        if done:
+            rt["export_wall_s_mean"] = round(sum(e["wall_s"] for e in done) / len(done), 4)
+            rt["moved_gib_each"] = round(sum(e["moved_bytes"] for e in done) / len(done) / GiB, 3)
+        rt["client_requests"] = len(reqs)
+        rt["client_events_per_request"] = len(reqs[0]["times"]) if reqs else 0
+        # None: the stream carried no token ids to compare
+        rt["decode_tokens_equal"] = (all(r["ids"] == reqs[0]["ids"] for r in reqs)
+                                     if reqs and all(r["with_ids"] for r in reqs) else None)
+        rt["next_tokens_equal"] = rt["decode_tokens_equal"]
+        rt["next_tokens_equal_note"] = ("no restore in this row: the client's tokens, each request the same prompt, "
+                                        "equal through the exports")
+        log("row t", json.dumps({k: v for k, v in rt.items() if k != "exports"}))
+    except Exception:
+        failed(rt, eng)
+    finally:
+        if client is not None and client.poll() is None:
+            flags[1].touch()
+            try:
+                client.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                client.kill()
+        eng.kill()
+        if node is not None:
+            node.close()
+        save(res)
+
+
+def row_a_warm(a, model: dict, work: Path, res: dict) -> None:
+    """Row a's engine started again with the compile caches kept (work/cache-a: vLLM's, inductor's,
+    triton's), as a restart on a node that ran the engine before. Warm from row a when it ran in
+    this call; else from whatever the rows before left there (``cache_files_before``)."""
+    cache = work / "cache-a"
+    rw: dict = {"row": "a_warm", "what": "cold start to first token with warm compile caches (work/cache-a kept); "
+                "weights in page cache", "gpu_memory_utilization": a.gpu_util,
+                "caches_from": "row a of this call" if "a" in a.rows else "the rows before in this call (or none)",
+                "cache_files_before": sum(1 for f in cache.rglob("*") if f.is_file()) if cache.exists() else 0}
+    res["rows"]["a_warm"] = rw
+    eng = Engine("e1w", work, Path(model["path"]), a.port + 5, a.gpu_util, cache)
+    try:
+        cold_start(eng, a, rw)
+        cold = res["rows"].get("a", {}).get("cold_start_s")
+        if cold:
+            rw["cold_start_a_s"] = cold
+            rw["ratio_to_a"] = round(rw["cold_start_s"] / cold, 3)
+        rw["next_tokens_equal"] = None
+        rw["next_tokens_equal_note"] = "no restore in this row"
+        log("row a_warm", json.dumps(rw))
+    except Exception:
+        failed(rw, eng)
+    finally:
+        eng.kill()
+        save(res)
+
+
+def failed(row: dict, eng: Engine | None) -> None:
+    """In an ``except``: the row's error, traceback and the engine log's error lines, kept beside
+    what the row measured before it failed."""
+    e = sys.exc_info()[1]
+    row["error"] = f"{type(e).__name__}: {e}"
+    row["traceback"] = traceback.format_exc()[-3000:]
+    row["log_tail"] = _errors(eng) if eng else ""
+    row.setdefault("next_tokens_equal", None)
+    log(f"row {row['row']}" + (f" ({row['connector']})" if row.get("connector") else "") + " failed",
+        row["traceback"], row["log_tail"][-2500:])
 
 
 def _errors(eng: Engine) -> str:
@@ -807,7 +1239,8 @@ def save(res: dict) -> None:
     STATE.write_text(json.dumps(res, indent=1))
     if OUT:
         (OUT / "vllm_gpu.json").write_text(json.dumps(res, indent=1))
-        for name in ("e1.log", "e2-ckptflow-bench.log", "e2-example.log", "e3.log"):
+        for name in ("e1.log", "e2-ckptflow-bench.log", "e2-example.log", "e3.log", "e4.log", "e5.log", "e1w.log",
+                     "t-client.log"):
             src = Path(res.get("work", "/nonexistent")) / name
             if src.exists():
                 data = src.read_bytes()
@@ -847,12 +1280,43 @@ def table(res: dict) -> str:
                                        f"{pr.get('session_heartbeat_pause_s')} s); external prefix hits "
                                        f"{pr.get('external_prefix_cache_hits_next_turn')} of "
                                        f"{pr.get('session_tokens')} session tokens"])
+    s, t, aw = rows.get("s", {}), rows.get("t", {}), rows.get("a_warm", {})
+    if s:
+        out.append(["s", "standby failover: parked template copy promoted after SIGKILL (runner-driven)",
+                    s.get("standby_s", "—"), s.get("kill_to_ready_s", "—"), s.get("next_turn_first_token_s", "—"),
+                    s.get("template_image_gib", "—"), s.get("next_tokens_equal"),
+                    s.get("error") or f"standby ahead of need (column 3); kill -> ready <= 1.5 s: "
+                                      f"{s.get('kill_to_ready_target_met')}; first token <= 0.5 s: "
+                                      f"{s.get('first_token_target_met')}; standby parked on the GPU "
+                                      f"{s.get('template_gpu_gib')} GiB; external prefix hits "
+                                      f"{s.get('external_prefix_cache_hits_next_turn')} of {s.get('session_tokens')} "
+                                      f"session tokens; promote {s.get('promote_phases')}"])
+    if t:
+        during, base = t.get("gaps_during_exports", {}), t.get("gaps_outside_exports", {})
+        out.append(["t", "turn-end exports beside a batch-1 streamed decode (TurnWatch)", "—", "—", "—", "—",
+                    t.get("next_tokens_equal"),
+                    t.get("error") or f"{t.get('exported')} exports of {t.get('moved_gib_each')} GiB, "
+                                      f"{t.get('export_wall_s_mean')} s each; gap p50 {base.get('p50_ms')} ms, "
+                                      f"during exports mean +{t.get('gap_increase_ms')} ms, max +"
+                                      f"{t.get('max_gap_increase_ms')} ms (without: +{t.get('base_max_gap_increase_ms')}"
+                                      f" ms; target <= 5 ms: {t.get('target_met')}); p99 {base.get('p99_ms')} -> "
+                                      f"{during.get('p99_ms')} ms"])
+    if aw:
+        out.append(["a_warm", "cold start to first token, compile caches warm", aw.get("cold_start_s", "—"), "—", "—",
+                    "—", "n/a",
+                    aw.get("error") or f"caches from {aw.get('caches_from')}; compiled graphs loaded from cache "
+                                       f"{aw.get('compiled_graphs_loaded_from_cache')}; torch.compile "
+                                       f"{aw.get('torch_compile_s')} s, graphs {aw.get('graph_capture_s')} s, init "
+                                       f"engine {aw.get('init_engine_s')} s; ratio to (a) {aw.get('ratio_to_a')}"])
     return md_table(hdr, out)
+
+
+ROWS = ("a", "b", "c", "p", "s", "t", "a_warm")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default="a,b,c")
+    p.add_argument("--rows", default="a,b,c", help=f"comma-separated, of {','.join(ROWS)}")
     p.add_argument("--work", type=Path, default=HOME / "vllm-bench")
     p.add_argument("--model-dir", type=Path, default=None)
     p.add_argument("--gpu-util", type=float, default=0.18)
@@ -864,8 +1328,16 @@ def main() -> None:
     p.add_argument("--store", type=Path, default=None, help="checkpoint store (default: /dev/shm if it has room)")
     p.add_argument("--append-results", type=Path, default=None,
                    help="here: a fetched device JSON into bench/results/vllm_gpu.json and RESULTS.md")
+    p.add_argument("--turn-exports", type=int, default=6, help="row t: sessions exported at their turn ends")
+    p.add_argument("--turn-every", type=float, default=1.0, help="row t: seconds between one export's end and the next")
+    p.add_argument("--turn-base", type=float, default=3.0, help="row t: seconds of decode before the first export and "
+                   "after the last")
     p.add_argument("--write-model", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--stream-client", nargs=2, metavar=("URL", "OUT"), default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.stream_client:   # row t's decoding client, started by row t
+        stream_client(a.stream_client[0], Path(a.stream_client[1]))
+        return
     if a.write_model:
         import torch
 
@@ -878,6 +1350,9 @@ def main() -> None:
                           "two tiers (bench/vllm_gpu.py)", "carry-vllm.sh", table)
         return
     a.rows = [r.strip() for r in a.rows.split(",") if r.strip()]
+    unknown = sorted(set(a.rows) - set(ROWS))
+    if unknown:
+        p.error(f"--rows: no row {', '.join(unknown)} (rows: {', '.join(ROWS)})")
     a.work.mkdir(parents=True, exist_ok=True)
     if STATE.exists():
         res = json.loads(STATE.read_text())
@@ -915,6 +1390,12 @@ def main() -> None:
             row_c(a, model, a.work, res)
         if "p" in a.rows:
             row_p(a, model, a.work, res)
+        if "s" in a.rows:
+            row_s(a, model, a.work, res)
+        if "t" in a.rows:
+            row_t(a, model, a.work, res)
+        if "a_warm" in a.rows:   # last: the rows before leave the compile caches warm
+            row_a_warm(a, model, a.work, res)
     finally:
         Path("/proc/sys/kernel/io_uring_disabled").write_text(old)
         if a.store and str(a.store).startswith("/dev/shm/"):
