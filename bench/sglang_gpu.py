@@ -360,15 +360,7 @@ def row_c(a, model: dict, work: Path, res: dict) -> None:
         node = V.node_runner(a.store / "store-c")
         w = workload("sglang-c", eng, model).model_copy(update={"checkpoint": "template-sessions"})
         tt = TemplateSessionsRunner(node)
-        t1 = time.perf_counter()
-        m = tt.heartbeat(w)
-        rc["heartbeat_with_capture_s"] = round(time.perf_counter() - t1, 2)
-        tmpl = node.store.get(m.probe.template.workload, m.probe.template.id)
-        rc["template_timings"] = tmpl.timings
-        rc["template_image_gib"] = round(tmpl.bytes / GiB, 2)
-        rc["template_gpu_gib"] = round((tmpl.gpu_footprint_bytes or 0) / GiB, 2)
-        rc["session_tokens"] = tt._records(m)["sessions"][sid]["tokens"]
-        rc["session_bytes"] = m.probe.export.total_bytes
+        m = V.capture_template(tt, w, rc, sid)
         again = from_session_pages(eng.url, kv, sid, nxt)   # served on after the capture (weights back from disk)
         rc["served_after_capture_equal"] = again["output_ids"] == ref["output_ids"]
         rc["tokens_after_capture"] = again["output_ids"]

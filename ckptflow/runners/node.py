@@ -32,6 +32,7 @@ from ckptflow.policies.compat import diff
 from ckptflow.policies.multigpu import FIX as TP_FIX
 from ckptflow.policies.tiers import LocalCopy, restore_order
 from ckptflow.poll import PollTimeout, poll
+from ckptflow.results import Skipped
 from ckptflow.runners import devshm, engine, process
 from ckptflow.runners.criu import CriuRunner, SandboxCopy, copy_pids, image_isolated, refuse_uncarriable
 from ckptflow.runners.digests import compare_sessions
@@ -60,7 +61,7 @@ class RestoreResult:
     manifest: Manifest
     pid: int
     timings: dict[str, float]
-    skipped: list[dict] = field(default_factory=list)  # corrupt checkpoints passed over
+    skipped: list[Skipped] = field(default_factory=list)  # corrupt checkpoints passed over
     downloaded_bytes: int = 0                           # pulled from the S3 tier (0: read in place)
 
 
@@ -365,7 +366,7 @@ class NodeRunner:
                     e.checkpoint = self._trying
                 raise
 
-    def _candidates(self, w: Workload, tier, skipped: list[dict],
+    def _candidates(self, w: Workload, tier, skipped: list[Skipped],
                     overrides: frozenset[str]) -> Iterator[tuple[Manifest, dict, int]]:
         """(manifest, timings, downloaded bytes) of each checkpoint to try, nearest valid copy first; a bucket copy
         is gated on its fingerprint before a byte is downloaded."""
@@ -390,7 +391,7 @@ class NodeRunner:
             try:
                 m, pulled = tier.pull(self.store, w.name, c.checkpoint, w.node, remote=rm)
             except (ChecksumMismatch, StorageUnavailable) as e:
-                skipped.append({"id": c.checkpoint, "reason": f"s3 copy: {str(e).splitlines()[0]}"})
+                skipped.append(Skipped(id=c.checkpoint, reason=f"s3 copy: {str(e).splitlines()[0]}"))
                 continue
             yield m, {"download": round(time.perf_counter() - t0, 4)}, pulled["downloaded_bytes"]
 
@@ -433,7 +434,7 @@ class NodeRunner:
                  gpu_pairs: list[tuple[str, str]] | None, overrides: frozenset[str], tier=None) -> RestoreResult:
         rt = self.runtime_for(w)
         rt.clear(w)
-        skipped: list[dict] = []
+        skipped: list[Skipped] = []
         candidates = iter([(manifest, {}, 0)]) if manifest else self._candidates(w, tier, skipped, overrides)
         tried = 0
         for m, timings, downloaded in candidates:
@@ -445,7 +446,7 @@ class NodeRunner:
                 pid = rt.restore(w, m, timings)
             except ChecksumMismatch as e:
                 self.store.set_state(m, CheckpointState.verify_failed, f"checksum: {e}")
-                skipped.append({"id": m.id, "reason": str(e).splitlines()[0]})
+                skipped.append(Skipped(id=m.id, reason=str(e).splitlines()[0]))
                 if not fallback:
                     raise
                 continue
