@@ -678,6 +678,10 @@ def load_fleet(path: Path | str) -> Fleet:
     except FileNotFoundError:
         raise ConfigError(f"{path}: fleet file not found",
                           fix="pass a file from deployments/, e.g. deployments/local.yaml") from None
+    if not path.is_file():  # a directory read as YAML fails in open() with a bare IsADirectoryError
+        raise ConfigError(f"{path}: is a directory, not a fleet file",
+                          fix=f"pass a fleet file, e.g. {path / 'local.yaml'}" if (path / "local.yaml").is_file()
+                          else "pass a fleet file, e.g. deployments/local.yaml")
     resolved = path.resolve()
     # Every node-batch task of a tick reads the same file: parse it once per version of it.
     fleet = _load(str(resolved), st.st_mtime_ns, st.st_size, str(path)).model_copy(deep=True)
@@ -728,7 +732,9 @@ def _load(resolved: str, mtime_ns: int, size: int, shown: str) -> Fleet:
         raise ConfigError(f"{path}: {_yaml_problem(e, text)}",
                           fix="fix the YAML at that line (indent with spaces, close brackets and quotes)") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level (fleet:, nodes:, workloads:, ...)")
+        raise ConfigError(f"{path}: expected a mapping at the top level (fleet:, nodes:, workloads:, ...)"
+                          + (", the file is empty" if data is None else ""),
+                          fix="start from deployments/local.yaml (deployments/example-every-field.yaml sets every field)")
     try:
         return Fleet.model_validate(data)
     except ValidationError as e:

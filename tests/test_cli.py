@@ -97,6 +97,20 @@ def test_bad_fleet_file_is_refused_before_any_prefect_server(tmp_path, args):
     assert "temporary server" not in err and "Starting" not in err
 
 
+@pytest.mark.parametrize("what", ["directory", "empty"])
+def test_a_directory_or_an_empty_file_as_the_fleet_file_is_refused_with_a_fix(tmp_path, what):
+    """The new-user trial got a bare IsADirectoryError for `ckptflow ls deployments`, and no fix
+    line for an empty file."""
+    if what == "directory":
+        out = _cli(tmp_path, "ls", ROOT / "deployments")
+        _refused(out, "is a directory, not a fleet file", "fix: pass a fleet file, e.g. ")
+    else:
+        empty = tmp_path / "empty.yaml"
+        empty.write_text("")
+        _refused(_cli(tmp_path, "ls", empty), "expected a mapping at the top level", "the file is empty",
+                 "fix: start from deployments/local.yaml")
+
+
 @pytest.mark.parametrize("args", [("heartbeat", LOCAL, "--workload", "nope"), ("recover", LOCAL, "nope"),
                                   ("verify", LOCAL, "--workload", "nope"), ("ls", LOCAL, "--workload", "nope")],
                          ids=lambda a: a[0])
