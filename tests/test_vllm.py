@@ -524,6 +524,7 @@ def test_a_vllm_without_the_middleware_is_refused_at_the_first_heartbeat_naming_
         TemplateSessionsRunner(node).heartbeat(w)
     assert "does not serve /v1/ckptflow/engine" in e.value.message
     assert f"--middleware {vllm.MIDDLEWARE}" in e.value.fix and "CkptflowConnector" in e.value.fix
+    assert f"--worker-extension-cls {vllm.WORKER_EXTENSION}" in e.value.fix  # the third flag (a trial found it missing)
     assert store.list("chat-plain") == []
 
 

@@ -86,9 +86,10 @@ class VllmAdapter(EngineAdapter):
     name = ENGINE
     summary = "vLLM's OpenAI server: its metric names, the protocol through ckptflow's middleware and KV connector"
     metrics = metric_names("vllm")
-    protocol_missing_fix = ("start vLLM with ckptflow's protocol: --middleware " + MIDDLEWARE + " and "
-                            "--kv-transfer-config with kv_connector CkptflowConnector (ckptflow importable in vLLM's "
-                            "environment: PYTHONPATH); docs/engines/vllm.md. Or use checkpoint: process")
+    protocol_missing_fix = ("start vLLM with ckptflow's protocol, all three flags: --middleware " + MIDDLEWARE
+                            + ", --kv-transfer-config with kv_connector " + CONNECTOR + " and --worker-extension-cls "
+                            + WORKER_EXTENSION + " (ckptflow importable in vLLM's environment: PYTHONPATH); "
+                            "docs/engines/vllm.md. Or use checkpoint: process")
 
     def golden_request(self, base: str, *, served_name: str = "m", **kw: object) -> GoldenRequest:
         return GoldenRequest(url=base.rstrip("/") + "/v1/completions", field="choices.0.token_ids",
