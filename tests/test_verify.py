@@ -155,7 +155,26 @@ def test_recover_with_no_good_checkpoint_cold_starts_and_alerts_once(tmp_path, p
     assert len(slack.requests) == 1
     fields = [f["text"] for f in slack.requests[0]["body"]["blocks"][1]["fields"]]
     assert any(f.startswith("*Fallback*\ncold start") for f in fields)
+    assert slack.requests[0]["body"]["blocks"][0]["text"]["text"] == "Restore failed, cold started: chat"
     assert store.get("chat", only).state == CheckpointState.verify_failed
+
+
+def test_recover_with_no_checkpoint_at_all_says_cold_started_not_restore_failed(tmp_path, prefect_harness,
+                                                                              demo_worker, slack):
+    """Nothing was there to restore: the alert's title says the worker was cold started (its sessions
+    lost), not that a restore failed (a new-user trial read "Restore failed" and looked for one)."""
+    from ckptflow.flows.recover import recover
+
+    w = demo_worker("chat")
+    fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store", slack=True)
+    os.kill(w.pid, signal.SIGKILL)
+    w.proc.wait()
+    assert recover(str(fleet), "chat")["cold_start"] is True
+    body = slack.requests[0]["body"]
+    assert body["blocks"][0]["text"]["text"] == "Cold started, no checkpoint to restore: chat"
+    assert body["text"].startswith(":rotating_light: Cold started, no checkpoint to restore: chat on local: ")
+    fields = [f["text"] for f in body["blocks"][1]["fields"]]
+    assert "*Checkpoint*\nnone tried" in fields
 
 
 def test_status_and_exporter_report_the_store(tmp_path, prefect_harness, demo_worker):
