@@ -108,3 +108,38 @@ def test_min_interval_holds_back_a_gpu_burst_too():
     assert burst.action == Action.checkpoint_now and burst.reason.startswith("burst: ")
     held = decide(demo_worker(seconds_since_ckpt=120.0, **gpu), params=rule)
     assert held.action == Action.protect and not held.due and "burst held back" in held.reason
+
+
+def test_a_worker_started_anew_after_its_checkpoint_is_checkpointed_not_skipped_as_nothing_new(demo_worker, tmp_path):
+    # New-user trial: a worker started again from the same pid file did the same requests as the
+    # one its checkpoint holds; its token counter equals the checkpoint's, read as "nothing new".
+    from ckptflow.runners.engine import read_load
+    from ckptflow.runners.facts import collect_facts
+    from ckptflow.store.local import LocalStore
+
+    store = LocalStore(tmp_path / "store")
+    old = demo_worker("w")
+    old.complete("a long session " * 20, 8, "s")
+    pending = store.begin(old.workload.name, node="local")
+    (pending.images_dir / "img").write_bytes(b"x")
+    m = store.commit(pending, probe={"tokens_total": read_load(old.workload).tokens_total}, pid=old.pid)
+    old_pid = old.pid
+    old.stop()
+    new = demo_worker("w")                                   # the same pid file, another process
+    new.complete("a long session " * 20, 8, "s")
+    assert read_load(new.workload).tokens_total == m.probe.tokens_total
+    f = collect_facts(new.workload, store)
+    assert f.restarted == f"the newest checkpoint {m.id} is of PID {old_pid}; the worker now runs as PID {new.pid}"
+    d = decide(f)
+    assert d.action == Action.checkpoint_now and d.due
+    assert d.reason.endswith("now runs as PID %d: nothing this process did is checkpointed" % new.pid)
+    # The process the checkpoint is of still reads "nothing new": the check is about the PID.
+    m2 = store.commit(_pending(store, new), probe={"tokens_total": read_load(new.workload).tokens_total}, pid=new.pid)
+    d = decide(collect_facts(new.workload, store))
+    assert m2.pid == new.pid and d.action == Action.skip and "nothing new" in d.reason
+
+
+def _pending(store, w):
+    p = store.begin(w.workload.name, node="local")
+    (p.images_dir / "img").write_bytes(b"x")
+    return p

@@ -233,6 +233,7 @@ class WorkloadFacts:
     growth_tokens_s: float = 0.0               # rate at which new KV tokens appear
     tokens_since_ckpt: float | None = None     # new KV since the newest valid checkpoint
     seconds_since_ckpt: float | None = None    # None: no valid checkpoint
+    restarted: str | None = None               # why the newest checkpoint is not of the running process
     newest_invalidated: bool = False
     mean_request_s: float | None = None
     now: float = 0.0
@@ -495,6 +496,9 @@ def decide_cost_based(f: WorkloadFacts, params: CostBasedParams, cost: CostModel
                                    "the template restores the worker")
         return Decision(workload=f.name, action=Action.skip,
                         reason=f"short requests (mean {retry:.0f} s): a retry costs less than a {pause:.0f} s pause")
+    if f.restarted:
+        return Decision(workload=f.name, action=Action.checkpoint_now, due=True,
+                        reason=f"{f.restarted}: nothing this process did is checkpointed")
     if f.seconds_since_ckpt is None:
         return Decision(workload=f.name, action=Action.checkpoint_now, due=True,
                         reason=f"no valid checkpoint: a failure would cost a {cost.cold_start_s:.0f} s cold start "

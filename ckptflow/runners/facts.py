@@ -18,7 +18,7 @@ from ckptflow.policies.multigpu import tp_problems
 from ckptflow.runners import process
 from ckptflow.runners.engine import read_load
 from ckptflow.runners.gpu import GpuBackend, backend_for, get_backend, holds_device_state
-from ckptflow.runners.runtime import runtime_for
+from ckptflow.runners.runtime import runtime_for, runtime_name
 from ckptflow.store.local import LocalStore
 
 
@@ -56,8 +56,9 @@ def collect_facts(w: Workload, store: LocalStore, *, mtbf_s: float | None = None
     checkpoints in ``store``, and the node's ``mtbf_s`` and ``maintenance`` windows (epoch s).
     ``gpu``: the node's GPU backend (default cuda), which finds a TP worker's ranks."""
     now = time.time() if now is None else now
+    pid = None
     try:
-        runtime_for(w).resolve(w)  # a process, a container, a pod: whatever it runs under
+        pid = runtime_for(w).resolve(w).pid  # a process, a container, a pod: whatever it runs under
         gone = None
     except (WorkloadNotFound, UndeclaredProcess) as e:  # no metrics either: without this it read as "nothing new"
         gone = e.message
@@ -69,16 +70,21 @@ def collect_facts(w: Workload, store: LocalStore, *, mtbf_s: float | None = None
     # The newest heartbeat's checkpoint: the turn-end loop's (every few seconds, a session's
     # export alone) would read as "just checkpointed" and no heartbeat would ever be due.
     m = next((c for c in store.valid(w.name) if not (c.probe.export and c.probe.export.at_turn_end)), None)
-    since_s = since_tokens = None
+    since_s = since_tokens = restarted = None
     growth = 0.0
     if m is not None:
         since_s = max(0.0, now - m.created.timestamp())
         at_ckpt = m.probe.tokens_total
         since_tokens = (load.tokens_total - at_ckpt) if (load is not None and at_ckpt is not None) else live
-        if since_tokens < 0:
-            # The counter went back: a restarted worker, or one restored from an older copy. None of
-            # what it did since it (re)started is in the newest checkpoint.
-            since_tokens = load.tokens_total
+        if m.pid and pid and m.pid != pid and runtime_name(w) == "process":
+            # CRIU restores a process with its dumped PID; another PID is a worker started anew (or
+            # a standby that took over), whose counter may even have passed the checkpoint's:
+            # "nothing new" would leave it unprotected. (A container's restore gets a new host PID.)
+            restarted = f"the newest checkpoint {m.id} is of PID {m.pid}; the worker now runs as PID {pid}"
+        if since_tokens < 0 or restarted:
+            # The counter went back, or counts another process: a restarted worker, or one restored
+            # from an older copy. None of what it did since it (re)started is in the newest checkpoint.
+            since_tokens = load.tokens_total if load is not None else live
         growth = since_tokens / since_s if since_s > 0 else 0.0
     footprint = w.gpu_footprint_gib or (m.bytes / 2**30 if m else 0.0)
     pause = None
@@ -91,6 +97,7 @@ def collect_facts(w: Workload, store: LocalStore, *, mtbf_s: float | None = None
     return WorkloadFacts(checkpoint_mode=str(w.checkpoint), **two_tier,
         name=w.name, traffic=w.traffic.value, footprint_gib=footprint, measured_pause_s=pause,
         live_tokens=live, growth_tokens_s=growth, tokens_since_ckpt=since_tokens, seconds_since_ckpt=since_s,
+        restarted=restarted,
         newest_invalidated=bool(newest) and newest[0].state == CheckpointState.invalidated,
         mean_request_s=load.mean_request_s if load else None, now=now, maintenance=list(maintenance),
         # The workload's own, not the node's: every node has a GPU backend object, GPU or not.
