@@ -74,8 +74,11 @@ class CriuError(CkptflowError):
     """CRIU failed. Carries the command line and the tail of CRIU's log."""
 
     def __init__(self, message: str, *, cmd: list[str], log_tail: str = "",
-                 returncode: int | None = None, fix: str | None = None):
+                 returncode: int | None = None, fix: str | None = None, node_condition: bool = False):
         self.cmd = cmd
+        # The node lacks what the image needs (its working directory, a PID): the checkpoint is
+        # not at fault and an older one would meet the same, so it is not counted against it.
+        self.node_condition = node_condition
         self.log_tail = log_tail
         self.returncode = returncode
         detail = f"{message} (exit {returncode})\n  command: {' '.join(cmd)}"

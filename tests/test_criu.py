@@ -12,7 +12,7 @@ import pytest
 
 from conftest import HELPERS, free_port, kill_pid_file
 from ckptflow.errors import CriuError, RunnerUnavailable, UndeclaredProcess, WorkloadNotFound
-from ckptflow.models import ProcessFinder, Workload
+from ckptflow.models import CheckpointState, ProcessFinder, Workload
 from ckptflow.runners.criu import CriuRunner
 
 pytestmark = pytest.mark.criu
@@ -539,7 +539,15 @@ def test_a_restore_whose_working_directory_is_gone_names_it_and_the_fix(tmp_path
             node.restore(w)
         assert e.value.fix == (f"the directory the worker ran in ({cwd}) is gone since the checkpoint; recreate it "
                                "(same path) or start workers from a directory that stays, then checkpoint again")
-        assert len(node.store.get("c", m.id).probe.restores.failures) == 1    # counted against the checkpoint
+        # The node's fault, not the image's (new-user trial: the third such recover marked the last
+        # good checkpoint verify_failed): not counted, however often it is tried.
+        from ckptflow.runners.node import MAX_FAILED_RESTORES
+        for _ in range(MAX_FAILED_RESTORES):
+            node.criu.wait_pid_free(m.pid)
+            with pytest.raises(CriuError, match="cwd"):
+                node.restore(w)
+        cur = node.store.get("c", m.id)
+        assert cur.state == CheckpointState.complete and cur.probe.restores.failures == []
         node.criu.wait_pid_free(m.pid)
         cwd.mkdir()                                                          # the fix, followed
         r = node.restore(w)

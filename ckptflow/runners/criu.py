@@ -270,7 +270,8 @@ class CriuRunner:
             tail = _tail(log) or output.strip()[-2000:]
             cause = first_error(_read(log))
             raise CriuError(f"criu {what} failed" + (f": {cause}" if cause else ""), cmd=cmd, log_tail=tail,
-                            returncode=proc.returncode, fix=fix_for(f"{cause}\n{tail}"))
+                            returncode=proc.returncode, fix=fix_for(f"{cause}\n{tail}"),
+                            node_condition=any(n in f"{cause}\n{tail}" for n in NODE_CONDITIONS))
         return time.perf_counter() - t0
 
     def _common(self, images_dir: Path, log: Path, tcp_established: bool) -> list[str]:
@@ -636,6 +637,11 @@ def _remove_orphans() -> None:
         pid = d.name[len(TMP_PREFIX):].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)) and d.is_dir():
             shutil.rmtree(d, ignore_errors=True)
+
+
+# Restore failures of the node, not of the image: the working directory or root the worker ran
+# in is gone, or the PID the image needs is taken. Every checkpoint of the worker would meet them.
+NODE_CONDITIONS = ("Can't open cwd", "Can't restore cwd", "Can't open root", "Can't fork for")
 
 
 def fix_for(log_tail: str) -> str | None:

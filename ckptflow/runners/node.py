@@ -496,9 +496,10 @@ class NodeRunner:
         verify_failed, so the next recover falls back to an older one (or says none is left)
         instead of trying the same image in a loop. A failure that is not the checkpoint's (a
         retryable one, the worker running, no room on the GPU, the node's own tools or a cluster
-        out of reach, a wrong declaration) is not counted: three of those would have the last good
-        checkpoint marked failed, and retention then delete it."""
-        if e.retryable or isinstance(e, (WorkloadRunning, NotEnoughGpuMemory, RunnerUnavailable, ConfigError)):
+        out of reach, a wrong declaration, a node that lacks the worker's directory) is not counted:
+        three of those would have the last good checkpoint marked failed, and retention then delete it."""
+        if e.retryable or getattr(e, "node_condition", False) or isinstance(
+                e, (WorkloadRunning, NotEnoughGpuMemory, RunnerUnavailable, ConfigError)):
             return
         why = (e.message if hasattr(e, "message") else str(e)).splitlines()[0][:300]
         try:
