@@ -242,7 +242,7 @@ def main() -> int:
         if out.returncode != 0:
             raise RuntimeError(f"ckptflow deploy failed: {out.stdout}{out.stderr}")
         for node in ("node-a", "node-b"):
-            unit = tmp / f"{FLEET}.workers" / "systemd" / f"ckptflow-prefect-worker-{node}.service"
+            unit = tmp / f"{FLEET}.workers" / "systemd" / f"ckptflow-prefect-worker-{FLEET}-{node}.service"
             unit_env = dict(line.split("=", 1)[1].split("=", 1) for line in unit.read_text().splitlines()
                             if line.startswith("Environment="))
             wenv = {**env, "PREFECT_HOME": str(tmp / f"home-{node}"), "CKPTFLOW_NODE": node,

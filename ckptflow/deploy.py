@@ -20,9 +20,9 @@ does not hold the project, so the assumption is written down once and checked.
 Example:
     $ ckptflow deploy deployments/example-h200-fleet.yaml --render-only
     rendered deployments/prefect.example-h200.yaml
-    rendered deployments/example-h200.workers/systemd/ckptflow-prefect-worker-h200-01.service
+    rendered deployments/example-h200.workers/systemd/ckptflow-prefect-worker-example-h200-h200-01.service
     ...
-    rendered deployments/example-h200.workers/systemd/ckptflow-prefect-worker-h200-08.service
+    rendered deployments/example-h200.workers/systemd/ckptflow-prefect-worker-example-h200-h200-08.service
     rendered deployments/example-h200.workers/kubernetes/daemonset.yaml (8 DaemonSets, one per node pool)
 """
 
@@ -226,10 +226,12 @@ def render_prefect_yaml(fleet_file: Path, workdir: Path | str | None = None) -> 
 def worker_files(fleet_file: Path, fleet, out_dir: Path | None = None) -> dict[str, list[Path]]:
     """Where render_node_workers writes: {"systemd": [a unit per node], "kubernetes": [daemonset.yaml]}."""
     d = Path(out_dir) if out_dir else fleet_file.with_name(f"{fleet.fleet}.workers")
-    return {"systemd": [d / "systemd" / f"ckptflow-prefect-worker-{n.name}.service" for n in fleet.nodes],
+    # The fleet in every unit name: node and workload names are only unique within a fleet, and
+    # units of two fleets on one host share /etc/systemd/system (new-user trial, issue #36).
+    return {"systemd": [d / "systemd" / f"ckptflow-prefect-worker-{fleet.fleet}-{n.name}.service" for n in fleet.nodes],
             "kubernetes": [d / "kubernetes" / "daemonset.yaml"],
             # a turn-end exporter beside each two-tier workload (ckptflow turns, runners/turns.py)
-            "turns": [d / "systemd" / f"ckptflow-turns-{w.name}.service" for w in _two_tier(fleet)]}
+            "turns": [d / "systemd" / f"ckptflow-turns-{fleet.fleet}-{w.name}.service" for w in _two_tier(fleet)]}
 
 
 def _two_tier(fleet) -> list:

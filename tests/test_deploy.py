@@ -46,9 +46,9 @@ def test_a_systemd_unit_per_node_runs_its_pool_as_root_in_the_project(example):
     fleet = load_fleet(example)
     files = render_node_workers(example, ROOT, api_url=API)
     units = {p.name: p for p in files["systemd"]}
-    assert sorted(units) == sorted(f"ckptflow-prefect-worker-{n.name}.service" for n in fleet.nodes)
+    assert sorted(units) == sorted(f"ckptflow-prefect-worker-{fleet.fleet}-{n.name}.service" for n in fleet.nodes)
     for n in fleet.nodes:
-        u = _unit(units[f"ckptflow-prefect-worker-{n.name}.service"])
+        u = _unit(units[f"ckptflow-prefect-worker-{fleet.fleet}-{n.name}.service"])
         s = u["Service"]
         assert s["User"] == ["root"] and s["WorkingDirectory"] == [str(ROOT)]
         assert s["ExecStart"] == [f"{ROOT}/.venv/bin/prefect --no-prompt worker start --pool {n.work_pool} "
@@ -114,7 +114,7 @@ def test_a_node_gone_from_the_fleet_loses_its_unit(example):
     example.write_text(yaml.safe_dump(data))
     again = render_node_workers(example, ROOT, api_url=API)["systemd"]
     assert sorted(p.name for p in units[0].parent.iterdir()) == sorted(p.name for p in again)
-    assert len(again) == len(units) - 1 and not (units[0].parent / "ckptflow-prefect-worker-h200-08.service").exists()
+    assert len(again) == len(units) - 1 and not (units[0].parent / "ckptflow-prefect-worker-example-h200-h200-08.service").exists()
 
 
 def test_prefect_yaml_names_the_project_directory(example):
@@ -166,12 +166,12 @@ def test_cli_refuses_a_workdir_without_the_project_in_one_line(tmp_path, example
 def test_cli_render_only_writes_every_file_and_says_where(tmp_path, example):
     out = _ckptflow(ROOT, "deploy", example, "--render-only", PREFECT_API_URL=API)
     assert out.returncode == 0, out.stderr
-    # Every file by its own name: `ckptflow-prefect-worker-<node>.service` named no file (#36).
+    # Every file by its own name: `ckptflow-prefect-worker-<fleet>-<node>.service` named no file (#36).
     assert out.stdout.splitlines() == [
         f"rendered {tmp_path}/prefect.example-h200.yaml",
-        *(f"rendered {tmp_path}/example-h200.workers/systemd/ckptflow-prefect-worker-h200-0{i}.service" for i in range(1, 9)),
+        *(f"rendered {tmp_path}/example-h200.workers/systemd/ckptflow-prefect-worker-example-h200-h200-0{i}.service" for i in range(1, 9)),
         f"rendered {tmp_path}/example-h200.workers/kubernetes/daemonset.yaml (8 DaemonSets, one per node pool)"]
-    assert API in (tmp_path / "example-h200.workers/systemd/ckptflow-prefect-worker-h200-03.service").read_text()
+    assert API in (tmp_path / "example-h200.workers/systemd/ckptflow-prefect-worker-example-h200-h200-03.service").read_text()
     assert "warning" not in out.stderr
 
 
@@ -305,7 +305,7 @@ def test_cli_refuses_the_shells_loopback_url_for_remote_nodes_before_writing_any
     # Taken explicitly: written into every unit, and said where it came from when it was not.
     out = _ckptflow(ROOT, "deploy", example, "--render-only", "--api-url", API, PREFECT_API_URL=LOOPBACK)
     assert out.returncode == 0, out.stderr
-    assert _unit(tmp_path / "example-h200.workers/systemd/ckptflow-prefect-worker-h200-01.service")[
+    assert _unit(tmp_path / "example-h200.workers/systemd/ckptflow-prefect-worker-example-h200-h200-01.service")[
         "Service"]["Environment"].count(f"PREFECT_API_URL={API}") == 1
     out = _ckptflow(ROOT, "deploy", example, "--render-only", PREFECT_API_URL=API)
     assert f"note: the node workers reach Prefect at {API} (this shell's PREFECT_API_URL" in out.stderr
@@ -437,7 +437,7 @@ def test_a_two_tier_workload_gets_a_turn_end_exporter_unit_on_its_node(tmp_path,
     f.write_text(yaml.safe_dump(data))
     fleet = load_fleet(f)
     files = render_node_workers(f, ROOT, api_url=API)
-    assert [p.name for p in files["turns"]] == [f"ckptflow-turns-{w['name']}.service"]
+    assert [p.name for p in files["turns"]] == [f"ckptflow-turns-{fleet.fleet}-{w['name']}.service"]
     s = _unit(files["turns"][0])["Service"]
     assert s["ExecStart"] == [f"{ROOT}/.venv/bin/ckptflow turns {f} {w['name']} --every 2"]
     env = dict(e.split("=", 1) for e in s["Environment"])
@@ -447,3 +447,18 @@ def test_a_two_tier_workload_gets_a_turn_end_exporter_unit_on_its_node(tmp_path,
     f.write_text(yaml.safe_dump(data))
     assert render_node_workers(f, ROOT, api_url=API)["turns"] == []
     assert not files["turns"][0].exists()
+
+
+def test_two_fleets_with_a_node_named_alike_render_units_of_different_names(tmp_path, example):
+    # New-user trial: both fleets' `local` node rendered ckptflow-prefect-worker-local.service,
+    # and installing the second into /etc/systemd/system replaced the first fleet's worker.
+    names = []
+    for fleet_name in ("fleet-a", "fleet-b"):
+        data = yaml.safe_load(example.read_text())
+        data["fleet"] = fleet_name
+        f = tmp_path / f"{fleet_name}.yaml"
+        f.write_text(yaml.safe_dump(data))
+        names.append({p.name for p in render_node_workers(f, ROOT, api_url=API)["systemd"]})
+    node = yaml.safe_load(example.read_text())["nodes"][0]["name"]
+    assert f"ckptflow-prefect-worker-fleet-a-{node}.service" in names[0]
+    assert names[0].isdisjoint(names[1]) and len(names[0]) == len(names[1])
