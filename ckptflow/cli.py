@@ -168,9 +168,9 @@ LEGACY_FLEET = typer.Option(None, "--fleet", hidden=True, help="Deprecated: pass
 
 @app.command()
 def demo(port: int = typer.Option(
-        18001, min=1, max=65534, help="Port of the demo worker; its uninterrupted reference twin takes the next "
-        "one. deployments/local.yaml names 18001: the demo runs on a copy of it under .ckptflow/demo, "
-        "on this port.")) -> None:
+        18201, min=1, max=65534, help="Port of the demo worker; its uninterrupted reference twin takes the next "
+        "one. The demo runs on a copy of deployments/local.yaml under .ckptflow/demo, on this port, so a "
+        "worker of deployments/local.yaml itself keeps its 18001.")) -> None:
     """Run the end-to-end demo on this machine; exit 0 only if the continuation matched."""
     from ckptflow.demo.main import run_demo
 

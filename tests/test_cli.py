@@ -194,7 +194,7 @@ def test_demo_on_a_busy_port_says_the_port_is_taken(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).parent.parent
-    # A port of the kernel's choosing, not the demo's default 18001: a demo worker left running
+    # A port of the kernel's choosing, not the demo's default 18201: a demo worker left running
     # on this machine would hold that one and make this test pass without the check.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -395,3 +395,26 @@ def test_deploy_refuses_an_api_url_that_is_not_a_url(tmp_path, url):
         "http://prefect.internal:4200/api",
         "fix: pass the Prefect API URL as the nodes reach it, e.g. --api-url http://prefect.internal:4200/api"]
     assert not (tmp_path / "local.workers").exists() and not (tmp_path / "prefect.local.yaml").exists()
+
+
+def test_the_demo_default_port_is_not_the_one_the_docs_start_a_worker_of_the_fleet_file_on():
+    # New-user trial: docs/install.md starts deployments/local.yaml's worker on its port, 18001,
+    # and a `ckptflow demo` run next was refused: the demo's default was the same port.
+    import inspect
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from ckptflow.cli import demo
+    from ckptflow.demo.main import run_demo
+
+    root = Path(__file__).parent.parent
+    fleet = yaml.safe_load((root / "deployments" / "local.yaml").read_text())
+    chat = next(w for w in fleet["workloads"] if w["name"] == "demo-chat")
+    declared = int(re.search(r":(\d+)/", chat["health_url"]).group(1))
+    hand = re.search(r"ckptflow\.demo\.worker --host 127\.0\.0\.1 --port (\d+)", (root / "docs" / "install.md").read_text())
+    assert int(hand.group(1)) == declared
+    cli_default = inspect.signature(demo).parameters["port"].default.default
+    assert cli_default == inspect.signature(run_demo).parameters["port"].default
+    assert {cli_default, cli_default + 1}.isdisjoint({declared})

@@ -20,6 +20,9 @@ from rich.table import Table
 FLEET_FILE = "deployments/local.yaml"
 DEMO_DIR = Path(".ckptflow/demo")  # the demo's own fleet file, store and pid files
 PORT = 18001  # demo-chat's port in FLEET_FILE; the reference twin listens on the next one
+# The demo's own default, not FLEET_FILE's: the docs start a worker of deployments/local.yaml by
+# hand on 18001, and a demo run beside it must not find its port taken.
+DEMO_PORT = 18201
 LONG_PROMPT = ("You are an agent working through a long task. Keep notes of every step. " * 40)[:1900]
 N_CONT = 64
 
@@ -56,7 +59,7 @@ def _fleet_file(port: int, demo_dir: Path) -> str:
     return str(out)
 
 
-def run_demo(console: Console | None = None, port: int = PORT) -> bool:
+def run_demo(console: Console | None = None, port: int = DEMO_PORT) -> bool:
     """Run the demo with its worker on ``port``; return True when the restored continuation
     matched the reference. Example: run_demo(port=18101) (the reference twin on 18102)."""
     console = console or Console()
