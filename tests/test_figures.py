@@ -393,7 +393,7 @@ FIGURES = [
       every(_moves("sqlite"), lambda rs: holds(max(_PHASES, key=_missed(rs)[0].__getitem__) == "handoff_s",
                                                _missed(rs)[0]["published_s"] - _missed(rs)[0]["pushed_s"])),
       every(_moves("sqlite"), lambda rs: _missed(rs)[1]["downtime_s"]),
-      every(_moves("sqlite"), lambda rs: ["none", "one", "two", "three", "four", "five", "six"][len(_met(rs))]),
+      every(_moves("sqlite"), lambda rs: ["none", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"][len(_met(rs))]),
       every(_moves("sqlite"), _slower_steps),
       every(_moves("sqlite"), lambda rs: _missed(rs)[1]["handoff_s"])),
      ("d", "d", "s", ".2f", ".2f", ".2f", "s", "s", ".2f")),
