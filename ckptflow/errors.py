@@ -12,6 +12,8 @@ class CkptflowError(Exception):
     """Base of every ckptflow error. ``fix`` says what the operator should do."""
 
     retryable: bool = False
+    # The node lacks what a restore needs (see CriuError): not the checkpoint's fault.
+    node_condition: bool = False
 
     def __init__(self, message: str, *, fix: str | None = None):
         self.fix = fix

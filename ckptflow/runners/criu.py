@@ -269,9 +269,10 @@ class CriuRunner:
         if proc.returncode != 0:
             tail = _tail(log) or output.strip()[-2000:]
             cause = first_error(_read(log))
+            said = f"{cause}\n{tail}"
             raise CriuError(f"criu {what} failed" + (f": {cause}" if cause else ""), cmd=cmd, log_tail=tail,
-                            returncode=proc.returncode, fix=fix_for(f"{cause}\n{tail}"),
-                            node_condition=any(n in f"{cause}\n{tail}" for n in NODE_CONDITIONS))
+                            returncode=proc.returncode, fix=fix_for(said),
+                            node_condition=any(n in said for n in NODE_CONDITIONS))
         return time.perf_counter() - t0
 
     def _common(self, images_dir: Path, log: Path, tcp_established: bool) -> list[str]:

@@ -18,7 +18,7 @@ from ckptflow.policies.multigpu import tp_problems
 from ckptflow.runners import process
 from ckptflow.runners.engine import read_load
 from ckptflow.runners.gpu import GpuBackend, backend_for, get_backend, holds_device_state
-from ckptflow.runners.runtime import runtime_for, runtime_name
+from ckptflow.runners.runtime import runtime_for
 from ckptflow.store.local import LocalStore
 
 
@@ -76,10 +76,10 @@ def collect_facts(w: Workload, store: LocalStore, *, mtbf_s: float | None = None
         since_s = max(0.0, now - m.created.timestamp())
         at_ckpt = m.probe.tokens_total
         since_tokens = (load.tokens_total - at_ckpt) if (load is not None and at_ckpt is not None) else live
-        if m.pid and pid and m.pid != pid and runtime_name(w) == "process":
-            # CRIU restores a process with its dumped PID; another PID is a worker started anew (or
-            # a standby that took over), whose counter may even have passed the checkpoint's:
-            # "nothing new" would leave it unprotected. (A container's restore gets a new host PID.)
+        if m.pid and pid and m.pid != pid and runtime_for(w).keeps_pid:
+            # The restore keeps the dumped PID; another PID is a worker started anew (or a standby
+            # that took over), whose counter may even have passed the checkpoint's: "nothing new"
+            # would leave it unprotected.
             restarted = f"the newest checkpoint {m.id} is of PID {m.pid}; the worker now runs as PID {pid}"
         if since_tokens < 0 or restarted:
             # The counter went back, or counts another process: a restarted worker, or one restored

@@ -498,7 +498,7 @@ class NodeRunner:
         retryable one, the worker running, no room on the GPU, the node's own tools or a cluster
         out of reach, a wrong declaration, a node that lacks the worker's directory) is not counted:
         three of those would have the last good checkpoint marked failed, and retention then delete it."""
-        if e.retryable or getattr(e, "node_condition", False) or isinstance(
+        if e.retryable or e.node_condition or isinstance(
                 e, (WorkloadRunning, NotEnoughGpuMemory, RunnerUnavailable, ConfigError)):
             return
         why = (e.message if hasattr(e, "message") else str(e)).splitlines()[0][:300]

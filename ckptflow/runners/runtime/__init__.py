@@ -78,6 +78,9 @@ class WorkloadRuntime(ABC):
     # What a workload under it must declare (models.Workload checks it): "find", "container" or
     # "container.kubernetes"; a runtime named with the wrong one would act on nothing it can find.
     declares: ClassVar[str] = "find"
+    # Whether a restore brings the worker back under its dumped PID (CRIU on the host does; a
+    # container's restore gets a new host PID): only then does another PID mean a new worker.
+    keeps_pid: ClassVar[bool] = False
 
     def __init__(self, node: "NodeRunner | None" = None):
         self.node = node

@@ -34,6 +34,8 @@ from ckptflow.runners.verify import verify_process_copy
 class ProcessRuntime(WorkloadRuntime):
     """A host process tree: CRIU, plus the node's GPU backend for a GPU worker."""
 
+    keeps_pid = True
+
     def refuse_replica(self, w: Workload) -> None:
         """Replicas are this runtime's: CRIU copies of a template in a network namespace of their own."""
 
