@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 from dataclasses import dataclass
@@ -513,12 +514,28 @@ def render_node_workers(fleet_file: Path, workdir: Path | str | None = None, api
 
     ds.write_text(env().get_template("kubernetes/daemonset.yaml.j2").render(
         pools=list(pools.items()), namespace=K8S_NAMESPACE, image=image, out_name=ds.name,
-        ds_name=lambda pool: "ckptflow-prefect-worker-" + re.sub(r"[^a-z0-9-]", "-", pool.lower()).strip("-"),
+        ds_name=lambda pool: daemonset_name(fleet.fleet, pool),
         store_paths=store_paths, mounts=mounts, fleet_mount=fleet_mount, **ds_ctx, **ctx))
     pods = render_pod_fleet(fleet_file, ds.parent, K8S_NAMESPACE)
     if pods:  # rbac.yaml and the restore pods, only for a fleet with pod workloads
         files["pods"] = pods
     return files
+
+
+def daemonset_name(fleet: str, pool: str) -> str:
+    """The node agent's DaemonSet for ``pool``: the fleet in the name, as the systemd units carry
+    it, so two fleets with a pool named alike in one namespace do not overwrite each other's.
+    A DNS label (63 characters at most): a longer one keeps a hash of the whole, so it stays unique.
+
+    >>> daemonset_name("example-h200", "h200_01")
+    'ckptflow-prefect-worker-example-h200-h200-01'
+    >>> len(daemonset_name("f" * 40, "p" * 40))
+    63
+    """
+    name = "ckptflow-prefect-worker-" + re.sub(r"[^a-z0-9-]+", "-", f"{fleet}-{pool}".lower()).strip("-")
+    if len(name) <= 63:
+        return name
+    return name[:54].rstrip("-") + "-" + hashlib.sha256(name.encode()).hexdigest()[:8]
 
 
 def _version() -> str:

@@ -75,7 +75,7 @@ def test_a_privileged_daemonset_per_node_pool(example):
     assert sorted(by_pool) == sorted(n.work_pool for n in fleet.nodes) and len(docs) == len(fleet.nodes)
     for n in fleet.nodes:
         d = by_pool[n.work_pool]
-        assert d["metadata"]["name"] == f"ckptflow-prefect-worker-{n.work_pool}"
+        assert d["metadata"]["name"] == f"ckptflow-prefect-worker-{fleet.fleet}-{n.work_pool}"
         labels = d["spec"]["template"]["metadata"]["labels"]
         assert d["spec"]["selector"]["matchLabels"].items() <= labels.items()
         pod = d["spec"]["template"]["spec"]
@@ -452,13 +452,24 @@ def test_a_two_tier_workload_gets_a_turn_end_exporter_unit_on_its_node(tmp_path,
 def test_two_fleets_with_a_node_named_alike_render_units_of_different_names(tmp_path, example):
     # New-user trial: both fleets' `local` node rendered ckptflow-prefect-worker-local.service,
     # and installing the second into /etc/systemd/system replaced the first fleet's worker.
-    names = []
+    names, dss = [], []
     for fleet_name in ("fleet-a", "fleet-b"):
         data = yaml.safe_load(example.read_text())
         data["fleet"] = fleet_name
         f = tmp_path / f"{fleet_name}.yaml"
         f.write_text(yaml.safe_dump(data))
-        names.append({p.name for p in render_node_workers(f, ROOT, api_url=API)["systemd"]})
+        files = render_node_workers(f, ROOT, api_url=API, out_dir=tmp_path / fleet_name)
+        names.append({p.name for p in files["systemd"]})
+        dss.append([d for d in yaml.safe_load_all(files["kubernetes"][0].read_text()) if d])
     node = yaml.safe_load(example.read_text())["nodes"][0]["name"]
     assert f"ckptflow-prefect-worker-fleet-a-{node}.service" in names[0]
     assert names[0].isdisjoint(names[1]) and len(names[0]) == len(names[1])
+    # The same for their DaemonSets in one namespace (#36): other names, and selectors that do
+    # not match the other fleet's pods (a DaemonSet of one would otherwise count the other's).
+    (a, b) = ({d["metadata"]["name"] for d in ds} for ds in dss)
+    assert a.isdisjoint(b) and len(a) == len(b) == len(yaml.safe_load(example.read_text())["nodes"])
+    for mine, theirs in (dss, dss[::-1]):
+        for d in mine:
+            sel = d["spec"]["selector"]["matchLabels"]
+            assert sel.items() <= d["spec"]["template"]["metadata"]["labels"].items()
+            assert not any(sel.items() <= o["spec"]["template"]["metadata"]["labels"].items() for o in theirs)

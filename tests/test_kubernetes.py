@@ -51,7 +51,7 @@ def test_pod_fleet_manifests_validate_against_the_kubernetes_schema(tmp_path):
     # containers-storage (checkpoint images are built into it); hostNetwork reaches its kubelet.
     # One DaemonSet per node pool, and one pool per node (a node step must run on its own node).
     dss = docs["daemonset.yaml"]
-    assert [d["metadata"]["name"] for d in dss] == [f"ckptflow-prefect-worker-cpu-node-0{i}" for i in (1, 2)]
+    assert [d["metadata"]["name"] for d in dss] == [f"ckptflow-prefect-worker-example-pods-cpu-node-0{i}" for i in (1, 2)]
     ds = dss[0]
     pod = ds["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "ckptflow-node-agent" and pod["hostNetwork"] is True
