@@ -489,6 +489,20 @@ def gpu_used_gib() -> float:
         pynvml.nvmlShutdown()
 
 
+def gpu_util_for(reserve_gib: float) -> float:
+    """vLLM's --gpu-memory-utilization that reserves ``reserve_gib`` on this card: a fraction fixed
+    for the H200 (0.18 of 140 GiB) left an H100 (80 GiB) less than the 15 GiB of weights, and every
+    vLLM row failed at start ("No available memory for the cache blocks", 2026-12-07)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        total = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total / GiB
+    finally:
+        pynvml.nvmlShutdown()
+    return round(min(0.9, reserve_gib / total), 3)
+
+
 def mem_total_gib() -> float:
     kb = int(next(l for l in open("/proc/meminfo") if l.startswith("MemTotal")).split()[1])
     return round(kb / 2**20, 1)
@@ -958,6 +972,7 @@ def row_p(a, model: dict, work: Path, res: dict) -> None:
         save(res)
 
 
+RESERVE_GIB = 25.3   # per engine: 0.18 of the H200's 140.4 GiB, where every earlier row ran
 KV_BYTES_PER_TOKEN = 2 * SHAPE["num_hidden_layers"] * SHAPE["num_key_value_heads"] * \
     (SHAPE["hidden_size"] // SHAPE["num_attention_heads"]) * 2   # K and V, bf16: 128 KiB a token
 
@@ -1319,7 +1334,8 @@ def main() -> None:
     p.add_argument("--rows", default="a,b,c", help=f"comma-separated, of {','.join(ROWS)}")
     p.add_argument("--work", type=Path, default=HOME / "vllm-bench")
     p.add_argument("--model-dir", type=Path, default=None)
-    p.add_argument("--gpu-util", type=float, default=0.18)
+    p.add_argument("--gpu-util", type=float, default=None,
+                   help=f"vLLM's --gpu-memory-utilization (default: what reserves {RESERVE_GIB} GiB on this card)")
     p.add_argument("--port", type=int, default=18720)
     p.add_argument("--start-timeout", type=float, default=420)
     p.add_argument("--connector", choices=["auto", "ckptflow", "ckptflow-bench", "example"], default="auto")
@@ -1354,6 +1370,8 @@ def main() -> None:
     if unknown:
         p.error(f"--rows: no row {', '.join(unknown)} (rows: {', '.join(ROWS)})")
     a.work.mkdir(parents=True, exist_ok=True)
+    if a.gpu_util is None:
+        a.gpu_util = gpu_util_for(RESERVE_GIB)
     if STATE.exists():
         res = json.loads(STATE.read_text())
     elif a.resume_from and a.resume_from.exists():  # rows of an earlier machine (a fresh one has no $HOME state)
