@@ -46,6 +46,25 @@ def test_migrate_in_process_session_continues(tmp_path, prefect_harness, demo_wo
     assert [(r["workload"], r["node"], r["ok"]) for r in rows] == [("chat", "node-b", True)]
 
 
+def test_a_migrate_to_the_node_it_runs_on_is_refused_before_any_pause(tmp_path, prefect_harness, demo_worker, s3):
+    # Fleet-mode trial: target_node=node-a for a worker on node-a checkpointed, stopped and
+    # restored it ("moved", node-a -> node-a): an operator's typo paid a pause and a restore.
+    from ckptflow.errors import ConfigError
+    from ckptflow.flows.migrate import migrate
+    from ckptflow.store import open_store
+    from ckptflow.tasks.common import open_fleet
+
+    w = demo_worker("chat")
+    fleet = _two_node_fleet(tmp_path, s3, [w.workload], "ckpt-mig-same")
+    w.complete("a session that stays " * 10, 8, "s")
+    before = w.digests()
+    with pytest.raises(ConfigError) as e:
+        migrate(fleet, "chat", "node-a", via_deployments=False)
+    assert "workload chat already runs on node-a" in str(e.value) and "others: node-b" in e.value.fix
+    assert w.proc.poll() is None and w.digests() == before          # never stopped, nothing lost
+    assert list(open_store(open_fleet(fleet).storage, "node-a").valid("chat")) == []  # and never checkpointed
+
+
 def test_drain_moves_long_sessions_and_stops_short_ones(tmp_path, prefect_harness, demo_worker, s3):
     from ckptflow.flows.drain import drain
 

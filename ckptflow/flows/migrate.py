@@ -6,6 +6,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from ckptflow.errors import ConfigError
 from ckptflow.flows.steps import move, run_step, wait_step
 from ckptflow.render import render
 from ckptflow.results import Migrated
@@ -26,9 +27,13 @@ def migrate(fleet_file: str, workload: str, target_node: str, via_deployments: b
     fleet = open_fleet(fleet_file)
     w = fleet.workload(workload)
     fleet.node(target_node)
+    if target_node == w.node:  # a typo here would cost the worker a checkpoint's pause and a restore
+        others = ", ".join(n.name for n in fleet.nodes if n.name != w.node) or "none declared"
+        raise ConfigError(f"workload {workload} already runs on {target_node}: nothing to move",
+                          fix=f"name another node as target_node (others: {others})")
     need_shared_tier(fleet.scope())  # before any step: from a step, its error stayed on its node
     source = w.node
-    paired = via_deployments and target_node != source  # one node's steps run one at a time (concurrency 1)
+    paired = via_deployments  # two nodes, each running one step at a time (concurrency 1)
     if paired:  # the target's step starts first: the worker is down for the move only (flows.steps.move)
         out, inn_run = move(source=source, target=target_node, fleet_file=fleet_file, workload=workload)
     else:
