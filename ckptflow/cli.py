@@ -497,12 +497,7 @@ def heartbeat(fleet_file: Path = FLEET_ARG, node: str = typer.Option(None, help=
         # Each failure's error is the error line below: the table says what happened, not that again.
         rows = [r if r["ok"] else {**r, "reason": _without(r["reason"], r.get("error"))} for r in e.rows]
         _table("heartbeat", rows, ("workload", "decision", "checkpoint", "reason"))
-        gone = [r["workload"] for r in e.rows if r.get("gone") and not r["ok"]]
-        fix = None
-        if gone:  # the worker is not running: what brings it back
-            fix = (f"start it again, or `ckptflow recover {fleet_file} {gone[0]}` restores its newest checkpoint; "
-                   "`on_worker_gone: recover` in its policy rule makes the heartbeat do that")
-        _print_error(str(e), fix)
+        _print_error(str(e).removesuffix(f"\n  fix: {e.fix}") if e.fix else str(e), e.fix)
         raise typer.Exit(1)
     _table("heartbeat", rows, ("workload", "decision", "checkpoint", "reason"))
 

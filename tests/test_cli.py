@@ -360,9 +360,11 @@ def test_a_heartbeat_that_finds_a_worker_gone_says_how_to_bring_it_back(tmp_path
     out = _cli(tmp_path, "heartbeat", fleet)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
-    assert lines[-2] == f"error: demo-chat: workload demo-chat: pid file {tmp_path / 'gone.pid'} does not exist"
-    assert lines[-1] == (f"fix: start it again, or `ckptflow recover {fleet} demo-chat` restores its newest "
-                         "checkpoint; `on_worker_gone: recover` in its policy rule makes the heartbeat do that")
+    # The workload named once (the fleet-mode trial read "demo-chat: workload demo-chat: ...").
+    assert lines[-2] == f"error: workload demo-chat: pid file {tmp_path / 'gone.pid'} does not exist"
+    assert lines[-1] == (f"fix: start it again, or `ckptflow recover {fleet} demo-chat` (or the deployment "
+                         "recover/<fleet>, workload=demo-chat) restores its newest checkpoint; "
+                         "`on_worker_gone: recover` in its policy rule makes the heartbeat do that")
     # Said once, in the error line: not again in the table, the log and the alert's log line (#36).
     assert (out.stdout + out.stderr).count("does not exist") == 1, out.stdout + out.stderr
     assert "worker gone" in out.stdout                        # the table still says what happened to it
@@ -380,7 +382,7 @@ def test_a_fleet_files_relative_paths_follow_the_file_not_the_working_directory(
                          text=True, timeout=180, env=_env(tmp_path))
     assert out.returncode == 1, out.stderr[-2000:]
     pid_file = tmp_path / "fleet" / "state" / "run" / "demo-chat.pid"
-    assert f"error: demo-chat: workload demo-chat: pid file {pid_file} does not exist" in out.stderr, out.stderr
+    assert f"error: workload demo-chat: pid file {pid_file} does not exist" in out.stderr, out.stderr
     assert (tmp_path / "fleet" / "state" / "store").is_dir() and not any((tmp_path / "elsewhere").iterdir())
 
 

@@ -65,8 +65,11 @@ def test_heartbeat_reports_a_gone_workload(tmp_path, prefect_harness, demo_worke
     w = demo_worker("chat")
     fleet = write_fleet(tmp_path / "fleet.yaml", [w.workload], tmp_path / "store")
     w.stop()
-    with pytest.raises(HeartbeatFailed, match="chat: workload chat: no live process"):
+    with pytest.raises(HeartbeatFailed, match="^workload chat: no live process") as e:
         heartbeat(str(fleet))
+    # What brings it back, in the error a deployment run's state shows (fleet-mode trial: no fix line).
+    assert e.value.fix.startswith(f"start it again, or `ckptflow recover {fleet} chat`")
+    assert str(e.value).endswith(f"\n  fix: {e.value.fix}")
     assert LocalStore(tmp_path / "store").list("chat") == []
 
 

@@ -269,7 +269,7 @@ def test_dead_worker_alert_opens_once_and_recover_resolves_it(tmp_path, prefect_
     w.proc.wait()
     # The worker is gone: not "skip (nothing new since the last checkpoint)", but a failure and an alert.
     for _ in range(2):
-        with pytest.raises(HeartbeatFailed, match="chat: workload chat: no live process") as e:
+        with pytest.raises(HeartbeatFailed, match="^workload chat: no live process") as e:
             heartbeat(str(fleet))
         [row] = e.value.rows
         assert row["ok"] is False and row["reason"].startswith("worker gone: workload chat: no live process")

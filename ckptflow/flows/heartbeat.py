@@ -27,11 +27,12 @@ def _group_name(group: list) -> str:
 
 
 class HeartbeatFailed(RuntimeError):
-    """Some checkpoints failed; ``rows`` holds every workload's outcome (the failed ones too)."""
+    """Some checkpoints failed; ``rows`` holds every workload's outcome (the failed ones too).
+    ``fix``: what brings a gone worker back, in the message too (a deployment run's state shows it)."""
 
-    def __init__(self, message: str, rows: list[CheckpointRow] | None = None):
-        super().__init__(message)
-        self.rows = rows or []
+    def __init__(self, message: str, rows: list[CheckpointRow] | None = None, fix: str | None = None):
+        super().__init__(message if not fix else f"{message}\n  fix: {fix}")
+        self.rows, self.fix = rows or [], fix
 
 
 @flow(name="heartbeat", log_prints=True)
@@ -58,7 +59,7 @@ def heartbeat(fleet_file: str, node: str | None = None, workloads: list[str] | N
     _recover_gone(results, choices, lambda name: recover(fleet_file, name))
     create_table_artifact(key=f"heartbeat-{fleet.fleet}", table=results or [{"note": "nothing selected"}],
                           description=f"Heartbeat of fleet {fleet.fleet}")
-    return _outcome(results)
+    return _outcome(results, fleet_file)
 
 
 def heartbeat_here(fleet_file: str, node: str | None = None, workloads: list[str] | None = None,
@@ -72,7 +73,7 @@ def heartbeat_here(fleet_file: str, node: str | None = None, workloads: list[str
     choices, batches = _select(fleet, node, workloads)
     results = checkpoint_nodes.fn(fleet.scope(), batches, force) if batches else []
     _recover_gone(results, choices, lambda name: recover_here(fleet_file, name))
-    return _outcome(results)
+    return _outcome(results, fleet_file)
 
 
 def _select(fleet, node: str | None, workloads: list[str] | None) -> tuple[dict[str, PolicyChoice], list]:
@@ -99,9 +100,18 @@ def _recover_gone(results: list[CheckpointRow], choices: dict[str, PolicyChoice]
                 r["recover_error"] = str(e).splitlines()[0]
 
 
-def _outcome(results: list[CheckpointRow]) -> list[CheckpointRow]:
+def _outcome(results: list[CheckpointRow], fleet_file: str) -> list[CheckpointRow]:
     failed = [r for r in results if not r["ok"]]
-    if failed:
-        run_logger().error("%d of %d checkpoints failed", len(failed), len(results))
-        raise HeartbeatFailed("; ".join(f"{r['workload']}: {r['error']}" for r in failed), results)
-    return results
+    if not failed:
+        return results
+    gone = [r["workload"] for r in failed if r.get("gone")]
+    run_logger().error("%d of %d workloads not checkpointed%s", len(failed), len(results),
+                       f" ({len(gone)} of them not running)" if gone else "")
+    fix = None
+    if gone:  # the worker is not running: what brings it back (nothing failed to checkpoint)
+        fix = (f"start it again, or `ckptflow recover {fleet_file} {gone[0]}` (or the deployment recover/<fleet>, "
+               f"workload={gone[0]}) restores its newest checkpoint; `on_worker_gone: recover` in its policy rule "
+               "makes the heartbeat do that")
+    # The error names its workload already ("workload chat: ..."): not "chat: workload chat: ...".
+    raise HeartbeatFailed("; ".join(r["error"] if r["error"].startswith(f"workload {r['workload']}")
+                                    else f"{r['workload']}: {r['error']}" for r in failed), results, fix)
