@@ -2,6 +2,8 @@
 one process work pool and worker per node."""
 
 
+import logging
+
 import pytest
 import yaml
 
@@ -23,7 +25,23 @@ def _two_node_fleet(tmp_path, s3, workloads, bucket):
     return str(f)
 
 
-def test_migrate_in_process_session_continues(tmp_path, prefect_harness, demo_worker, s3):
+@pytest.fixture
+def run_log():
+    """What the flows logged to their run (Prefect's flow-run logger does not propagate to caplog)."""
+    from prefect.logging import configuration
+
+    if not configuration.PROCESS_LOGGING_CONFIG:  # the first flow run would set it up, dropping our handler
+        configuration.setup_logging()
+    lines: list[str] = []
+    h = logging.Handler()
+    h.emit = lambda r: lines.append(r.getMessage())
+    logger = logging.getLogger("prefect.flow_runs")
+    logger.addHandler(h)
+    yield lambda: "\n".join(lines)
+    logger.removeHandler(h)
+
+
+def test_migrate_in_process_session_continues(tmp_path, prefect_harness, demo_worker, s3, run_log):
     from ckptflow.flows.migrate import migrate
 
     w, ref = demo_worker("chat"), demo_worker("ref")
@@ -36,6 +54,8 @@ def test_migrate_in_process_session_continues(tmp_path, prefect_harness, demo_wo
     assert res["out"]["uploaded_bytes"] > 0 and res["in"]["downloaded_bytes"] == res["out"]["bytes"]
     assert w.digests() == ref.digests()
     assert w.complete("next", 24, "s") == ref.complete("next", 24, "s")
+    # The run's log says what moved (the fleet-mode trial found it only in the artifact).
+    assert f"moved chat: node-a -> node-b, PID {old_pid}, checkpoint {res['checkpoint']}" in run_log()
     # Heartbeats follow the workload to node-b; node-a has nothing left to checkpoint.
     from ckptflow.flows.heartbeat import heartbeat
     from ckptflow.tasks.common import open_fleet
@@ -65,7 +85,7 @@ def test_a_migrate_to_the_node_it_runs_on_is_refused_before_any_pause(tmp_path, 
     assert list(open_store(open_fleet(fleet).storage, "node-a").valid("chat")) == []  # and never checkpointed
 
 
-def test_drain_moves_long_sessions_and_stops_short_ones(tmp_path, prefect_harness, demo_worker, s3):
+def test_drain_moves_long_sessions_and_stops_short_ones(tmp_path, prefect_harness, demo_worker, s3, run_log):
     from ckptflow.flows.drain import drain
 
     long_w, short_w, ref = demo_worker("chat"), demo_worker("api"), demo_worker("ref")
@@ -75,6 +95,7 @@ def test_drain_moves_long_sessions_and_stops_short_ones(tmp_path, prefect_harnes
         x.complete("a long session " * 30, 16, "s")
     rows = {r["workload"]: r for r in drain(fleet, "node-a", via_deployments=False)}
     assert rows["chat"]["action"] == "migrated" and rows["chat"]["target"] == "node-b"
+    assert "drain of node-a: chat migrated -> node-b; api stopped (short requests)" in run_log()
     assert rows["api"]["action"] == "stopped (short requests)"
     short_w.proc.wait(timeout=30)                         # it exited (raises if still running) ...
     with pytest.raises(OSError):                          # ... and nothing answers on its port

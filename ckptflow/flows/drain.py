@@ -3,7 +3,7 @@ and stop its short-request ones once drained."""
 
 from __future__ import annotations
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from ckptflow.errors import NotDrained
@@ -54,6 +54,9 @@ def drain(fleet_file: str, node: str, via_deployments: bool = True) -> list[Move
         r = run_step(node=node, action="stop", fleet_file=fleet_file, workload=w.name, via_deployments=via_deployments)
         rows.append(MoveRow(workload=w.name, action=MoveAction.stopped, target="-", **r))
     create_markdown_artifact(key=f"drain-{node}", markdown=render("drain_report.md.j2", node=node, rows=rows))
+    get_run_logger().info("drain of %s: %s", node, "; ".join(
+        f"{r['workload']} {MoveAction(r['action']).value}" + (f" -> {r['target']}" if r["target"] != "-" else "")
+        + (f" ({r['reason']})" if r.get("reason") else "") for r in rows) or "no workloads on it")
     if left:  # a green drain is the go for maintenance: never with a worker still on the node
         raise NotDrained(f"drain of {node}: {len(left)} workload(s) did not move off it, so it is not marked "
                          "drained: " + "; ".join(f"{r['workload']} ({r['reason']})" for r in left),

@@ -52,6 +52,9 @@ def migrate(fleet_file: str, workload: str, target_node: str, via_deployments: b
             back=back, error=str(e).splitlines()[0]))
         raise
     record_placement(fleet.scope(), workload, target_node, out["checkpoint"])  # heartbeats follow it there
+    # The run's log says the outcome, as a heartbeat's does (the fleet-mode trial found only the artifact).
+    get_run_logger().info("moved %s: %s -> %s, PID %s, checkpoint %s", workload, source, target_node,
+                          inn["pid"], out["checkpoint"])
     events.emit("workload.migrated", workload=workload, node=target_node, fleet=fleet.fleet, checkpoint=out["checkpoint"],
                 source=source, target=target_node)
     create_markdown_artifact(key=f"migrate-{workload}", markdown=render(

@@ -3,7 +3,7 @@ recover-node: do that for every workload of a node that is gone, on other nodes.
 
 from __future__ import annotations
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from ckptflow.errors import NotRecovered
@@ -32,7 +32,11 @@ def recover(fleet_file: str, workload: str, node: str | None = None, via_deploym
     Example:
         >>> recover("deployments/local.yaml", "demo-chat")   # doctest: +SKIP
     """
-    return recover_sequence(open_fleet(fleet_file), workload, node, _Flow(fleet_file, workload, via_deployments))
+    res = recover_sequence(open_fleet(fleet_file), workload, node, _Flow(fleet_file, workload, via_deployments))
+    get_run_logger().info("recovered %s on %s, PID %s: %s", workload, res["node"], res["pid"],
+                          f"cold started in {res.get('cold_start_s', 0):.1f} s" if res["cold_start"]
+                          else f"restored checkpoint {res.get('checkpoint')}")
+    return res
 
 
 class _Flow:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
 from ckptflow.models import TrafficClass
@@ -26,6 +26,11 @@ def verify(fleet_file: str, workloads: list[str] | None = None, node: str | None
     rows = [verify_workload(scope, w) for w in fleet.workloads
             if (workloads is None or w.name in workloads) and (node is None or w.node == node)
             and w.traffic != TrafficClass.short_requests]
+    log = get_run_logger()
+    for r in rows:  # the verdicts in the run's log too, not only in the artifact
+        log.info("verify %s: %s (%s)", r["workload"], r["state"], r["reason"])
+    if not rows:
+        log.info("nothing to verify" + (f" on {node}" if node else ""))
     create_table_artifact(key="verify", table=rows or [{"note": "nothing to verify"}],
                           description="Sandbox verification of the newest checkpoints")
     return rows
