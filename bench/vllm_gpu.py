@@ -479,28 +479,26 @@ def _state(pid: int) -> str:
         return "?"
 
 
-def gpu_used_gib() -> float:
+def _gpu_memory():
+    """GPU 0's memory info (NVML: ``total``, ``used``, ``free`` bytes)."""
     import pynvml
 
     pynvml.nvmlInit()
     try:
-        return round(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used / GiB, 2)
+        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
     finally:
         pynvml.nvmlShutdown()
+
+
+def gpu_used_gib() -> float:
+    return round(_gpu_memory().used / GiB, 2)
 
 
 def gpu_util_for(reserve_gib: float) -> float:
     """vLLM's --gpu-memory-utilization that reserves ``reserve_gib`` on this card: a fraction fixed
     for the H200 (0.18 of 140 GiB) left an H100 (80 GiB) less than the 15 GiB of weights, and every
     vLLM row failed at start ("No available memory for the cache blocks", 2026-12-07)."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        total = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total / GiB
-    finally:
-        pynvml.nvmlShutdown()
-    return round(min(0.9, reserve_gib / total), 3)
+    return round(min(0.9, reserve_gib / (_gpu_memory().total / GiB)), 3)
 
 
 def mem_total_gib() -> float:

@@ -497,7 +497,7 @@ def heartbeat(fleet_file: Path = FLEET_ARG, node: str = typer.Option(None, help=
         # Each failure's error is the error line below: the table says what happened, not that again.
         rows = [r if r["ok"] else {**r, "reason": _without(r["reason"], r.get("error"))} for r in e.rows]
         _table("heartbeat", rows, ("workload", "decision", "checkpoint", "reason"))
-        _print_error(str(e).removesuffix(f"\n  fix: {e.fix}") if e.fix else str(e), e.fix)
+        _print_error(e.message, e.fix)
         raise typer.Exit(1)
     _table("heartbeat", rows, ("workload", "decision", "checkpoint", "reason"))
 

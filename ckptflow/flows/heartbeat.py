@@ -32,7 +32,7 @@ class HeartbeatFailed(RuntimeError):
 
     def __init__(self, message: str, rows: list[CheckpointRow] | None = None, fix: str | None = None):
         super().__init__(message if not fix else f"{message}\n  fix: {fix}")
-        self.rows, self.fix = rows or [], fix
+        self.message, self.rows, self.fix = message, rows or [], fix
 
 
 @flow(name="heartbeat", log_prints=True)

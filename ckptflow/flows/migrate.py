@@ -33,14 +33,15 @@ def migrate(fleet_file: str, workload: str, target_node: str, via_deployments: b
                           fix=f"name another node as target_node (others: {others})")
     need_shared_tier(fleet.scope())  # before any step: from a step, its error stayed on its node
     source = w.node
-    paired = via_deployments  # two nodes, each running one step at a time (concurrency 1)
-    if paired:  # the target's step starts first: the worker is down for the move only (flows.steps.move)
+    # Two nodes, each running one step at a time (concurrency 1): the target's step starts first,
+    # so the worker is down for the move only (flows.steps.move).
+    if via_deployments:
         out, inn_run = move(source=source, target=target_node, fleet_file=fleet_file, workload=workload)
     else:
         out = run_step(node=source, action="migrate_out", fleet_file=fleet_file, workload=workload,
                        via_deployments=via_deployments)
     try:
-        inn = (wait_step(inn_run, action="migrate_in", workload=workload, node=target_node) if paired else
+        inn = (wait_step(inn_run, action="migrate_in", workload=workload, node=target_node) if via_deployments else
                run_step(node=target_node, action="migrate_in", fleet_file=fleet_file, workload=workload,
                         checkpoint=out["checkpoint"], via_deployments=via_deployments))
     except Exception as e:
