@@ -59,16 +59,19 @@ def record_run(name: str, result: dict) -> dict:
 def append_device_run(name: str, fetched: Path, title: str, carry: str, table) -> None:
     """Here, after a device call: the ``NAME.json`` a GPU bench wrote under the device's $OUT is
     appended as a run to bench/results/NAME.json (every run kept) and to RESULTS.md, with the
-    device's own machine and commands (``table``: the bench's table of that run)."""
+    device's own machine and commands (``table``: the bench's table of that run; ``{gpu}`` in
+    ``title`` becomes the card that run found, so an H100 run is not titled as an H200's)."""
     res = json.loads(fetched.read_text())
     if "runs" in res:
         raise SystemExit(f"--append-results: {fetched} is a results file (it has runs); "
                          f"pass the {name}.json the device run wrote under $OUT")
     record_run(name, res)
+    card = str(res.get("gpu") or "the GPU").split(",")[0]
+    title = title.format(gpu=card)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cmds = "; ".join(f"`{c}`" for c in res.get("commands", []))
-    block = (f"\n## {title} — {stamp}\n\nMachine: {res.get('machine')} ({res.get('gpu')}; torch {res.get('torch')}), "
-             f"kind nvidia-h200  \nCommand (on the device, after `eval \"$(scripts/{carry} env)\"`): {cmds}\n\n"
+    block = (f"\n## {title} — {stamp}\n\nMachine: {res.get('machine')} ({res.get('gpu')}; torch {res.get('torch')})"
+             f"  \nCommand (on the device, after `eval \"$(scripts/{carry} env)\"`): {cmds}\n\n"
              f"{table(res)}\n\n{res.get('notes_md', '')}\n")
     with RESULTS_MD.open("a") as f:
         f.write(block)

@@ -472,7 +472,7 @@ def main() -> None:
         print(json.dumps(phases_of_log(a.phases_of)))
         return
     if a.append_results:
-        append_device_run("sglang_gpu", a.append_results, f"SGLang {SGLANG_VERSION} on the H200: cold start, whole "
+        append_device_run("sglang_gpu", a.append_results, f"SGLang {SGLANG_VERSION} on {{gpu}}: cold start, whole "
                           "process, two tiers (bench/sglang_gpu.py)", "carry-sglang.sh", table)
         return
     a.rows = [r.strip() for r in a.rows.split(",") if r.strip()]

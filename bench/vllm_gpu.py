@@ -1360,7 +1360,7 @@ def main() -> None:
         print(json.dumps(info))
         return
     if a.append_results:
-        append_device_run("vllm_gpu", a.append_results, f"vLLM {VLLM_VERSION} on the H200: cold start, whole process, "
+        append_device_run("vllm_gpu", a.append_results, f"vLLM {VLLM_VERSION} on {{gpu}}: cold start, whole process, "
                           "two tiers (bench/vllm_gpu.py)", "carry-vllm.sh", table)
         return
     a.rows = [r.strip() for r in a.rows.split(",") if r.strip()]
