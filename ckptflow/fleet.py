@@ -663,6 +663,16 @@ def _line_of(root: yaml.Node | None, loc: tuple) -> int | None:
     return line
 
 
+def _located(path: Path, loc: tuple, line: int | None, msg: str, missing: bool) -> str:
+    """One problem's line. A missing field has no line of its own: the line is where the mapping
+    that lacks it starts (a top-level ``fleet:`` missing was reported at the first key's line, as if
+    that key were wrong)."""
+    if missing and line:
+        where = "the top-level mapping" if len(loc) == 1 else "the mapping"
+        return f"{path}: {format_path(loc)}: {msg} (add it to {where} at line {line})"
+    return f"{path}: {format_path(loc)}" + (f" (line {line})" if line else "") + f": {msg}"
+
+
 def load_fleet(path: Path | str) -> Fleet:
     """Read and validate a fleet file; its relative paths (``storage.path``, ``find.pid_file``,
     a container's ``rootfs``, ``mounts[].source``, ``kubelet_ca``, ``token_file``) come back
@@ -676,8 +686,12 @@ def load_fleet(path: Path | str) -> Fleet:
     try:
         st = path.stat()
     except FileNotFoundError:
-        raise ConfigError(f"{path}: fleet file not found",
-                          fix="pass a file from deployments/, e.g. deployments/local.yaml") from None
+        # deployments/ exists only in a checkout: a node installed from a wheel, or a Prefect
+        # worker whose directory is not the project's, needs the path it was given explained.
+        where = "" if path.is_absolute() else f" (a relative path is read from {Path.cwd()})"
+        raise ConfigError(f"{path}: fleet file not found{where}",
+                          fix="pass the fleet file's path; examples are deployments/*.yaml in ckptflow's "
+                              "repository (deployments/local.yaml is the demo's)") from None
     if not path.is_file():  # a directory read as YAML fails in open() with a bare IsADirectoryError
         raise ConfigError(f"{path}: is a directory, not a fleet file",
                           fix=f"pass a fleet file, e.g. {path / 'local.yaml'}" if (path / "local.yaml").is_file()
@@ -739,11 +753,15 @@ def _load(resolved: str, mtime_ns: int, size: int, shown: str) -> Fleet:
         return Fleet.model_validate(data)
     except ValidationError as e:
         problems: list[tuple[tuple, str]] = []
+        missing: set[tuple] = set()
         for err in e.errors():
             loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
             ctx_err = (err.get("ctx") or {}).get("error")
             if isinstance(ctx_err, _PathErrors):
                 problems += [(loc + p, m) for p, m in ctx_err.problems]
+            elif err["type"] == "missing":
+                missing.add(loc)
+                problems.append((loc, err["msg"]))
             elif err["type"] == "extra_forbidden":  # pydantic's "Extra inputs are not permitted" says no more
                 problems.append((loc, unknown_field(str(loc[-1]), _fields_at(loc[:-1]))))
             else:
@@ -753,8 +771,7 @@ def _load(resolved: str, mtime_ns: int, size: int, shown: str) -> Fleet:
         problems += [p for p in cross_field_problems(data) if p not in problems]
         root = yaml.compose(text, Loader=_Loader)  # line numbers, only when there is an error
         located = sorted(((_line_of(root, loc) or 0, loc, msg) for loc, msg in problems), key=lambda x: x[0])
-        lines = [f"{path}: {format_path(loc)}" + (f" (line {line})" if line else "") + f": {msg}"
-                 for line, loc, msg in located]
+        lines = [_located(path, loc, line, msg, loc in missing) for line, loc, msg in located]
         if len(lines) > 1:
             lines.insert(0, f"{path}: {len(lines)} problems")
         raise ConfigError("\n".join(lines), fix=f"see {EVERY_FIELD} for every field") from None

@@ -267,6 +267,31 @@ def test_not_yaml_and_missing_file(tmp_path):
         load_fleet(tmp_path / "nope.yaml")
 
 
+def test_a_relative_missing_file_names_the_directory_it_was_read_from(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        load_fleet("fleets/nope.yaml")
+    # a Prefect worker's directory is rarely the one the user thinks of: say which it was
+    assert f"fleet file not found (a relative path is read from {tmp_path})" in e.value.message
+    with pytest.raises(ConfigError) as e:
+        load_fleet(tmp_path / "nope.yaml")
+    assert e.value.message == f"{tmp_path / 'nope.yaml'}: fleet file not found"
+
+
+def test_a_missing_field_points_at_the_mapping_that_lacks_it(tmp_path):
+    """A missing key has no line of its own; the line given is where to add it, said as such (a
+    missing top-level ``fleet:`` read 'fleet (line 4)', the line of the first key, as if it were bad)."""
+    f = tmp_path / "fleet.yaml"
+    lines = GOOD.splitlines()
+    first = next(i for i, ln in enumerate(lines) if ln.startswith("fleet:"))
+    f.write_text("# a comment\n" + "\n".join(ln for i, ln in enumerate(lines) if i != first) + "\n")
+    with pytest.raises(ConfigError) as e:
+        load_fleet(f)
+    start = 1 + next(i for i, ln in enumerate(f.read_text().splitlines()) if ln and not ln.startswith("#"))
+    assert f"{f}: fleet: Field required (add it to the top-level mapping at line {start})" in e.value.message
+    assert "fleet (line" not in e.value.message
+
+
 def test_line_number_points_at_the_field(tmp_path):
     f = tmp_path / "fleet.yaml"
     f.write_text(GOOD.replace("metrics_url: http://127.0.0.1:8000/metrics", "metrics_url: 8000"))
