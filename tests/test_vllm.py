@@ -323,9 +323,12 @@ def _kill_mid_generation(srv: vllm.Server, chat: Chat) -> list[int]:
     time.sleep(0.5)
     pids = tree(srv.pid)
     vllm.kill_tree(srv.pid)
+    # Gone first: the client's connection breaks only when the killed server has exited, which a
+    # loaded machine can delay past a fixed join (seen once: a still-blocked turn read as finished).
+    _wait_gone(pids, timeout=60)
     t.join(timeout=60)
+    assert not t.is_alive(), "the long turn neither failed nor finished 60 s after the server was gone"
     assert err, "the generation finished before the kill: nothing was in flight"
-    _wait_gone(pids)
     return pids
 
 
