@@ -552,3 +552,46 @@ def test_a_restore_whose_working_directory_is_gone_names_it_and_the_fix(tmp_path
         cwd.mkdir()                                                          # the fix, followed
         r = node.restore(w)
         os.kill(r.pid, signal.SIGKILL)
+
+
+
+# The stats-dump CRIU 4.2.1 wrote for a `sleep` dumped with --leave-running, and what `crit decode`
+# read in it (times in µs).
+STATS_DUMP = bytes.fromhex("4059105506330957200000000a1e084a10a22218b402207028393000381e4000480050065806600068007000")
+STATS_DECODED = {"freezing_time": 74, "frozen_time": 4386, "memdump_time": 308, "memwrite_time": 112,
+                 "pages_scanned": 57, "pages_skipped_parent": 0, "pages_written": 30, "irmap_resolve": 0,
+                 "pages_lazy": 0, "page_pipes": 6, "page_pipe_bufs": 6}
+
+
+def test_dump_stats_read_as_crit_reads_them(tmp_path):
+    from ckptflow.runners.criu import dump_stats
+
+    (tmp_path / "stats-dump").write_bytes(STATS_DUMP)
+    assert dump_stats(tmp_path) == STATS_DECODED
+    (tmp_path / "stats-dump").write_bytes(STATS_DUMP[:20])          # torn: no figure rather than a wrong one
+    assert dump_stats(tmp_path) is None
+    assert dump_stats(tmp_path / "none") is None
+
+
+def test_a_heartbeats_pause_is_the_time_criu_held_the_worker_frozen(tmp_path, demo_worker, store):
+    """The pause a heartbeat reports (which the cadence prices) is CRIU's frozen time, not its whole
+    run: CRIU's start-up before the freeze and its clean-up after the thaw hold nobody. A dump that
+    stops the worker holds it for the whole run."""
+    import shutil as sh
+
+    from ckptflow.runners.criu import dump_stats
+    from ckptflow.runners.node import NodeRunner
+
+    w = demo_worker("hb", ballast_mib=64)
+    with NodeRunner(store) as node:
+        m = node.checkpoint(w.workload)
+        stats = dump_stats(store.images_dir(m))
+        assert stats and stats["pages_written"] > (64 << 20) // 4096     # the ballast was written
+        assert m.timings["frozen"] == round(stats["frozen_time"] / 1e6, 4) == m.timings["pause"]
+        assert 0 < m.timings["pause"] < m.timings["dump"]
+        if sh.which("crit"):   # CRIU's own decoder, where installed, reads the same
+            out = subprocess.run(["crit", "decode", "-i", str(store.images_dir(m) / "stats-dump")],
+                                 capture_output=True, text=True, check=True).stdout
+            assert f'"frozen_time": {stats["frozen_time"]}' in out
+        stop = node.checkpoint(w.workload, leave_running=False)
+        assert stop.timings["pause"] == stop.timings["dump"] >= stop.timings["frozen"]

@@ -178,7 +178,13 @@ class NodeRunner:
         pids = gpu.processes(proc.pid)
         if not pids:  # no device state: CRIU alone
             res = self.criu.dump(w, images_dir, leave_running=leave_running, proc=proc)
-            return Dumped(res.pid, {"dump": round(res.seconds, 4), "pause": round(res.seconds, 4)})
+            # A heartbeat holds the worker only while CRIU has it frozen; a dump that stops it
+            # (migrate, drain) holds it until a restore, so there the whole run counts.
+            held = res.frozen_s if leave_running and res.frozen_s is not None else res.seconds
+            t = {"dump": round(res.seconds, 4), "pause": round(held, 4)}
+            if res.frozen_s is not None:
+                t["frozen"] = round(res.frozen_s, 4)
+            return Dumped(res.pid, t)
         t: dict[str, float] = {}
         refuse_uncarriable(w, process.tree(proc.pid))  # before the prepare hook and any lock
         why = tp_unsupported(w, pids)
