@@ -112,6 +112,8 @@ def dump_stats(images_dir: Path) -> dict[str, int] | None:
                 return out or None
             n, i = _varint(entry, i)
             end = i + n
+            if end > len(entry):   # torn: no figure rather than some of them
+                return None
             while i < end:
                 key, i = _varint(entry, i)
                 if key & 7 != 0:
