@@ -1,0 +1,139 @@
+"""How long a whole-process heartbeat freezes a CPU vLLM, and where the time goes (issue #36,
+finding 6: 7.75-8.85 s for a 2.4 GB image).
+
+Usage (as root, after ./scripts/setup.sh; ~3 min on 2 cores):
+    .venv/bin/python bench/criu_cpu_vllm.py [--dumps 3] [--warm-gib 0] [--busy]
+
+One vLLM (the tests' seeded tiny Llama, CPU build, ckptflow's CPU_ENV) declared as a workload;
+``--dumps`` heartbeats through NodeRunner.checkpoint (the path a fleet heartbeat takes) while a
+poller asks ``/health`` every 20 ms. Per heartbeat: CRIU's whole run (``dump``), the pause the
+heartbeat reports (CRIU's frozen time, from its stats-dump), its memdump and memwrite parts, the
+pages written, the image, and the longest /health gap the poller saw (what a client felt).
+``--warm-gib N`` first writes and deletes N GiB in /dev/shm: on a VM, pages the guest never
+touched cost ~10x a reused one the first time, and a first heartbeat after boot pays that.
+``--busy`` runs a generating client beside the dumps. Appends to bench/results/criu_cpu_vllm.json
+and bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import append_results, md_table, record_run  # noqa: E402
+
+PORT = 18311
+GiB = 2**30
+
+
+def _warm(gib: int) -> float:
+    """Write and delete ``gib`` GiB in /dev/shm, so the dumps reuse pages the guest has touched."""
+    t0 = time.perf_counter()
+    block = b"\1" * (64 << 20)
+    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="ckptflow-warm-") as f:
+        for _ in range(gib * 16):
+            f.write(block)
+        f.flush()
+    return round(time.perf_counter() - t0, 2)
+
+
+def _poll(url: str, stop: threading.Event, gaps: list[float]) -> None:
+    last = time.perf_counter()
+    while not stop.is_set():
+        try:
+            urllib.request.urlopen(url + "/health", timeout=60).read()
+        except OSError:
+            pass
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+        time.sleep(0.02)
+
+
+def _generate(url: str, stop: threading.Event, done: list[int]) -> None:
+    from ckptflow.engines import vllm
+
+    rnd = random.Random(7)
+    while not stop.is_set():
+        try:
+            vllm.complete(url, [rnd.randrange(3, 4000) for _ in range(300)], 64)
+            done[0] += 1
+        except Exception:  # noqa: BLE001 - a refused or cut request is counted, not fatal
+            done[1] += 1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dumps", type=int, default=3)
+    ap.add_argument("--warm-gib", type=int, default=0, help="GiB written and freed in /dev/shm before the engine starts")
+    ap.add_argument("--busy", action="store_true", help="a generating client beside the dumps")
+    ap.add_argument("--dir", default="/var/tmp", help="the store's directory (images written there)")
+    a = ap.parse_args()
+
+    from ckptflow.engines import vllm
+    from ckptflow.runners.criu import dump_stats
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.store.local import LocalStore
+
+    inst = vllm.find_install()
+    if inst is None:
+        raise SystemExit("criu_cpu_vllm: no vLLM install: run ./scripts/setup.sh")
+    root = Path(tempfile.mkdtemp(prefix="ckptflow-bench-vllm-", dir=a.dir))
+    warm_s = _warm(a.warm_gib) if a.warm_gib else None
+    rows, srv = [], None
+    try:
+        model = vllm.build_model(inst, root / "model")
+        t0 = time.perf_counter()
+        srv = vllm.start_server(inst, model.path, port=PORT, run_dir=root / "run", name="live")
+        start_s = round(time.perf_counter() - t0, 1)
+        w = vllm.workload("bench-vllm", srv, model=model, inst=inst)
+        vllm.complete(srv.url, [random.Random(1).randrange(3, 4000) for _ in range(1500)], 16)
+        with NodeRunner(LocalStore(root / "store")) as node:
+            for i in range(a.dumps):
+                stop, gaps, done = threading.Event(), [], [0, 0]
+                threads = [threading.Thread(target=_poll, args=(srv.url, stop, gaps), daemon=True)]
+                if a.busy:
+                    threads.append(threading.Thread(target=_generate, args=(srv.url, stop, done), daemon=True))
+                for t in threads:
+                    t.start()
+                time.sleep(1.5)
+                m = node.checkpoint(w)
+                time.sleep(1.5)
+                stop.set()
+                for t in threads:
+                    t.join(timeout=120)
+                st = dump_stats(node.store.images_dir(m)) or {}
+                rows.append({"dump": i + 1, "dump_s": m.timings["dump"], "pause_s": m.timings["pause"],
+                             "memdump_s": round(st.get("memdump_time", 0) / 1e6, 3),
+                             "memwrite_s": round(st.get("memwrite_time", 0) / 1e6, 3),
+                             "pages_written": st.get("pages_written"), "image_gib": round(m.bytes / GiB, 3),
+                             "longest_health_gap_s": round(max(gaps), 3), "requests_done": done[0]})
+                print(rows[-1], flush=True)
+                node.store.delete(m)
+    finally:
+        if srv is not None:
+            vllm.kill_tree(srv.pid)
+        shutil.rmtree(root, ignore_errors=True)
+    record_run("criu_cpu_vllm", {"images_on": a.dir, "warm_gib": a.warm_gib, "warm_s": warm_s, "busy": a.busy,
+                                 "engine_start_s": start_s, "vllm": inst.version, "rows": rows})
+    table = md_table(["heartbeat", "CRIU run s", "pause (frozen) s", "memdump s", "memwrite s", "pages written",
+                      "image GiB", "longest /health gap s", "client requests"],
+                     [[r["dump"], r["dump_s"], r["pause_s"], r["memdump_s"], r["memwrite_s"], r["pages_written"],
+                       r["image_gib"], r["longest_health_gap_s"], r["requests_done"] if a.busy else "—"] for r in rows])
+    print(table)
+    append_results("A CPU vLLM's heartbeat freeze (bench/criu_cpu_vllm.py)", table,
+                   f"vLLM {inst.version} CPU, the tests' tiny Llama, VLLM_CPU_KVCACHE_SPACE=1; images on {a.dir}; "
+                   f"{a.warm_gib} GiB of /dev/shm written and freed first; "
+                   f"{'a generating client beside' if a.busy else 'idle engine'}; engine start {start_s} s.")
+
+
+if __name__ == "__main__":
+    main()
