@@ -346,11 +346,15 @@ def golden_body(served_name: str = "m") -> dict:
 
 # --- the engine's HTTP ----------------------------------------------------------------------
 def complete(url: str, prompt: list[int], max_tokens: int, *, served_name: str = "m", session: str | None = None,
-             timeout_s: float = HTTP_TIMEOUT_S) -> dict:
+             timeout_s: float = HTTP_TIMEOUT_S, ignore_eos: bool = False) -> dict:
     """One greedy turn; the answer's ``token_ids`` and ``usage``. ``session`` names the request's
-    session for the connector (its blocks are then listed under that name when it finishes)."""
+    session for the connector (its blocks are then listed under that name when it finishes).
+    ``ignore_eos``: generate all ``max_tokens`` (vLLM's sampling parameter), for a turn that must
+    still be running when something happens to the engine."""
     body: dict[str, Any] = {"model": served_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                             "return_token_ids": True}
+    if ignore_eos:
+        body["ignore_eos"] = True
     if session:
         body["kv_transfer_params"] = {"ckptflow_session": session}
     r = http().post(url + "/v1/completions", json=body, timeout=timeout_s)
