@@ -18,6 +18,7 @@ and bench/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import shutil
 import sys
@@ -88,11 +89,14 @@ def main() -> None:
         raise SystemExit("criu_cpu_vllm: no vLLM install: run ./scripts/setup.sh")
     root = Path(tempfile.mkdtemp(prefix="ckptflow-bench-vllm-", dir=a.dir))
     warm_s = _warm(a.warm_gib) if a.warm_gib else None
-    rows, srv = [], None
-    try:
+    rows = []
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, root, ignore_errors=True)
+        stack.enter_context(vllm.io_uring_off())   # start_server would leave it at 2 on this machine
         model = vllm.build_model(inst, root / "model")
         t0 = time.perf_counter()
         srv = vllm.start_server(inst, model.path, port=PORT, run_dir=root / "run", name="live")
+        stack.callback(vllm.kill_tree, srv.pid)
         start_s = round(time.perf_counter() - t0, 1)
         w = vllm.workload("bench-vllm", srv, model=model, inst=inst)
         vllm.complete(srv.url, [random.Random(1).randrange(3, 4000) for _ in range(1500)], 16)
@@ -118,10 +122,6 @@ def main() -> None:
                              "longest_health_gap_s": round(max(gaps), 3), "requests_done": done[0]})
                 print(rows[-1], flush=True)
                 node.store.delete(m)
-    finally:
-        if srv is not None:
-            vllm.kill_tree(srv.pid)
-        shutil.rmtree(root, ignore_errors=True)
     record_run("criu_cpu_vllm", {"images_on": a.dir, "warm_gib": a.warm_gib, "warm_s": warm_s, "busy": a.busy,
                                  "engine_start_s": start_s, "vllm": inst.version, "rows": rows})
     table = md_table(["heartbeat", "CRIU run s", "pause (frozen) s", "memdump s", "memwrite s", "pages written",

@@ -255,10 +255,8 @@ def io_uring_off():
     """The node setting a checkpointable vLLM needs, put back as it was at the end."""
     from ckptflow.engines import vllm
 
-    old = vllm.disable_io_uring()
-    yield
-    if old is not None:
-        vllm.IO_URING_SYSCTL.write_text(old)
+    with vllm.io_uring_off():
+        yield
 
 
 @pytest.fixture(scope="session")

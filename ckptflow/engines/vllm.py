@@ -44,6 +44,8 @@ import os
 import shlex
 import shutil
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -193,6 +195,19 @@ def disable_io_uring() -> str | None:
                                   f"CRIU cannot dump ({e})", fix="run `sysctl -w kernel.io_uring_disabled=2` as "
                                   "root before starting the engine") from None
     return old
+
+
+@contextmanager
+def io_uring_off() -> Iterator[None]:
+    """``disable_io_uring`` for a block that starts engines and then ends (a test session, a
+    bench), the node's old value put back after it: a fleet node keeps 2, a developer's machine
+    should not keep what a bench set."""
+    old = disable_io_uring()
+    try:
+        yield
+    finally:
+        if old is not None:
+            IO_URING_SYSCTL.write_text(old)
 
 
 # --- launching ------------------------------------------------------------------------------
