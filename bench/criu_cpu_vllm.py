@@ -11,8 +11,17 @@ heartbeat reports (CRIU's frozen time, from its stats-dump), its memdump and mem
 pages written, the image, and the longest /health gap the poller saw (what a client felt).
 ``--warm-gib N`` first writes and deletes N GiB in /dev/shm: on a VM, pages the guest never
 touched cost ~10x a reused one the first time, and a first heartbeat after boot pays that.
-``--busy`` runs a generating client beside the dumps. Appends to bench/results/criu_cpu_vllm.json
-and bench/RESULTS.md.
+``--busy`` runs a generating client beside the dumps.
+
+``--two-tier``: the same engine serving ckptflow's protocol (its middleware and KV connector) as
+``checkpoint: template-sessions``, heartbeated through TemplateSessionsRunner: the first heartbeat
+captures the template (a CRIU dump of the paused engine, once per version) and exports the session;
+each later one follows a turn that grew the session and exports only its new blocks. Per heartbeat:
+its pause (how long the engine was held), the bytes it moved and the longest /health gap. Whole
+process, the freeze follows the footprint (no dirty tracking for CRIU's pre-dump on this kernel or
+the GPU nodes'); two tiers, it follows what changed.
+
+Appends to bench/results/criu_cpu_vllm.json and bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -77,11 +86,16 @@ def main() -> None:
     ap.add_argument("--warm-gib", type=int, default=0, help="GiB written and freed in /dev/shm before the engine starts")
     ap.add_argument("--busy", action="store_true", help="a generating client beside the dumps")
     ap.add_argument("--dir", default="/var/tmp", help="the store's directory (images written there)")
+    ap.add_argument("--two-tier", action="store_true",
+                    help="checkpoint: template-sessions (template once, then the session's new blocks)")
     a = ap.parse_args()
+    if a.dumps < 1:
+        ap.error(f"--dumps {a.dumps}: give at least 1")
 
     from ckptflow.engines import vllm
     from ckptflow.runners.criu import dump_stats
     from ckptflow.runners.node import NodeRunner
+    from ckptflow.runners.template_sessions import TemplateSessionsRunner
     from ckptflow.store.local import LocalStore
 
     inst = vllm.find_install()
@@ -95,13 +109,20 @@ def main() -> None:
         stack.enter_context(vllm.io_uring_off())   # start_server would leave it at 2 on this machine
         model = vllm.build_model(inst, root / "model")
         t0 = time.perf_counter()
-        srv = vllm.start_server(inst, model.path, port=PORT, run_dir=root / "run", name="live")
+        srv = vllm.start_server(inst, model.path, port=PORT, run_dir=root / "run", name="live", protocol=a.two_tier)
         stack.callback(vllm.kill_tree, srv.pid)
         start_s = round(time.perf_counter() - t0, 1)
-        w = vllm.workload("bench-vllm", srv, model=model, inst=inst)
-        vllm.complete(srv.url, [random.Random(1).randrange(3, 4000) for _ in range(1500)], 16)
+        w = vllm.workload("bench-vllm", srv, model=model, inst=inst,
+                          checkpoint="template-sessions" if a.two_tier else "process")
+        rnd = random.Random(1)
+        session = [rnd.randrange(3, 4000) for _ in range(1500)]
+        session += vllm.complete(srv.url, session, 16, session="s1" if a.two_tier else None)["token_ids"]
         with NodeRunner(LocalStore(root / "store")) as node:
+            runner = TemplateSessionsRunner(node) if a.two_tier else node
             for i in range(a.dumps):
+                if a.two_tier and i:   # a turn between heartbeats: the session grows by ~2 blocks
+                    session += [rnd.randrange(3, 4000) for _ in range(256)]
+                    session += vllm.complete(srv.url, session, 16, session="s1")["token_ids"]
                 stop, gaps, done = threading.Event(), [], [0, 0]
                 threads = [threading.Thread(target=_poll, args=(srv.url, stop, gaps), daemon=True)]
                 if a.busy:
@@ -109,21 +130,50 @@ def main() -> None:
                 for t in threads:
                     t.start()
                 time.sleep(1.5)
-                m = node.checkpoint(w)
+                t0 = time.perf_counter()
+                m = runner.heartbeat(w) if a.two_tier else node.checkpoint(w)
+                wall_s = round(time.perf_counter() - t0, 3)
                 time.sleep(1.5)
                 stop.set()
                 for t in threads:
                     t.join(timeout=120)
-                st = dump_stats(node.store.images_dir(m)) or {}
-                rows.append({"dump": i + 1, "dump_s": m.timings["dump"], "pause_s": m.timings["pause"],
-                             "memdump_s": round(st.get("memdump_time", 0) / 1e6, 3),
-                             "memwrite_s": round(st.get("memwrite_time", 0) / 1e6, 3),
-                             "pages_written": st.get("pages_written"), "image_gib": round(m.bytes / GiB, 3),
-                             "longest_health_gap_s": round(max(gaps), 3), "requests_done": done[0]})
+                row = {"dump": i + 1, "pause_s": m.timings["pause"], "longest_health_gap_s": round(max(gaps), 3),
+                       "requests_done": done[0]}
+                if a.two_tier:
+                    tmpl = node.store.get(m.probe.template.workload, m.probe.template.id)
+                    st = (dump_stats(node.store.images_dir(tmpl)) or {}) if i == 0 else {}
+                    if i == 0:   # the engine was held for the template's capture, not for the session
+                        row["pause_s"] = round(row["pause_s"] + tmpl.timings.get("pause", 0.0), 4)
+                    row.update(what="template + session" if i == 0 else "session",
+                               heartbeat_s=wall_s, template_timings=tmpl.timings if i == 0 else None,
+                               session_tokens=runner._records(m)["sessions"]["s1"]["tokens"],
+                               moved_mib=round(m.probe.export.moved_bytes / 2**20, 2),
+                               template_gib=round(tmpl.bytes / GiB, 3) if i == 0 else None,
+                               template_frozen_s=round(st["frozen_time"] / 1e6, 3) if st.get("frozen_time") else None)
+                else:
+                    st = dump_stats(node.store.images_dir(m)) or {}
+                    row.update(dump_s=m.timings["dump"], memdump_s=round(st.get("memdump_time", 0) / 1e6, 3),
+                               memwrite_s=round(st.get("memwrite_time", 0) / 1e6, 3),
+                               pages_written=st.get("pages_written"), image_gib=round(m.bytes / GiB, 3))
+                    node.store.delete(m)
+                rows.append(row)
                 print(rows[-1], flush=True)
-                node.store.delete(m)
     record_run("criu_cpu_vllm", {"images_on": a.dir, "warm_gib": a.warm_gib, "warm_s": warm_s, "busy": a.busy,
+                                 "checkpoint": "template-sessions" if a.two_tier else "process",
                                  "engine_start_s": start_s, "vllm": inst.version, "rows": rows})
+    client = a.busy and "a generating client beside" or "idle engine"
+    if a.two_tier:
+        table = md_table(["heartbeat", "what", "pause s", "heartbeat s", "template frozen s", "template GiB",
+                          "session tokens", "moved MiB", "longest /health gap s", "client requests"],
+                         [[r["dump"], r["what"], r["pause_s"], r["heartbeat_s"], r["template_frozen_s"] or "—",
+                           r["template_gib"] or "—", r["session_tokens"], r["moved_mib"], r["longest_health_gap_s"],
+                           r["requests_done"] if a.busy else "—"] for r in rows])
+        print(table)
+        append_results("A CPU vLLM's two-tier heartbeats (bench/criu_cpu_vllm.py --two-tier)", table,
+                       f"vLLM {inst.version} CPU serving ckptflow's protocol, the tests' tiny Llama, "
+                       f"VLLM_CPU_KVCACHE_SPACE=1, checkpoint: template-sessions; store on {a.dir}; "
+                       f"a 256-token turn before each later heartbeat; {client}; engine start {start_s} s.")
+        return
     table = md_table(["heartbeat", "CRIU run s", "pause (frozen) s", "memdump s", "memwrite s", "pages written",
                       "image GiB", "longest /health gap s", "client requests"],
                      [[r["dump"], r["dump_s"], r["pause_s"], r["memdump_s"], r["memwrite_s"], r["pages_written"],
@@ -132,7 +182,7 @@ def main() -> None:
     append_results("A CPU vLLM's heartbeat freeze (bench/criu_cpu_vllm.py)", table,
                    f"vLLM {inst.version} CPU, the tests' tiny Llama, VLLM_CPU_KVCACHE_SPACE=1; images on {a.dir}; "
                    f"{a.warm_gib} GiB of /dev/shm written and freed first; "
-                   f"{'a generating client beside' if a.busy else 'idle engine'}; engine start {start_s} s.")
+                   f"{client}; engine start {start_s} s.")
 
 
 if __name__ == "__main__":
