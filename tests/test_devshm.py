@@ -173,3 +173,59 @@ def test_a_worker_that_died_by_itself_leaves_nothing_in_dev_shm_after_the_next_h
     finally:
         for n in {seg.name, keep.name} | left:
             (Path("/dev/shm") / n).unlink(missing_ok=True)
+
+
+def test_a_copy_of_an_isolated_worker_beside_it_gets_a_dev_shm_of_its_own(tmp_path, criu):
+    """An isolated worker (PID 1 of its own namespaces, as a GPU standby of vLLM needs) keeps
+    files in /dev/shm; its copy restored beside it sees them as they were at the dump, in a
+    tmpfs of its own, while the original's files keep what the original wrote since."""
+    from ckptflow.runners import devshm
+    from ckptflow.runners.isolate import is_isolated, isolated_argv
+    from ckptflow.runners.process import pid_alive, tree
+
+    pid_file, name_file = tmp_path / "w.pid", tmp_path / "shm.name"
+    (tmp_path / "w.py").write_text(WORKER)
+    argv = isolated_argv([sys.executable, str(tmp_path / "w.py"), str(tmp_path / "w.pid.ns"), str(name_file)], pid_file)
+    subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)
+    deadline = time.time() + 20
+    while not (pid_file.exists() and pid_file.read_text() and name_file.exists() and name_file.read_text()):
+        assert time.time() < deadline, "the isolated worker did not start"
+        time.sleep(0.05)
+    pid = int(pid_file.read_text())
+    seg = Path("/dev/shm") / name_file.read_text().lstrip("/")
+    w = Workload(name="w", node="local", find=ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="w.py"),
+                 criu=CriuOptions(link_remap=True, devshm=True))
+    img, copy, held = tmp_path / "img", None, set()
+    try:
+        assert is_isolated(pid)
+        held = devshm.held(tree(pid))
+        criu.dump(w, img, leave_running=True)
+        assert seg.name in {f["name"] for f in devshm.saved(img)}
+        with open(seg, "r+b") as f:                                       # the original writes on
+            f.write(b"later")
+        before = sorted(os.listdir("/dev/shm"))
+        copy = criu.restore_beside(img)
+        time.sleep(0.3)
+        assert pid_alive(copy.pid) and copy.pid != pid
+        mine = Path(f"/proc/{copy.pid}/root/dev/shm") / seg.name            # the copy's view
+        assert mine.read_bytes()[:5] == b"first"                           # as at the dump
+        with open(mine, "rb") as f:
+            f.seek(32 << 20)
+            assert f.read(6) == b"middle"
+        assert seg.read_bytes()[:5] == b"later"                            # the original's: untouched
+        assert sorted(os.listdir("/dev/shm")) == before                   # nothing added to the node's
+        assert "ckptflow-sandbox-shm" not in Path("/proc/self/mountinfo").read_text()
+        time.sleep(0.3)
+        assert pid_alive(copy.pid) and pid_alive(pid)                      # both run (their semaphores work)
+    finally:
+        if copy is not None:
+            copy.stop()
+        pids = tree(pid) if pid_alive(pid) else []
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for n in held | {seg.name}:
+            (Path("/dev/shm") / n).unlink(missing_ok=True)

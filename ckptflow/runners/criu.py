@@ -492,11 +492,9 @@ class CriuRunner:
         if devshm.saved(images_dir):
             # The original still maps its /dev/shm files: the copy gets a /dev/shm of its own
             # (a private mount namespace with a fresh tmpfs), filled from the image.
+            script, shm_args = _private_shm(images_dir)
             prefix = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                      'mount -t tmpfs -o mode=1777 ckptflow-sandbox-shm /dev/shm && '
-                      '"$0" -I -c "import sys; sys.path.insert(0, sys.argv[2]); from ckptflow.runners import devshm; '
-                      'devshm.put_back(__import__(\'pathlib\').Path(sys.argv[1]))" "$1" "$2" && shift 3 && exec "$@"',
-                      sys.executable, str(images_dir), str(Path(devshm.__file__).resolve().parents[2]), "--"]
+                      script + ' && shift 3 && exec "$@"', *shm_args, "--"]
         # Its outputs go nowhere: the original's log is not the copy's to write (nor to size-check).
         with _inherited_outputs(images_dir, sink=os.devnull) as (inherit, fds):
             self._run(args + inherit, log, timeout_s, "restore (sandbox)", exe=criu_ns, pass_fds=fds, prefix=prefix)
@@ -511,12 +509,12 @@ class CriuRunner:
     def _isolated_copy(self, images_dir: Path, args: list[str], log: Path, pidfile: Path, netns: str | None,
                        timeout_s: float | None) -> SandboxCopy:
         # The image brings its own PID and mount namespaces: plain criu makes new ones, and the
-        # copy's root task is their init (no criu-ns, no criu left running as init).
-        if devshm.saved(images_dir):
-            raise UnsupportedWorkload("a sandbox copy of an isolated worker that keeps files in /dev/shm is not "
-                                      "supported yet", fix="verify it by restoring on a spare node instead")
+        # copy's root task is their init (no criu-ns, no criu left running as init). Its /dev/shm
+        # is an external mount of the node's, found again under --root; the original still maps
+        # its files there, so the copy's /dev/shm is a fresh tmpfs in criu's private namespace,
+        # filled from the image before the rbind takes it along (a vLLM standby on a GPU).
         with _inherited_outputs(images_dir, sink=os.devnull) as (inherit, fds), \
-                _rbind_root(self._tmp()) as (prefix, root):
+                _rbind_root(self._tmp(), private_shm=images_dir if devshm.saved(images_dir) else None) as (prefix, root):
             self._run(args + root + inherit, log, timeout_s, "restore (sandbox)", pass_fds=fds, prefix=prefix)
         try:
             pid = int(pidfile.read_text().strip())
@@ -573,15 +571,30 @@ def image_isolated(images_dir: Path) -> bool:
     return bool(_recorded(images_dir).get("isolated"))
 
 
+def _private_shm(images_dir: Path) -> tuple[str, list[str]]:
+    """A shell fragment (and its ``$0 $1 $2``) that mounts a fresh tmpfs on /dev/shm and writes
+    the image's /dev/shm files into it; run only inside a private mount namespace."""
+    return ('mount -t tmpfs -o mode=1777 ckptflow-sandbox-shm /dev/shm && '
+            '"$0" -I -c "import sys; sys.path.insert(0, sys.argv[2]); from ckptflow.runners import devshm; '
+            'devshm.put_back(__import__(\'pathlib\').Path(sys.argv[1]))" "$1" "$2"',
+            [sys.executable, str(images_dir), str(Path(devshm.__file__).resolve().parents[2])])
+
+
 @contextlib.contextmanager
-def _rbind_root(parent: Path):
+def _rbind_root(parent: Path, private_shm: Path | None = None):
     """``(prefix, args)`` restoring an isolated image: CRIU rebuilds the dumped mount namespace
     under ``--root``, an rbind of / made in a private mount namespace of criu's own, so the
-    node's mount table never changes (and nothing is left mounted when criu exits)."""
+    node's mount table never changes (and nothing is left mounted when criu exits).
+    ``private_shm``: an image whose /dev/shm files the restored tree gets in a tmpfs of its own."""
     root = Path(tempfile.mkdtemp(prefix="root-", dir=parent))
+    script, args = 'mount --rbind / "$0" && exec "$@"', [str(root)]
+    if private_shm is not None:
+        shm, shm_args = _private_shm(private_shm)
+        script = shm + ' && mount --rbind / "$3" && shift 3 && exec "$@"'
+        args = [*shm_args, str(root)]
     try:
-        yield (["unshare", "--mount", "--propagation", "private", "sh", "-c", 'mount --rbind / "$0" && exec "$@"',
-                str(root)], ["--ext-mount-map", "auto", "--root", str(root)])
+        yield (["unshare", "--mount", "--propagation", "private", "sh", "-c", script, *args],
+               ["--ext-mount-map", "auto", "--root", str(root)])
     finally:
         with contextlib.suppress(OSError):
             root.rmdir()
