@@ -39,6 +39,31 @@ def append_results(title: str, table_md: str, notes: str = "") -> None:
         f.write(block)
 
 
+# The device returns at most 8 files from $OUT (its README): a bench's logs travel as one archive,
+# so the results files a run wrote are not the ones left behind (it happened twice).
+OUT_FILES_MAX = 8
+
+
+def logs_to_out(out: Path, archive: str, logs: list[Path], tail_bytes: int) -> None:
+    """The last ``tail_bytes`` of each log that exists, as one ``out/archive`` (a .tar.gz)."""
+    import io
+    import tarfile
+
+    with tarfile.open(out / archive, "w:gz") as tar:
+        for src in logs:
+            if src.exists():
+                data = src.read_bytes()[-tail_bytes:]
+                info = tarfile.TarInfo(src.name)
+                info.size, info.mtime = len(data), int(src.stat().st_mtime)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def out_files_over_limit(out: Path) -> list[str]:
+    """The files under ``out`` if there are more than the device returns, else []."""
+    files = sorted(str(f.relative_to(out)) for f in out.rglob("*") if f.is_file())
+    return files if len(files) > OUT_FILES_MAX else []
+
+
 def record_run(name: str, result: dict) -> dict:
     """Append one run to ``bench/results/<name>.json`` and return it: ``{"runs": [...]}``, every
     run kept with its date, machine and exact command (a file from before runs were kept stays

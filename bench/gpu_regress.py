@@ -36,7 +36,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from _common import RESULTS_MD, append_results, md_table, record_run, runs_of  # noqa: E402
+from _common import OUT_FILES_MAX, RESULTS_MD, append_results, md_table, out_files_over_limit, record_run, runs_of  # noqa: E402
 
 HOME = Path(os.environ.get("HOME", "/root"))
 BUDGET_S = 570   # a device call runs 600 s at most; what is left when a step starts is its limit
@@ -169,8 +169,12 @@ def main() -> None:
                 shutil.copy(f, dest / "results" / f.name)
         shutil.copy(RESULTS_MD, dest / "RESULTS.md")
         for name, state in STATE.items():   # for bench/<name>_gpu.py --append-results here
-            if name in only and state.exists():
+            if name in only and state.exists() and not (Path(out) / f"{name}_gpu.json").exists():
                 shutil.copy(state, dest / f"{name}_gpu.json")
+        over = out_files_over_limit(Path(out))
+        if over:
+            print(f"gpu_regress: {len(over)} files under $OUT, the device returns {OUT_FILES_MAX}: "
+                  f"some will be left behind ({', '.join(over)}); write fewer beside this run", flush=True)
     sys.exit(0 if claims and all(c["ok"] for c in claims) else 1)
 
 

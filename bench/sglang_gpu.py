@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import vllm_gpu as V  # noqa: E402  (the model, HTTP, log watch, engine start/kill and runner helpers)
-from _common import append_device_run, machine, md_table  # noqa: E402
+from _common import append_device_run, logs_to_out, machine, md_table  # noqa: E402
 
 from ckptflow.engines.sglang import CMDLINE, VERSION as SGLANG_VERSION  # noqa: E402
 
@@ -419,10 +419,8 @@ def save(res: dict) -> None:
     STATE.write_text(json.dumps(res, indent=1))
     if OUT:
         (OUT / "sglang_gpu.json").write_text(json.dumps(res, indent=1))
-        for name in ("s1.log", "s3.log"):
-            src = Path(res.get("work", "/nonexistent")) / name
-            if src.exists():
-                (OUT / name).write_bytes(src.read_bytes()[-4 * 2**20:])
+        work = Path(res.get("work", "/nonexistent"))
+        logs_to_out(OUT, "sglang_gpu-logs.tar.gz", [work / n for n in ("s1.log", "s3.log")], 4 * 2**20)
 
 
 def table(res: dict) -> str:

@@ -315,7 +315,7 @@ def _kill_mid_generation(srv: vllm.Server, chat: Chat) -> list[int]:
             # nothing is in flight at the kill (seen twice under load, once in a full suite)
             done.append(len(chat.turn(srv, n=3000, ignore_eos=True)["token_ids"]))
         except BaseException as e:  # noqa: BLE001 - the kill cuts the connection
-            err.append(e)
+            err.append((time.monotonic(), e))
 
     t = threading.Thread(target=long_turn)
     t.start()
@@ -325,6 +325,7 @@ def _kill_mid_generation(srv: vllm.Server, chat: Chat) -> list[int]:
         time.sleep(0.1)
     time.sleep(0.5)
     pids = tree(srv.pid)
+    killed_at = time.monotonic()
     vllm.kill_tree(srv.pid)
     # Gone first: the client's connection breaks only when the killed server has exited, which a
     # loaded machine can delay past a fixed join (seen once: a still-blocked turn read as finished).
@@ -332,6 +333,8 @@ def _kill_mid_generation(srv: vllm.Server, chat: Chat) -> list[int]:
     t.join(timeout=60)
     assert not t.is_alive(), "the long turn neither failed nor finished 60 s after the server was gone"
     assert err, f"the generation finished before the kill ({done} tokens): nothing was in flight"
+    # A request the server refused at once (a 400) also ends in an error, but before the kill.
+    assert err[0][0] >= killed_at, f"the long turn failed before the kill: {err[0][1]!r}"
     return pids
 
 
