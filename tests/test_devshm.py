@@ -36,6 +36,19 @@ while True:
 """
 
 
+def _kill_and_clean(pid: int, held: set[str], seg: Path) -> None:
+    """SIGKILL the worker's tree and remove its /dev/shm files (``held`` and its segment)."""
+    from ckptflow.runners.process import pid_alive, tree
+
+    for p in tree(pid) if pid_alive(pid) else []:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for n in held | {seg.name}:
+        (Path("/dev/shm") / n).unlink(missing_ok=True)
+
+
 def test_a_heartbeat_carries_the_workers_shm_and_semaphore_and_the_restore_puts_them_back(tmp_path, criu):
     from ckptflow.runners import devshm
     from ckptflow.runners.process import pid_alive, tree
@@ -80,14 +93,7 @@ def test_a_heartbeat_carries_the_workers_shm_and_semaphore_and_the_restore_puts_
         assert pid_alive(pid)
         assert not any(n.startswith(devshm.LINK_REMAP) for n in os.listdir("/dev/shm"))
     finally:
-        held = devshm.held(tree(pid)) if pid_alive(pid) else set()
-        for p in tree(pid):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for n in held | {seg.name}:
-            (Path("/dev/shm") / n).unlink(missing_ok=True)
+        _kill_and_clean(pid, devshm.held(tree(pid)) if pid_alive(pid) else set(), seg)
 
 
 def test_stale_link_remap_files_are_removed_unless_something_maps_them(tmp_path):
@@ -221,11 +227,4 @@ def test_a_copy_of_an_isolated_worker_beside_it_gets_a_dev_shm_of_its_own(tmp_pa
     finally:
         if copy is not None:
             copy.stop()
-        pids = tree(pid) if pid_alive(pid) else []
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for n in held | {seg.name}:
-            (Path("/dev/shm") / n).unlink(missing_ok=True)
+        _kill_and_clean(pid, held, seg)
