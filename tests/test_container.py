@@ -42,6 +42,18 @@ def _names(prefix: str) -> set[str]:
     return {n for n in out if n.startswith(prefix)}
 
 
+def _numeric_env() -> dict[str, str]:
+    """The BLAS settings the reference worker (a host process) runs with, for the container too:
+    it inherits this process's environment, the container does not. On an AVX-512 machine whose
+    environment sets OPENBLAS_CORETYPE=Haswell, the container picked OpenBLAS's SkylakeX kernels
+    and the host's Haswell: the same tokens, other float bits, and every session digest differed
+    before any checkpoint."""
+    from ckptflow.demo import launch
+
+    blas = {k: v for k, v in os.environ.items() if k.startswith(("OPENBLAS_", "OMP_", "MKL_", "GOTO_"))}
+    return blas | launch._WORKER_ENV
+
+
 class DemoContainer:
     """The demo worker in a container, started through the runner's own cold start."""
 
@@ -54,7 +66,7 @@ class DemoContainer:
         spec = ContainerSpec(name=self.cname, image=image, ports=[PortMap(host=self.port, container=CPORT)],
                              command=["python3", "-m", "ckptflow.demo.worker", "--host", "0.0.0.0",
                                       "--port", str(CPORT)],
-                             env={"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
+                             env=_numeric_env())
         data = base.model_dump(exclude={"find", "start_command", "container"})
         self.workload = Workload(**data, container=spec)
 
