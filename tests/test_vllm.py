@@ -486,6 +486,65 @@ def test_vllm_standby_is_promoted_after_the_kill_and_a_lost_node_restores_from_s
 
 
 @pytest.mark.criu
+def test_an_isolated_vllm_standby_beside_it_is_promoted_after_the_kill_with_a_dev_shm_of_its_own(
+        servers, ref, vllm_install, vllm_model, store):
+    """The layout of the GPU standby (bench/vllm_gpu.py row s): vLLM started isolated (PID 1 of its
+    own PID and mount namespaces, which a CUDA restore beside the original needs), its tree keeping
+    the engine's rings and semaphore in /dev/shm. The standby, its template restored beside it in
+    its own namespaces, gets those files in a /dev/shm of its own (the original's stay its own);
+    after the kill it is promoted and continues like an uninterrupted engine."""
+    from ckptflow.runners import devshm, engine
+    from ckptflow.runners.isolate import is_isolated
+    from ckptflow.runners.node import NodeRunner
+    from ckptflow.runners.process import tree
+    from ckptflow.runners.template_sessions import TemplateSessionsRunner
+    from ckptflow.runners.verify import del_netns, new_netns
+
+    live = servers.start("live-iso", protocol=True, isolated=True)
+    assert is_isolated(live.pid)
+    # The engine's rings (its semaphore travels as CRIU's link-remap file, not under its name)
+    held = {n for n in devshm.held(tree(live.pid)) if n.startswith("psm_")}
+    assert held, "the isolated engine keeps no rings in /dev/shm: this test would not exercise the copy's own"
+    w = _workload("chat-iso", live, vllm_install, vllm_model, golden=False, checkpoint="template-sessions")
+    chat = Chat(51, session="s51")
+    chat.turn(live)
+    ns = new_netns("ckvi")
+    try:
+        with NodeRunner(store) as node:
+            tt = TemplateSessionsRunner(node)
+            m0 = tt.heartbeat(w)
+            tmpl = store.get(m0.probe.template.workload, m0.probe.template.id)
+            carried = {f["name"] for f in devshm.saved(store.images_dir(tmpl))}
+            assert held <= carried and any(n.startswith(devshm.LINK_REMAP) for n in carried), carried
+            mine = {n: (devshm.SHM / n).stat().st_size for n in held}
+            sb = tt.standby(w, ns)
+            try:
+                assert engine.call(w, "/v1/ckptflow/engine", base=sb.base, netns=ns)["parked"] is True
+                assert {n: (devshm.SHM / n).stat().st_size for n in held} == mine   # the original's, as they were
+                # The copy has files of the same names, in a /dev/shm of its own (another tmpfs)
+                theirs = Path(f"/proc/{sb.copy.pid}/root/dev/shm")
+                assert all((theirs / n).exists() for n in held)
+                assert theirs.stat().st_dev != devshm.SHM.stat().st_dev
+                chat.turn(live, n=16, user=140)                   # the session grows after the standby was taken
+                m = tt.heartbeat(w)
+                twin, reference = chat.copy(), chat.copy()
+                _kill_mid_generation(live, chat)
+                r = tt.promote(w, sb)
+                assert r.manifest.id == m.id and r.pid == sb.copy.pid
+                tokens = tt._records(m)["sessions"]["s51"]["tokens"]
+                prompt = twin.tokens + [twin.rnd.randrange(3, 4000) for _ in range(12)]
+                got = engine.call(w, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 32,
+                                                         "temperature": 0, "return_token_ids": True},
+                                  base=sb.base, netns=ns)["choices"][0]["token_ids"]
+                assert got == reference.turn(ref, n=32)["token_ids"] and len(set(got)) > 1
+                assert tokens >= 1792
+            finally:
+                sb.copy.stop()
+    finally:
+        del_netns(ns)
+
+
+@pytest.mark.criu
 def test_a_tp2_vllm_killed_mid_generation_recovers_and_continues_like_the_uninterrupted_engine(
         servers, vllm_install, vllm_model, store):
     """Issue #34, on CPU: vLLM with --tensor-parallel-size 2 (the API server, EngineCore and two

@@ -58,6 +58,7 @@ from ckptflow.models import VLLM_CRIU, GoldenRequest, Manifest, ProcessFinder, T
 from ckptflow.policies.load import metric_names
 from ckptflow.runners import xcomp
 from ckptflow.runners.engine import http, wait_url
+from ckptflow.runners.isolate import isolated_argv
 from ckptflow.settings import settings
 from ckptflow.store.local import LocalStore
 
@@ -277,11 +278,14 @@ class Server(BaseModel):
 
 
 def start_server(inst: VllmInstall, model: Path, *, port: int, run_dir: Path, name: str = "vllm",
-                 connector: bool = False, protocol: bool = False, timeout_s: float = 600, **kw: Any) -> Server:
+                 connector: bool = False, protocol: bool = False, timeout_s: float = 600, isolated: bool = False,
+                 **kw: Any) -> Server:
     """Start vLLM detached (own session), wait until ``/health`` answers 200.
 
     ``connector``: load ckptflow's KV connector over ``run_dir/<name>-kv`` (0700).
     ``protocol``: serve ckptflow's engine protocol too (the connector and the middleware).
+    ``isolated``: as ``ckptflow run-isolated`` starts a worker (PID 1 of its own PID and mount
+    namespaces), the layout whose copies run beside it (verify, a standby on the same node).
 
     Raises:
         UnsupportedWorkload: io_uring is on and cannot be switched off here.
@@ -298,7 +302,11 @@ def start_server(inst: VllmInstall, model: Path, *, port: int, run_dir: Path, na
     args = server_args(inst, model, port, chunk_dir=chunk_dir, protocol=protocol, **kw)
     # The connector is imported by vLLM from this tree; what the caller's PYTHONPATH holds too.
     env = {**CPU_ENV, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.Popen(start_command(args, env, pid_file, log_file), stdin=subprocess.DEVNULL,
+    if isolated:
+        cmd = isolated_argv(["env", *(f"{k}={v}" for k, v in sorted(env.items())), *args], pid_file, log_file)
+    else:
+        cmd = start_command(args, env, pid_file, log_file)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             close_fds=True)
     srv = Server(url=f"http://127.0.0.1:{port}", port=port, pid_file=pid_file, log_file=log_file,
