@@ -117,5 +117,6 @@ def runs_of(name: str) -> list[dict]:
 
 def md_table(headers: list[str], rows: list[list]) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    # a newline in a cell (an error's "fix:" line) would end the table's row
+    out += ["| " + " | ".join(" ".join(str(c).split("\n")) for c in r) + " |" for r in rows]
     return "\n".join(out)

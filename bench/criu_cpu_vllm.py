@@ -165,8 +165,9 @@ def main() -> None:
     if a.two_tier:
         table = md_table(["heartbeat", "what", "pause s", "heartbeat s", "template frozen s", "template GiB",
                           "session tokens", "moved MiB", "longest /health gap s", "client requests"],
-                         [[r["dump"], r["what"], r["pause_s"], r["heartbeat_s"], r["template_frozen_s"] or "—",
-                           r["template_gib"] or "—", r["session_tokens"], r["moved_mib"], r["longest_health_gap_s"],
+                         [[r["dump"], r["what"], r["pause_s"], r["heartbeat_s"],
+                           "—" if r["template_frozen_s"] is None else r["template_frozen_s"],
+                           "—" if r["template_gib"] is None else r["template_gib"], r["session_tokens"], r["moved_mib"], r["longest_health_gap_s"],
                            r["requests_done"] if a.busy else "—"] for r in rows])
         print(table)
         append_results("A CPU vLLM's two-tier heartbeats (bench/criu_cpu_vllm.py --two-tier)", table,

@@ -306,7 +306,7 @@ def _kill_mid_generation(srv: vllm.Server, chat: Chat) -> list[int]:
     """SIGKILL ``srv``'s tree while a long turn of ``chat`` is generating; the PIDs, gone."""
     from ckptflow.runners.process import tree
 
-    err: list[BaseException] = []
+    err: list[tuple[float, BaseException]] = []   # when the turn failed, and how
     done: list[int] = []
 
     def long_turn():
@@ -516,11 +516,15 @@ def test_an_isolated_vllm_standby_beside_it_is_promoted_after_the_kill_with_a_de
             tmpl = store.get(m0.probe.template.workload, m0.probe.template.id)
             carried = {f["name"] for f in devshm.saved(store.images_dir(tmpl))}
             assert held <= carried and any(n.startswith(devshm.LINK_REMAP) for n in carried), carried
-            mine = {n: (devshm.SHM / n).stat().st_size for n in held}
+            def stamp(n):   # a copy writing into the original's files would change these
+                st = (devshm.SHM / n).stat()
+                return st.st_ino, st.st_mtime_ns, st.st_size
+
+            mine = {n: stamp(n) for n in held}
             sb = tt.standby(w, ns)
             try:
                 assert engine.call(w, "/v1/ckptflow/engine", base=sb.base, netns=ns)["parked"] is True
-                assert {n: (devshm.SHM / n).stat().st_size for n in held} == mine   # the original's, as they were
+                assert {n: stamp(n) for n in held} == mine         # the original's, untouched
                 # The copy has files of the same names, in a /dev/shm of its own (another tmpfs)
                 theirs = Path(f"/proc/{sb.copy.pid}/root/dev/shm")
                 assert all((theirs / n).exists() for n in held)

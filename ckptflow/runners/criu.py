@@ -574,7 +574,7 @@ def image_isolated(images_dir: Path) -> bool:
 def _private_shm(images_dir: Path) -> tuple[str, list[str]]:
     """A shell fragment (and its ``$0 $1 $2``) that mounts a fresh tmpfs on /dev/shm and writes
     the image's /dev/shm files into it; run only inside a private mount namespace."""
-    return ('mount -t tmpfs -o mode=1777 ckptflow-sandbox-shm /dev/shm && '
+    return ('mount -t tmpfs -o mode=1777,nosuid,nodev ckptflow-sandbox-shm /dev/shm && '
             '"$0" -I -c "import sys; sys.path.insert(0, sys.argv[2]); from ckptflow.runners import devshm; '
             'devshm.put_back(__import__(\'pathlib\').Path(sys.argv[1]))" "$1" "$2"',
             [sys.executable, str(images_dir), str(Path(devshm.__file__).resolve().parents[2])])
