@@ -302,6 +302,17 @@ def test_connector_blocks_carry_the_kv_a_wrong_block_changes_the_answer(servers,
     assert a["external_hits"] >= 1792 and a["token_ids"] != b["token_ids"]
 
 
+def _standby_turn(w, sb, ns: str, chat: Chat) -> list[int]:
+    """The next 32 tokens of ``chat``'s next turn, asked of the promoted standby ``sb`` in its
+    network namespace ``ns``."""
+    from ckptflow.runners import engine
+
+    prompt = chat.tokens + [chat.rnd.randrange(3, 4000) for _ in range(12)]
+    return engine.call(w, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 32,
+                                              "temperature": 0, "return_token_ids": True},
+                       base=sb.base, netns=ns)["choices"][0]["token_ids"]
+
+
 def _kill_mid_generation(srv: vllm.Server, chat: Chat) -> list[int]:
     """SIGKILL ``srv``'s tree while a long turn of ``chat`` is generating; the PIDs, gone."""
     from ckptflow.runners.process import tree
@@ -465,10 +476,7 @@ def test_vllm_standby_is_promoted_after_the_kill_and_a_lost_node_restores_from_s
                 r = tt.promote(w, sb)
                 assert r.manifest.id == m.id and r.pid == sb.copy.pid
                 tokens = tt._records(m)["sessions"]["s31"]["tokens"]
-                prompt = twin.tokens + [twin.rnd.randrange(3, 4000) for _ in range(12)]
-                got = engine.call(w, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 32,
-                                                         "temperature": 0, "return_token_ids": True},
-                                  base=sb.base, netns=ns)["choices"][0]["token_ids"]
+                got = _standby_turn(w, sb, ns, twin)
                 assert got == reference.turn(ref, n=32)["token_ids"]
             finally:
                 sb.copy.stop()
@@ -536,10 +544,7 @@ def test_an_isolated_vllm_standby_beside_it_is_promoted_after_the_kill_with_a_de
                 r = tt.promote(w, sb)
                 assert r.manifest.id == m.id and r.pid == sb.copy.pid
                 tokens = tt._records(m)["sessions"]["s51"]["tokens"]
-                prompt = twin.tokens + [twin.rnd.randrange(3, 4000) for _ in range(12)]
-                got = engine.call(w, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 32,
-                                                         "temperature": 0, "return_token_ids": True},
-                                  base=sb.base, netns=ns)["choices"][0]["token_ids"]
+                got = _standby_turn(w, sb, ns, twin)
                 assert got == reference.turn(ref, n=32)["token_ids"] and len(set(got)) > 1
                 assert tokens >= 1792
             finally:
