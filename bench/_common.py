@@ -52,7 +52,10 @@ def logs_to_out(out: Path, archive: str, logs: list[Path], tail_bytes: int) -> N
     with tarfile.open(out / archive, "w:gz") as tar:
         for src in logs:
             if src.exists():
-                data = src.read_bytes()[-tail_bytes:]
+                with src.open("rb") as f:   # only the tail is read: an engine's log can be large
+                    size = f.seek(0, os.SEEK_END)
+                    f.seek(max(0, size - tail_bytes))
+                    data = f.read()
                 info = tarfile.TarInfo(src.name)
                 info.size, info.mtime = len(data), int(src.stat().st_mtime)
                 tar.addfile(info, io.BytesIO(data))
@@ -118,5 +121,5 @@ def runs_of(name: str) -> list[dict]:
 def md_table(headers: list[str], rows: list[list]) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     # a newline in a cell (an error's "fix:" line) would end the table's row
-    out += ["| " + " | ".join(" ".join(str(c).split("\n")) for c in r) + " |" for r in rows]
+    out += ["| " + " | ".join(str(c).replace("\n", " ") for c in r) + " |" for r in rows]
     return "\n".join(out)

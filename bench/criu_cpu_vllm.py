@@ -140,16 +140,17 @@ def main() -> None:
                 row = {"dump": i + 1, "pause_s": m.timings["pause"], "longest_health_gap_s": round(max(gaps), 3),
                        "requests_done": done[0]}
                 if a.two_tier:
-                    tmpl = node.store.get(m.probe.template.workload, m.probe.template.id)
-                    st = (dump_stats(node.store.images_dir(tmpl)) or {}) if i == 0 else {}
-                    if i == 0:   # the engine was held for the template's capture, not for the session
-                        row["pause_s"] = round(row["pause_s"] + tmpl.timings.get("pause", 0.0), 4)
-                    row.update(what="template + session" if i == 0 else "session",
-                               heartbeat_s=wall_s, template_timings=tmpl.timings if i == 0 else None,
+                    row.update(what="session", heartbeat_s=wall_s, template_timings=None, template_gib=None,
+                               template_frozen_s=None,
                                session_tokens=runner._records(m)["sessions"]["s1"]["tokens"],
-                               moved_mib=round(m.probe.export.moved_bytes / 2**20, 2),
-                               template_gib=round(tmpl.bytes / GiB, 3) if i == 0 else None,
-                               template_frozen_s=round(st["frozen_time"] / 1e6, 3) if st.get("frozen_time") else None)
+                               moved_mib=round(m.probe.export.moved_bytes / 2**20, 2))
+                    if i == 0:   # the engine was held for the template's capture, not for the session
+                        tmpl = node.store.get(m.probe.template.workload, m.probe.template.id)
+                        frozen = (dump_stats(node.store.images_dir(tmpl)) or {}).get("frozen_time")
+                        row.update(what="template + session", template_timings=tmpl.timings,
+                                   pause_s=round(row["pause_s"] + tmpl.timings.get("pause", 0.0), 4),
+                                   template_gib=round(tmpl.bytes / GiB, 3),
+                                   template_frozen_s=round(frozen / 1e6, 3) if frozen else None)
                 else:
                     st = dump_stats(node.store.images_dir(m)) or {}
                     row.update(dump_s=m.timings["dump"], memdump_s=round(st.get("memdump_time", 0) / 1e6, 3),
@@ -161,7 +162,7 @@ def main() -> None:
     record_run("criu_cpu_vllm", {"images_on": a.dir, "warm_gib": a.warm_gib, "warm_s": warm_s, "busy": a.busy,
                                  "checkpoint": "template-sessions" if a.two_tier else "process",
                                  "engine_start_s": start_s, "vllm": inst.version, "rows": rows})
-    client = a.busy and "a generating client beside" or "idle engine"
+    client = "a generating client beside" if a.busy else "idle engine"
     if a.two_tier:
         table = md_table(["heartbeat", "what", "pause s", "heartbeat s", "template frozen s", "template GiB",
                           "session tokens", "moved MiB", "longest /health gap s", "client requests"],

@@ -36,6 +36,29 @@ while True:
 """
 
 
+def _start(tmp_path: Path, isolated: bool = False) -> tuple[Path, int, Path]:
+    """Start WORKER detached (``isolated``: PID 1 of its own namespaces); its pid file, host PID
+    and segment, once it has made the segment."""
+    from ckptflow.runners.isolate import isolated_argv
+
+    pid_file, name_file = tmp_path / "w.pid", tmp_path / "shm.name"
+    (tmp_path / "w.py").write_text(WORKER)
+    if isolated:   # the worker writes 1, its PID inside, elsewhere: the host PID is unshare's to write
+        argv = isolated_argv([sys.executable, str(tmp_path / "w.py"), str(tmp_path / "w.pid.ns"), str(name_file)],
+                             pid_file, tmp_path / "w.log")
+    else:
+        argv = ["/bin/sh", "-c", f"exec {sys.executable} {tmp_path / 'w.py'} {pid_file} {name_file} "
+                f"</dev/null >>{tmp_path / 'w.log'} 2>&1"]
+    boot = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 20
+    while not (pid_file.exists() and pid_file.read_text() and name_file.exists() and name_file.read_text()):
+        if time.time() > deadline:
+            os.killpg(boot.pid, signal.SIGKILL)   # the worker (and unshare): one session
+            pytest.fail("the worker did not start")
+        time.sleep(0.05)
+    return pid_file, int(pid_file.read_text()), Path("/dev/shm") / name_file.read_text().lstrip("/")
+
+
 def _kill_and_clean(pid: int, held: set[str], seg: Path) -> None:
     """SIGKILL the worker's tree and remove its /dev/shm files (``held`` and its segment)."""
     from ckptflow.runners.process import pid_alive, tree
@@ -53,16 +76,7 @@ def test_a_heartbeat_carries_the_workers_shm_and_semaphore_and_the_restore_puts_
     from ckptflow.runners import devshm
     from ckptflow.runners.process import pid_alive, tree
 
-    pid_file, name_file = tmp_path / "w.pid", tmp_path / "shm.name"
-    (tmp_path / "w.py").write_text(WORKER)
-    subprocess.Popen(["/bin/sh", "-c", f"exec {sys.executable} {tmp_path / 'w.py'} {pid_file} {name_file} "
-                      f"</dev/null >>{tmp_path / 'w.log'} 2>&1"], start_new_session=True)
-    deadline = time.time() + 20
-    while not (pid_file.exists() and pid_file.read_text()):
-        assert time.time() < deadline
-        time.sleep(0.05)
-    pid = int(pid_file.read_text())
-    seg = Path("/dev/shm") / name_file.read_text().lstrip("/")
+    pid_file, pid, seg = _start(tmp_path)
     w = Workload(name="w", node="local", find=ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="w.py"),
                  criu=CriuOptions(link_remap=True, devshm=True))
     img = tmp_path / "img"
@@ -123,16 +137,7 @@ def test_a_worker_that_died_by_itself_leaves_nothing_in_dev_shm_after_the_next_h
     from ckptflow.runners.process import pid_alive, tree
     from ckptflow.store.local import LocalStore
 
-    pid_file, name_file = tmp_path / "w.pid", tmp_path / "shm.name"
-    (tmp_path / "w.py").write_text(WORKER)
-    subprocess.Popen(["/bin/sh", "-c", f"exec {sys.executable} {tmp_path / 'w.py'} {pid_file} {name_file} "
-                      f"</dev/null >>{tmp_path / 'w.log'} 2>&1"], start_new_session=True)
-    deadline = time.time() + 20
-    while not (pid_file.exists() and pid_file.read_text()):
-        assert time.time() < deadline
-        time.sleep(0.05)
-    pid = int(pid_file.read_text())
-    seg = Path("/dev/shm") / name_file.read_text().lstrip("/")
+    pid_file, pid, seg = _start(tmp_path)
     w = Workload(name="w", node="local", find=ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="w.py"),
                  criu=CriuOptions(link_remap=True, devshm=True))
     keep = Path("/dev/shm") / f"ckptflow-test-keep-{os.getpid()}"
@@ -186,22 +191,10 @@ def test_a_copy_of_an_isolated_worker_beside_it_gets_a_dev_shm_of_its_own(tmp_pa
     files in /dev/shm; its copy restored beside it sees them as they were at the dump, in a
     tmpfs of its own, while the original's files keep what the original wrote since."""
     from ckptflow.runners import devshm
-    from ckptflow.runners.isolate import is_isolated, isolated_argv
+    from ckptflow.runners.isolate import is_isolated
     from ckptflow.runners.process import pid_alive, tree
 
-    pid_file, name_file = tmp_path / "w.pid", tmp_path / "shm.name"
-    (tmp_path / "w.py").write_text(WORKER)
-    argv = isolated_argv([sys.executable, str(tmp_path / "w.py"), str(tmp_path / "w.pid.ns"), str(name_file)], pid_file)
-    boot = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.time() + 20
-    while not (pid_file.exists() and pid_file.read_text() and name_file.exists() and name_file.read_text()):
-        if time.time() > deadline:
-            os.killpg(boot.pid, signal.SIGKILL)   # unshare and the worker: one session
-            pytest.fail("the isolated worker did not start")
-        time.sleep(0.05)
-    pid = int(pid_file.read_text())
-    seg = Path("/dev/shm") / name_file.read_text().lstrip("/")
+    pid_file, pid, seg = _start(tmp_path, isolated=True)
     w = Workload(name="w", node="local", find=ProcessFinder(pid_file=str(pid_file), cmdline_must_contain="w.py"),
                  criu=CriuOptions(link_remap=True, devshm=True))
     img, copy, held = tmp_path / "img", None, set()
