@@ -314,27 +314,50 @@ def _standby_turn(w, sb, ns: str, chat: Chat) -> list[int]:
 
 
 def _kill_mid_generation(srv: vllm.Server, chat: Chat) -> list[int]:
-    """SIGKILL ``srv``'s tree while a long turn of ``chat`` is generating; the PIDs, gone."""
+    """SIGKILL ``srv``'s tree while a long turn of ``chat`` is streaming its tokens; the PIDs, gone.
+    ``chat`` keeps the conversation as it was before that turn (a turn that failed adds nothing)."""
+    import json
+
+    from ckptflow.engines.protocol_http import http
     from ckptflow.runners.process import tree
 
     err: list[tuple[float, BaseException]] = []   # when the turn failed, and how
-    done: list[int] = []
+    got: list[int] = []                           # chunks (one token each) streamed before the kill
+    finished: list[str] = []                      # a finish_reason: the turn ended on its own
+    streaming = threading.Event()
+    prompt = chat.tokens + [chat.rnd.randrange(3, 4000) for _ in range(12)]
+    # Streamed, and killed on its first tokens: a fixed sleep after the engine reported a running
+    # request let a fast CPU (CI's) finish all ~2,100 tokens the context had room for before the
+    # kill. ignore_eos: a random model's greedy turn can end early at its EOS token.
+    body = {"model": srv.served_name, "prompt": prompt, "max_tokens": 3000, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    if chat.session:
+        body["kv_transfer_params"] = {"ckptflow_session": chat.session}
 
     def long_turn():
         try:
-            # ignore_eos: a random model's greedy turn can end early at its EOS token, and then
-            # nothing is in flight at the kill (seen twice under load, once in a full suite)
-            done.append(len(chat.turn(srv, n=3000, ignore_eos=True)["token_ids"]))
+            with http().stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    choice = json.loads(line[len("data: "):])["choices"][0]
+                    got.append(len(choice.get("token_ids") or [1]))
+                    if choice.get("finish_reason"):
+                        finished.append(choice["finish_reason"])
+                    if sum(got) >= 8:
+                        streaming.set()
+            if not finished:     # a cut stream that raised nothing is a failed turn all the same
+                raise ConnectionError("the stream ended without a finish_reason")
         except BaseException as e:  # noqa: BLE001 - the kill cuts the connection
             err.append((time.monotonic(), e))
+        finally:
+            streaming.set()
 
     t = threading.Thread(target=long_turn)
     t.start()
-    deadline = time.time() + 120
-    while vllm.counter(vllm.metrics_text(srv.url), "vllm:num_requests_running") < 1:
-        assert time.time() < deadline, "the long generation never started"
-        time.sleep(0.1)
-    time.sleep(0.5)
+    assert streaming.wait(120), "the long generation never streamed a token"
+    assert not err and not finished, f"the long turn ended before the kill: {err or finished}"
     pids = tree(srv.pid)
     killed_at = time.monotonic()
     vllm.kill_tree(srv.pid)
@@ -343,9 +366,8 @@ def _kill_mid_generation(srv: vllm.Server, chat: Chat) -> list[int]:
     _wait_gone(pids, timeout=60)
     t.join(timeout=60)
     assert not t.is_alive(), "the long turn neither failed nor finished 60 s after the server was gone"
-    assert err, f"the generation finished before the kill ({done} tokens): nothing was in flight"
-    # A request the server refused at once (a 400) also ends in an error, but before the kill.
-    assert err[0][0] >= killed_at, f"the long turn failed before the kill: {err[0][1]!r}"
+    assert not finished, f"the generation finished before the kill ({sum(got)} tokens): nothing was in flight"
+    assert err and err[0][0] >= killed_at, f"the long turn failed before the kill: {err}"
     return pids
 
 
