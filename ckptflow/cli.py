@@ -35,7 +35,7 @@ import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from ckptflow.errors import CkptflowError, ConfigError, NotRecovered  # noqa: E402
+from ckptflow.errors import CkptflowError, ConfigError, HeartbeatFailed, NotRecovered  # noqa: E402
 
 if TYPE_CHECKING:
     from ckptflow.fleet import Fleet
@@ -489,8 +489,6 @@ def heartbeat(fleet_file: Path = FLEET_ARG, node: str = typer.Option(None, help=
     _fleet(fleet_file, workload, [node])
     # Without a Prefect server configured: here, without a flow run (no temporary server first).
     flow = _flow("ckptflow.flows.heartbeat", "heartbeat" if prefect_api_configured() else "heartbeat_here")
-    from ckptflow.flows.heartbeat import HeartbeatFailed
-
     try:
         rows = flow(str(fleet_file), node=node, workloads=workload or None, force=force)
     except HeartbeatFailed as e:

@@ -67,6 +67,16 @@ class NotRecovered(CkptflowError):
     green recovery always means every workload serves again."""
 
 
+class HeartbeatFailed(CkptflowError):
+    """Some checkpoints of a heartbeat failed; ``rows`` holds every workload's outcome (the failed
+    ones too). A ckptflow error like the rest: its rows and fix survive the pickling of a
+    deployment's result, and a caller that handles ckptflow errors handles it."""
+
+    def __init__(self, message: str, rows: list | None = None, fix: str | None = None):
+        super().__init__(message, fix=fix)
+        self.rows = rows or []
+
+
 # --- runners ------------------------------------------------------------------------------
 class RunnerUnavailable(CkptflowError):
     """A node mechanism (CRIU, CUDA driver) is missing or unusable on this machine."""

@@ -19,6 +19,9 @@ def _make(cls):
                    returncode=1, fix="free space on the checkpoint volume")
     if issubclass(cls, errors.IncompatibleCheckpoint):
         return cls({"driver": ("580.65", "590.1")}, checkpoint="20261129T081500Z-1a2b3c4d")
+    if issubclass(cls, errors.HeartbeatFailed):  # its rows are what the CLI's table prints
+        return cls("workload chat: no live process", [{"workload": "chat", "ok": False, "gone": True}],
+                   fix="start it again")
     return cls(f"{cls.__name__} happened", fix="do the thing")
 
 
@@ -41,3 +44,5 @@ def test_error_survives_pickle_with_type_fields_and_fix(cls, dumps, loads):
         assert got.log_tail.endswith("boom") and got.cmd[:2] == ["criu", "dump"] and got.returncode == 1
     if isinstance(e, errors.IncompatibleCheckpoint):
         assert got.differences == {"driver": ("580.65", "590.1")}
+    if isinstance(e, errors.HeartbeatFailed):
+        assert got.rows == [{"workload": "chat", "ok": False, "gone": True}] and got.message == e.message

@@ -9,6 +9,7 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 from prefect.utilities.annotations import quote
 
+from ckptflow.errors import HeartbeatFailed
 from ckptflow.fleet import OnWorkerGone, PolicyChoice
 from ckptflow.flows.recover import recover
 from ckptflow.results import CheckpointRow, Recovered
@@ -24,15 +25,6 @@ NODE_GROUPS = 16
 def _group_name(group: list) -> str:
     first, last = group[0][0].name, group[-1][0].name
     return f"checkpoint-nodes-{first}" if first == last else f"checkpoint-nodes-{first}-to-{last}"
-
-
-class HeartbeatFailed(RuntimeError):
-    """Some checkpoints failed; ``rows`` holds every workload's outcome (the failed ones too).
-    ``fix``: what brings a gone worker back, in the message too (a deployment run's state shows it)."""
-
-    def __init__(self, message: str, rows: list[CheckpointRow] | None = None, fix: str | None = None):
-        super().__init__(message if not fix else f"{message}\n  fix: {fix}")
-        self.message, self.rows, self.fix = message, rows or [], fix
 
 
 @flow(name="heartbeat", log_prints=True)
