@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 BENCH = Path(__file__).parent
+REPO = BENCH.resolve().parent   # what a recorded path is relative to (BENCH is moved by tests)
 RESULTS_MD = BENCH / "RESULTS.md"
 
 
@@ -26,7 +27,26 @@ def machine() -> str:
 
 
 def command() -> str:
-    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+    return " ".join(shlex.quote(_portable(a)) for a in [Path(sys.executable).name, *sys.argv])
+
+
+def _portable(arg: str) -> str:
+    """``arg`` as a record keeps it: a path inside the repository relative to it, any other
+    absolute path by its file name alone (``.../vllm_gpu.json``: a device call's fetched files lie
+    in a folder of this machine's, which the repository must not name), in ``--opt=PATH`` too.
+
+        >>> _portable(str(REPO / "bench" / "vllm_gpu.py")), _portable("--out=/tmp/x/r.json"), _portable("--rows")
+        ('bench/vllm_gpu.py', '--out=.../r.json', '--rows')
+    """
+    opt, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    if not value.startswith("/"):
+        return arg
+    path = Path(value)
+    try:
+        portable = str(path.resolve().relative_to(REPO))
+    except ValueError:
+        portable = f".../{path.name}"
+    return f"{opt}{eq}{portable}"
 
 
 def append_results(title: str, table_md: str, notes: str = "") -> None:

@@ -27,6 +27,30 @@ def test_record_run_appends_and_keeps_an_old_single_run_file(tmp_path, monkeypat
     assert runs[2]["command"].endswith("bench/x.py --nodes 250") and "cores" in runs[2]["machine"]
 
 
+
+def test_a_run_records_no_path_of_this_machine(tmp_path, monkeypatch):
+    """A device call's fetched results lie in a folder of this machine's: the command a run
+    records names the file alone (eight runs named the fetched folder of the machine that appended them), and a
+    path inside the repository relative to it."""
+    import _common
+
+    fetched = tmp_path / "device" / "12" / "vllm_gpu.json"
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "bench" / "vllm_gpu.py"), "--append-results", str(fetched),
+                                      f"--out={tmp_path}/r.json", "--rows", "s,t"])
+    cmd = _common.command()
+    assert cmd.endswith(" bench/vllm_gpu.py --append-results .../vllm_gpu.json --out=.../r.json --rows s,t"), cmd
+    assert str(tmp_path) not in cmd and str(ROOT) not in cmd
+
+
+def test_no_stored_run_names_a_path_of_a_machine():
+    """What the runs kept (commands, notes, tracebacks) names no folder of this machine's (the
+    device's own paths, a model under its $HOME, are what ran there and stay)."""
+    import re
+
+    for f in sorted((ROOT / "bench" / "results").glob("*.json")):
+        hits = re.findall(r"/(?:work|check)/[^\s\"']+", f.read_text())
+        assert not hits, f"{f.name}: {hits[:3]}"
+
 def _runs(name):
     return json.loads((ROOT / "bench" / "results" / f"{name}.json").read_text())["runs"]
 
@@ -95,7 +119,7 @@ def test_vllm_gpu_records_the_fetched_device_json_as_a_run(results, monkeypatch,
     runs = results.runs_of("vllm_gpu")
     assert len(runs) == len(_runs("vllm_gpu")) + 1
     assert runs[-1]["rows"] == device["rows"] and runs[-1]["machine"] == device["machine"]   # the device's
-    assert runs[-1]["command"].endswith(f"--append-results {fetched}") and runs[-1]["date"]
+    assert runs[-1]["command"].endswith(f"--append-results .../{fetched.name}") and runs[-1]["date"]
     assert "| c | two tiers" in (tmp_path / "RESULTS.md").read_text()
     # The results file itself is refused: appended, it would nest every run inside a new one.
     monkeypatch.setattr(sys, "argv", ["bench/vllm_gpu.py", "--append-results", str(tmp_path / "results" / "vllm_gpu.json")])
